@@ -1,0 +1,21 @@
+"""Attention over the paged KV pool: metadata built once per step, one backend per device."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+def backend_for(device: torch.device) -> AttentionBackend:
+    """Triton kernels on CUDA, the torch reference elsewhere."""
+    if device.type == "cuda":
+        from engine.attention.triton_backend import TritonAttention
+
+        return TritonAttention()
+    from engine.attention.torch_ref import TorchAttention
+
+    return TorchAttention()
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "backend_for"]

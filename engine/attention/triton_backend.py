@@ -1,0 +1,35 @@
+"""Attention on CUDA through the Triton kernels in `kernels/`."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionMetadata
+from engine.kv_pool import KVPool
+from kernels.cache_write import cache_write
+from kernels.flash_prefill import flash_prefill
+from kernels.paged_decode import paged_decode
+
+
+class TritonAttention:
+    def begin_step(self, meta: AttentionMetadata, pool: KVPool, scale: float) -> _TritonStep:
+        return _TritonStep(meta, pool, scale)
+
+
+class _TritonStep:
+    def __init__(self, meta: AttentionMetadata, pool: KVPool, scale: float) -> None:
+        self.meta, self.pool, self.scale = meta, pool, scale
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        k_cache, v_cache = self.pool.layer(layer_idx)
+        cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                         self.scale, out=out[:nd])
+        if meta.num_prefills:
+            flash_prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
+                          meta.prefill_block_tables, self.scale, meta.prefill_max_seqlen_q, out=out[nd:])
+        return out

@@ -1,0 +1,125 @@
+"""Block bookkeeping for the paged KV pool: pure Python, no torch.
+
+Blocks are reference counted. A block whose count drops to zero goes to the
+free queue, but if it holds a full, hashed block it stays findable by its hash
+until it is reused (LRU eviction): a later request with the same prefix takes
+it back instead of recomputing it. Freed blocks without a hash are reused first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._hash_of_block: list[int | None] = [None] * num_blocks
+        self._block_of_hash: dict[int, int] = {}
+        # Blocks with no reference, in eviction order (front is evicted first).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of which found
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now (cached blocks nobody holds included)."""
+        return len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` needs to hold its first `num_tokens` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_ids))
+
+    # Prefix cache --------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest prefix of a sequence that holds no blocks.
+
+        At least one token is always left to compute, so the step that admits
+        the sequence still produces its next-token logits.
+        """
+        assert not seq.block_ids, "match_prefix is for sequences that hold no blocks"
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for h in seq.block_hashes((seq.num_tokens - 1) // self.block_size):
+            block_id = self._block_of_hash.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.num_prefix_queries += seq.num_tokens
+        self.num_prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Publish the hashes of `seq`'s full blocks whose KV has been computed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
+        for block_id, h in zip(seq.block_ids[:num_full], seq.block_hashes(num_full)):
+            if self._hash_of_block[block_id] is None and h not in self._block_of_hash:
+                self._hash_of_block[block_id] = h
+                self._block_of_hash[h] = block_id
+
+    # Allocation ----------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix_block_ids: list[int] = ()) -> bool:
+        """Whether `allocate(seq, num_new_tokens, prefix_block_ids)` would succeed."""
+        return self._num_to_take(seq, num_new_tokens, prefix_block_ids) <= len(self._free)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_block_ids: list[int] = ()) -> bool:
+        """Give `seq` blocks for `num_new_tokens` more tokens; all or nothing.
+
+        prefix_block_ids: cached blocks from `match_prefix`, taken first; the
+        caller then counts their tokens as computed.
+        Returns False (and changes nothing) when too few blocks are free.
+        """
+        if not self.can_allocate(seq, num_new_tokens, prefix_block_ids):
+            return False
+        for block_id in prefix_block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+            seq.block_ids.append(block_id)
+        total = seq.num_computed_tokens + len(prefix_block_ids) * self.block_size + num_new_tokens
+        for _ in range(self.num_blocks_needed(seq, total)):
+            seq.block_ids.append(self._take_free_block())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references. Tail blocks are freed first so they are evicted first."""
+        for block_id in reversed(seq.block_ids):
+            count = self._ref_counts[block_id] - 1
+            if count < 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            self._ref_counts[block_id] = count
+            if count == 0:
+                self._free[block_id] = None
+                if self._hash_of_block[block_id] is None:
+                    self._free.move_to_end(block_id, last=False)
+        seq.block_ids.clear()
+
+    def _num_to_take(self, seq: Sequence, num_new_tokens: int, prefix_block_ids: list[int]) -> int:
+        num_revived = sum(1 for b in prefix_block_ids if self._ref_counts[b] == 0)
+        total = seq.num_computed_tokens + len(prefix_block_ids) * self.block_size + num_new_tokens
+        num_held = len(seq.block_ids) + len(prefix_block_ids)
+        return num_revived + max(0, -(-total // self.block_size) - num_held)
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        h = self._hash_of_block[block_id]
+        if h is not None:  # evict the cached content
+            self._hash_of_block[block_id] = None
+            del self._block_of_hash[h]
+        self._ref_counts[block_id] = 1
+        return block_id

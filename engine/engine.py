@@ -1,0 +1,241 @@
+"""The offline engine: add requests, step, read token deltas.
+
+One process, one model, one KV pool. Prefill and decode workers wrap the same
+pieces; this class is what `pdserve generate` and the tests drive directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.attention import backend_for
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_pool import KVLayout, KVPool
+from engine.model_runner import ModelRunner
+from engine.models.llama import LlamaForCausalLM
+from engine.outputs import RequestOutput, TokenDelta
+from engine.sampler import Sampler
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence
+from engine.weights import iter_weights, load_tokenizer, resolve_model
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        files = resolve_model(config.model)
+        self.model_name = files.name
+        self.arch = arch = files.arch
+        self.device = device = config.model.torch_device()
+        self.dtype = dtype = config.model.torch_dtype()
+        self.tokenizer = load_tokenizer(files)
+
+        limit = config.model.max_model_len or arch.max_position_embeddings
+        if limit > arch.max_position_embeddings:
+            raise ValueError(f"max_model_len {limit} exceeds the model's context ({arch.max_position_embeddings})")
+        with torch.device("meta"), _default_dtype(dtype):
+            model = LlamaForCausalLM(arch, limit, device)
+        model.to_empty(device=device)
+        model.tie_weights()
+        model.load_weights(iter_weights(files, arch, config.model.seed, device, dtype))
+        self.model = model.eval()
+
+        layout = KVLayout(self.model_name, dtype, arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                          config.cache.block_size)
+        num_blocks = config.cache.num_blocks or _blocks_that_fit(config, layout, device)
+        self.pool = KVPool(layout, num_blocks, device)
+        capacity = num_blocks * layout.block_size
+        if config.model.max_model_len is not None and capacity < limit:
+            raise ValueError(f"max_model_len {limit} needs {limit} KV slots; the pool has {capacity}")
+        self.max_model_len = min(limit, capacity)
+        self.block_manager = BlockManager(num_blocks, layout.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.sampler = Sampler(config.model.seed, device)
+        self.runner = ModelRunner(self.model, self.pool, backend_for(device), self.sampler)
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+                    self.model_name, device, dtype, num_blocks, layout.block_size, self.max_model_len)
+
+    # Requests ------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_name} has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.model_name} has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request; raises ValueError (and changes nothing) if it is invalid."""
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        self._validate(token_ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, tuple(token_ids), params, self.pool.layout.block_size)
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop) if self.tokenizer else None
+        self._requests[request_id] = _Request(seq, detok)
+        self.scheduler.add(seq)
+        return request_id
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the context is {self.max_model_len} "
+                             f"(prompt plus at least one new token)")
+        vocab = self.arch.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:4]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"unknown stop token ids {bad} (vocabulary size {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer; model {self.model_name} has none")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request at once and free its blocks; False if it is unknown or done."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req.seq, FinishReason.ABORT)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # Stepping ------------------------------------------------------------
+
+    def step(self) -> list[TokenDelta]:
+        """Run one iteration; returns a delta for every request that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampled = self.runner.run(batch)
+        deltas = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq)
+            if seq in sampled:
+                deltas.append(self._append_token(seq, *sampled[seq]))
+        return deltas
+
+    def _append_token(self, seq: Sequence, token_id: int, logprobs: Any) -> TokenDelta:
+        req = self._requests[seq.request_id]
+        seq.token_ids.append(token_id)
+        params = seq.params
+        reason = None
+        if (token_id in params.stop_token_ids
+                or (not params.ignore_eos and token_id in self.arch.eos_token_ids)):
+            reason = FinishReason.STOP
+        hit_stop_string = req.detokenizer.add(token_id) if req.detokenizer else False
+        if hit_stop_string:
+            reason = FinishReason.STOP
+        elif reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        text = req.detokenizer.take_delta(reason is not None) if req.detokenizer else ""
+        if reason is not None:
+            self._finish(seq, reason)
+        return TokenDelta(seq.request_id, (token_id,), text, reason, (logprobs,) if logprobs else (),
+                          seq.num_prompt_tokens, seq.num_cached_tokens)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.finish(seq, reason)
+        self.sampler.release(seq.request_id)
+        del self._requests[seq.request_id]
+
+    # Offline batch API ---------------------------------------------------
+
+    def generate_stream(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
+                        ) -> Iterator[TokenDelta]:
+        """Run `prompts` to completion, yielding deltas as they come.
+
+        Every prompt is validated (ValueError) before any is queued. Closing
+        the iterator early aborts what is still running.
+        """
+        return self._stream(self._submit(prompts, params))
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run `prompts` to completion; one output per prompt, in order."""
+        ids = self._submit(prompts, params)
+        outputs = {rid: RequestOutput(rid, self._requests[rid].seq.prompt_token_ids) for rid in ids}
+        for delta in self._stream(ids):
+            outputs[delta.request_id].add(delta)
+        return [outputs[rid] for rid in ids]
+
+    def _submit(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None) -> list[str]:
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        token_lists = [self.tokenize(p) for p in prompts]
+        for ids, p in zip(token_lists, params_list):
+            self._validate(ids, p)
+        return [self.add_request(t, p) for t, p in zip(token_lists, params_list)]
+
+    def _stream(self, request_ids: list[str]) -> Iterator[TokenDelta]:
+        pending = set(request_ids)
+        try:
+            while pending:
+                for delta in self.step():
+                    if delta.request_id in pending:
+                        yield delta
+                        if delta.finished:
+                            pending.discard(delta.request_id)
+        finally:
+            for rid in pending:
+                self.abort(rid)
+
+
+def _blocks_that_fit(config: EngineConfig, layout: KVLayout, device: torch.device) -> int:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # Leave room for activations and logits of the largest step.
+        reserve = 2 * 2**30
+        budget = free - (1 - config.cache.gpu_memory_utilization) * total - reserve
+    else:
+        budget = config.cache.cpu_kv_cache_gib * 2**30
+    num_blocks = int(budget // layout.bytes_per_block)
+    if num_blocks < 1:
+        raise ValueError("no memory left for the KV cache; lower the model size or raise the memory budget")
+    return num_blocks
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)

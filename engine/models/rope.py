@@ -1,0 +1,57 @@
+"""Rotary position embedding (default, linear and Llama-3 frequency scaling)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.models.arch import RopeConfig
+
+
+def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """[head_dim // 2] float32, the same values as transformers computes."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type != "llama3":
+        return inv_freq
+    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band
+    # between interpolated smoothly.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables indexed by position.
+
+    Plain tensors, not module buffers: they stay float32 on `device` whatever
+    dtype or device the model's weights are moved to.
+    """
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, device: torch.device) -> None:
+        with torch.device(device):  # also inside a meta-device model construction
+            inv_freq = inv_frequencies(rope, head_dim)
+            positions = torch.arange(max_positions, dtype=torch.float32)
+            freqs = positions[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos()  # [max_positions, head_dim] float32
+        self.sin = emb.sin()
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k (same dtypes)."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

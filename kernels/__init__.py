@@ -1,0 +1,1 @@
+"""Triton kernels (being built: cache_write, flash_prefill, paged_decode)."""

@@ -1,0 +1,1 @@
+"""Moving KV blocks between workers (being built: UCX transport, loopback)."""

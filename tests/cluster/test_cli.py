@@ -1,0 +1,35 @@
+"""`pdserve generate` as a real process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def pdserve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_prints_the_engines_greedy_text(engine):
+    want = engine.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=12))[0].text
+    proc = pdserve("generate", "--max-tokens", "12", "--temperature", "0", "The capital of France is")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == want + "\n"
+
+
+def test_bad_flag_value_is_one_clear_line():
+    proc = pdserve("generate", "--temperature", "-1", "hi")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "pdserve: error: temperature must be >= 0, got -1.0"
+
+
+def test_missing_model_path():
+    proc = pdserve("generate", "--model", "/no/such/model", "hi")
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,65 @@
+"""Test-session setup shared by every test package, and fixtures around the real
+default model (SmolLM2-135M-Instruct, fp32, CPU)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+# Triton kernels need a GPU driver; without one they run in Triton's interpreter.
+# This must be set before any module decorates a @triton.jit function.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.weights import resolve_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_folder() -> Path:
+    folder = resolve_model(ModelConfig()).folder
+    assert folder is not None
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_folder), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_folder))
+
+
+MakeEngine = Callable[..., Engine]
+
+
+@pytest.fixture(scope="session")
+def make_engine() -> MakeEngine:
+    """Engine on the default model, CPU fp32; keyword args override cache/scheduler fields."""
+
+    def make(num_blocks: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
+             enable_prefix_caching: bool = True, seed: int = 0) -> Engine:
+        return Engine(EngineConfig(
+            model=ModelConfig(device="cpu", dtype="float32", seed=seed),
+            cache=CacheConfig(num_blocks=num_blocks, cpu_kv_cache_gib=0.25,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+        ))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def engine(make_engine: MakeEngine) -> Engine:
+    return make_engine()

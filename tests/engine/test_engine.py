@@ -1,0 +1,91 @@
+"""The offline engine on the real default model: stopping, streaming, seeds, aborts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sampling import SamplingParams
+from engine.sequence import FinishReason
+from tests.engine.prompts import prompt_ids
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The three most important inventions in history are"
+
+
+def all_blocks_free(engine) -> bool:
+    return engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_stop_string_cuts_the_text_before_it(engine):
+    full = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=40))[0]
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 4]
+    assert stop.strip(), f"pick a visible stop string from {full.text!r}"
+    cut = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=40, stop=(stop,)))[0]
+    assert cut.finish_reason is FinishReason.STOP
+    assert cut.text == full.text[:full.text.find(stop)]
+    assert cut.token_ids == full.token_ids[:len(cut.token_ids)]
+
+
+def test_stop_token_ids_and_max_tokens(engine):
+    full = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    assert full.finish_reason is FinishReason.LENGTH and len(full.token_ids) == 20
+    stop_id = full.token_ids[7]
+    cut = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                                     stop_token_ids=(stop_id,)))[0]
+    assert cut.finish_reason is FinishReason.STOP
+    assert cut.token_ids == full.token_ids[:full.token_ids.index(stop_id) + 1]
+
+
+def test_streamed_deltas_add_up_to_the_whole_output(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    whole = engine.generate([PROMPT, "Once upon a time"], params)
+    texts, tokens = {}, {}
+    for delta in engine.generate_stream([PROMPT, "Once upon a time"], params):
+        texts[delta.request_id] = texts.get(delta.request_id, "") + delta.text
+        tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+    assert sorted(texts.values()) == sorted(o.text for o in whole)
+    assert sorted(tokens.values()) == sorted(o.token_ids for o in whole)
+    assert all(t == engine.tokenizer.decode(o.token_ids, skip_special_tokens=True) for t, o in
+               zip([o.text for o in whole], whole))
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine, tokenizer):
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=42, max_tokens=24)
+    alone = engine.generate([PROMPT], seeded)[0].token_ids
+    others = [prompt_ids(tokenizer, n, variant=n) for n in (30, 90, 200)]
+    mixed = engine.generate(others + [PROMPT], [SamplingParams(temperature=1.0, max_tokens=30)] * 3 + [seeded])
+    assert mixed[-1].token_ids == alone
+    other_seed = engine.generate([PROMPT], SamplingParams(temperature=0.8, top_p=0.95, seed=43, max_tokens=24))
+    assert other_seed[0].token_ids != alone
+
+
+def test_logprobs_match_hf(engine, hf_model):
+    out = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2))[0]
+    ids = torch.tensor([list(out.prompt_token_ids)])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(ids).logits[0, -1].float(), dim=-1)
+    first = out.logprobs[0]
+    assert first.token_id == out.token_ids[0] == first.top_token_ids[0]
+    assert first.logprob == pytest.approx(ref[first.token_id].item(), abs=1e-3)
+    assert list(first.top_token_ids) == ref.topk(2).indices.tolist()
+
+
+def test_abort_frees_blocks_and_others_continue(engine):
+    keep = engine.add_request(PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
+    drop = engine.add_request("Tell me a long story about dragons", SamplingParams(temperature=0.0, max_tokens=50))
+    engine.step()
+    assert engine.abort(drop)
+    assert not engine.abort(drop)
+    finished = []
+    while engine.has_unfinished:
+        finished += [d.request_id for d in engine.step() if d.finished]
+    assert finished == [keep]
+    assert all_blocks_free(engine)
+
+
+def test_chat_template_prompt(engine):
+    ids = engine.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    out = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=16))[0]
+    assert "4" in out.text

@@ -1,0 +1,90 @@
+"""Scheduler: token budget, chunked prefill, iteration-level joins and leaves, preemption."""
+
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+BS = 4
+
+
+def make(num_blocks: int = 64, budget: int = 16, max_seqs: int = 8, chunked: bool = True) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                     enable_chunked_prefill=chunked), BlockManager(num_blocks, BS))
+
+
+def seq(n: int, rid: str, first: int = 0) -> Sequence:
+    return Sequence(rid, tuple(range(first, first + n)), SamplingParams(), BS)
+
+
+def complete(sched: Scheduler, batch, token: int = 99) -> None:
+    """What the engine does after the model ran: advance, and append a token where caught up."""
+    for s, n in zip(batch.seqs, batch.num_new_tokens):
+        s.num_computed_tokens += n
+        sched.block_manager.cache_full_blocks(s)
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(token)
+
+
+def test_long_prompt_is_chunked_under_the_budget():
+    sched = make(budget=16)
+    long = seq(40, "long", first=1000)
+    sched.add(long)
+    sizes = []
+    while long.num_computed_tokens < 40:
+        batch = sched.schedule()
+        assert batch.num_tokens <= 16
+        sizes.append(batch.num_new_tokens[0])
+        complete(sched, batch)
+    assert sizes == [16, 16, 8]
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget():
+    sched = make(budget=16, chunked=False)
+    sched.add(seq(20, "big"))
+    assert len(sched.schedule()) == 0
+
+
+def test_decodes_run_beside_a_prefill_and_waiting_join_next_step():
+    sched = make(budget=16)
+    a = seq(3, "a")
+    sched.add(a)
+    complete(sched, sched.schedule())  # a prefilled, now decoding
+    b = seq(30, "b", first=500)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 15]
+    complete(sched, batch)
+    sched.finish(a, FinishReason.STOP)  # leaves at once
+    c = seq(2, "c", first=900)
+    sched.add(c)
+    batch = sched.schedule()
+    assert batch.seqs == [b, c] and batch.num_new_tokens == [15, 1]
+    assert a.status is SequenceStatus.FINISHED and a.block_ids == []
+
+
+def test_max_num_seqs_bounds_the_batch():
+    sched = make(budget=100, max_seqs=2)
+    for i in range(3):
+        sched.add(seq(2, f"s{i}", first=10 * i))
+    assert len(sched.schedule()) == 2
+
+
+def test_preempted_sequence_restarts_from_zero_and_goes_first():
+    sched = make(num_blocks=3, budget=64)
+    a, b = seq(4, "a"), seq(4, "b", first=50)
+    sched.add(a)
+    sched.add(b)
+    complete(sched, sched.schedule())  # each holds 1 full block and now has a 5th token
+    batch = sched.schedule()  # both need a 2nd block, one is free: b, the youngest, is preempted
+    assert batch.preempted == [b] and batch.seqs == [a]
+    assert b.num_computed_tokens == 0 and b.block_ids == [] and sched.waiting[0] is b
+    assert b.num_preemptions == 1
+    assert len(a.block_ids) == 2 and sched.block_manager.num_free_blocks == 1
+    complete(sched, batch)
+    sched.finish(a, FinishReason.STOP)
+    batch = sched.schedule()  # b comes back and recomputes all 5 tokens (its full block from the cache)
+    assert batch.seqs == [b] and b.num_computed_tokens + batch.num_new_tokens[0] == 5
