@@ -1,0 +1,257 @@
+"""Kernel benchmarks on one GPU (Llama-3.1-8B attention: 32 query heads, 8 KV heads,
+head dim 128, bf16, KV block 16), with baselines measured in the same run:
+
+- prefill, causal, 1k/4k/8k/16k tokens per sequence (16k tokens per batch): TFLOP/s of
+  flash_prefill beside torch SDPA's flash and cuDNN backends;
+- decode, batch {1, 8, 64, 256} x context {512, 4k, 32k}: bandwidth (K/V + q + out bytes
+  over time) of paged_decode beside a device-to-device copy and torch SDPA on the same
+  K/V laid out contiguously.
+
+    python -m benchmarks.kernels [--sweep] [--json PATH]
+
+(as a module: run as a script, this file's own name would shadow the kernels package).
+--sweep also times tuning variants (tile shapes, warps, stages, split counts).
+Prefill and copy times are medians of triton.testing.do_bench, which clears L2 before
+every run; decode runs inside a CUDA graph (as the engine runs it) over rotating K/V
+sets of 1 GiB in all, so no launch gaps and no L2 hits flatter or hurt it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
+from triton.testing import do_bench
+
+from kernels import decode_num_splits, decode_workspace, flash_prefill, paged_decode
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+PREFILL_TOKENS = 16384
+PREFILL_LENS = [1024, 4096, 8192, 16384]
+DECODE_BATCHES = [1, 8, 64, 256]
+DECODE_CONTEXTS = [512, 4096, 32768]
+PREFILL_SWEEP = [  # block_m, block_n, num_warps, num_stages
+    (128, 64, 4, 3), (256, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2),
+]
+DECODE_SWEEP = [(32, 4, 3), (64, 4, 3), (128, 4, 2)]  # block_n, num_warps, num_stages
+DECODE_SWEEP_CASES = [(1, 4096), (1, 32768), (8, 4096), (8, 32768)]
+DECODE_ROTATE_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class Row:
+    """One timed case: what ran, its median time, and the rate it reached."""
+
+    kind: str
+    case: str
+    impl: str
+    ms: float
+    rate: float          # TFLOP/s (prefill) or TB/s (decode, copy)
+    rel_err: float | None = None
+
+
+def _bench(fn: Callable[[], object]) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _runs(fn: Callable[[], object], config: object) -> bool:
+    """Run once (compiling); a sweep config that exceeds shared memory or that the compiler
+    rejects is reported and skipped."""
+    try:
+        fn()
+    except (OutOfResources, CompilationError, RuntimeError) as e:
+        print(f"skip {config}: {e}")
+        return False
+    return True
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _paged(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scatter contiguous [batch, len, kv_heads, dim] K/V over shuffled blocks of a paged cache."""
+    batch, length = k.shape[:2]
+    num_blocks = batch * length // BLOCK_SIZE
+    perm = torch.randperm(num_blocks, device=k.device)
+    k_cache = torch.empty(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=k.dtype, device=k.device)
+    v_cache = torch.empty_like(k_cache)
+    k_cache[perm] = k.reshape(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    v_cache[perm] = v.reshape(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return k_cache, v_cache, perm.view(batch, length // BLOCK_SIZE).to(torch.int32)
+
+
+def ceilings() -> list[Row]:
+    """Device-to-device copy (read + write bytes) and a bf16 8192^3 matmul."""
+    src = torch.randn(1 << 29, device="cuda", dtype=DTYPE)  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    mm_ms = _bench(lambda: a @ a)
+    return [Row("ceiling", "copy 1 GiB", "torch copy_", ms, 2 * src.nbytes / ms / 1e9),
+            Row("ceiling", "matmul 8192^3", "torch bf16", mm_ms, 2 * 8192**3 / mm_ms / 1e9)]
+
+
+def prefill(length: int, sweep: bool) -> list[Row]:
+    batch = max(1, PREFILL_TOKENS // length)
+    q = torch.randn(batch * length, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(batch, length, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    k_cache, v_cache, block_tables = _paged(k, v)
+    cu_seqlens = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * length
+    seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+    out = torch.empty_like(q)
+    scale = HEAD_DIM ** -0.5
+    flops = 4 * batch * NUM_Q_HEADS * HEAD_DIM * length * length / 2  # causal: half the square
+    case = f"{batch}x{length}"
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    qs = q.view(batch, length, NUM_Q_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    ks = k.repeat_interleave(group, dim=2).transpose(1, 2).contiguous()
+    vs = v.repeat_interleave(group, dim=2).transpose(1, 2).contiguous()
+    rows = []
+    ref = None
+    for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                fn = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)  # noqa: E731
+                res = fn()
+                ms = _bench(fn)
+        except RuntimeError as e:  # a backend unavailable here is reported, not fatal
+            print(f"{name} at {case}: {str(e)[:120]}")
+            continue
+        ref = res.transpose(1, 2).reshape_as(q) if ref is None else ref
+        rows.append(Row("prefill", case, name, ms, flops / ms / 1e9))
+    keys = ("block_m", "block_n", "num_warps", "num_stages")
+    configs = [dict()] + ([dict(zip(keys, c)) for c in PREFILL_SWEEP] if sweep else [])
+    for cfg in configs:
+        fn = lambda: flash_prefill(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, length,  # noqa: E731
+                                   out=out, **cfg)
+        out.fill_(float("nan"))
+        if not _runs(fn, cfg):
+            continue
+        err = _rel_err(out, ref) if ref is not None else None
+        ms = _bench(fn)
+        rows.append(Row("prefill", case, "ours " + (str(tuple(cfg.values())) if cfg else "default"),
+                        ms, flops / ms / 1e9, err))
+    return rows
+
+
+def _bench_graph(fns: list[Callable[[], object]], replays: int = 20) -> float:
+    """Median ms per call of `fns` captured back to back in one CUDA graph, as the engine's
+    decode step runs them: no Python launch gaps between kernels."""
+    for fn in fns:
+        fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2] / len(fns)
+
+
+def decode(batch: int, context: int, sweep: bool) -> list[Row]:
+    # Small caches fit in L2 (50 MB): rotate over enough independent sets (like the layers
+    # of one decode step) that every call reads from HBM.
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    num_sets = -(-DECODE_ROTATE_BYTES // kv_bytes)
+    sets = []
+    for _ in range(num_sets):
+        q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        k = torch.randn(batch, context, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        v = torch.randn_like(k)
+        sets.append((q, k, v, *_paged(k, v)))
+    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    out = torch.empty_like(sets[0][0])
+    scale = HEAD_DIM ** -0.5
+    nbytes = kv_bytes + 2 * out.nbytes
+    case = f"{batch}x{context}"
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Contiguous K/V; the query heads of a KV group become that group's query rows.
+        qs = q.view(batch, NUM_KV_HEADS, group, HEAD_DIM)
+        return F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+
+    ref = sdpa(*sets[0][:3]).reshape_as(out)
+    ms = _bench_graph([lambda s=s: sdpa(*s[:3]) for s in sets])
+    rows = [Row("decode", case, "sdpa contiguous", ms, nbytes / ms / 1e9)]
+    default_splits = decode_num_splits(batch, NUM_KV_HEADS, context, out.device)
+    configs = [(None, 64, 4, 3)]
+    if sweep and (batch, context) in DECODE_SWEEP_CASES:
+        splits = sorted({max(1, default_splits // 2), default_splits, default_splits * 2})
+        configs += [(s, *c) for s in splits for c in DECODE_SWEEP]
+    for splits, block_n, num_warps, num_stages in configs:
+        num_splits = splits or default_splits
+        ws = decode_workspace(batch, NUM_Q_HEADS, HEAD_DIM, num_splits, out.device)
+        fns = [lambda s=s: paged_decode(s[0], s[3], s[4], s[5], seq_lens, scale, out=out, workspace=ws,
+                                        block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+               for s in sets]
+        out.fill_(float("nan"))
+        if not _runs(fns[0], (num_splits, block_n, num_warps, num_stages)):
+            continue
+        err = _rel_err(out, ref)
+        ms = _bench_graph(fns)
+        name = "ours default" if splits is None else "ours"
+        rows.append(Row("decode", case, f"{name} (S{num_splits},{block_n},{num_warps},{num_stages})",
+                        ms, nbytes / ms / 1e9, err))
+    return rows
+
+
+def _print(rows: list[Row], copy_tbs: float) -> None:
+    for r in rows:
+        pct = f"{100 * r.rate / copy_tbs:6.1f}%" if r.kind == "decode" else ""
+        err = f"{r.rel_err:.1e}" if r.rel_err is not None else ""
+        print(f"{r.kind:8} {r.case:10} {r.impl:34} {r.ms:9.4f} {r.rate:8.2f} {pct:>7} {err:>8}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="also time tuning variants")
+    parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--only", choices=["prefill", "decode"], help="run one half")
+    args = parser.parse_args()
+    rows = ceilings()
+    copy_tbs = rows[0].rate
+    header = f"{'kind':8} {'case':10} {'impl':34} {'ms':>9} {'rate':>8} {'% copy':>7} {'rel_err':>8}"
+    print(f"{torch.cuda.get_device_name()}  copy {copy_tbs:.2f} TB/s  matmul {rows[1].rate:.0f} TFLOP/s")
+    print(header)
+    cases = []
+    if args.only != "decode":
+        cases += [lambda n=n: prefill(n, args.sweep) for n in PREFILL_LENS]
+    if args.only != "prefill":
+        cases += [lambda b=b, c=c: decode(b, c, args.sweep) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
+    for run_case in cases:  # rows print as they come, so a run cut short still reports
+        new = run_case()
+        _print(new, copy_tbs)
+        rows += new
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": [asdict(r) for r in rows]}, f, indent=1)
+    # The summary: our default version beside the baselines.
+    print(f"\nsummary (rate: TFLOP/s for prefill, TB/s for decode; copy {copy_tbs:.2f} TB/s)")
+    print(header)
+    _print([r for r in rows[2:] if not r.impl.startswith("ours") or "default" in r.impl], copy_tbs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Torch references for the kernels (float64 on the CPU), plus builders of random paged
+KV caches shared by the kernel tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Block-table entries past a sequence's last block: far out of range, so a kernel that
+# reads one faults (GPU) or raises (interpreter) instead of silently passing.
+UNUSED_BLOCK = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class PagedKV:
+    """A random paged cache. Slots no sequence owns hold NaN, so reading one poisons the result."""
+
+    k_cache: torch.Tensor       # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [batch, max_blocks_per_seq] int32, shuffled
+    seq_lens: torch.Tensor      # [batch] int32
+
+
+def slot_mapping(block_tables: torch.Tensor, seq_idx: int, positions: range, block_size: int) -> list[int]:
+    """Flat cache slots of `positions` of sequence `seq_idx`."""
+    return [int(block_tables[seq_idx, p // block_size]) * block_size + p % block_size for p in positions]
+
+
+def make_paged_kv(
+    seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
+    dtype: torch.dtype, device: torch.device | str, spare_blocks: int = 3,
+) -> PagedKV:
+    """K/V for every position of each sequence, scattered over randomly permuted blocks."""
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks).tolist()
+    max_blocks = max(blocks_per_seq) + 1
+    block_tables = torch.full((len(seq_lens), max_blocks), UNUSED_BLOCK, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    for b, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
+        block_tables[b, :nb] = torch.tensor(perm[:nb], dtype=torch.int32)
+        perm = perm[nb:]
+        slots = torch.tensor(slot_mapping(block_tables, b, range(n), block_size))
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim).to(dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim).to(dtype)
+    return PagedKV(k_cache.to(device), v_cache.to(device), block_tables.to(device),
+                   torch.tensor(seq_lens, dtype=torch.int32, device=device))
+
+
+def ref_paged_attention(
+    q: torch.Tensor, kv: PagedKV, q_lens: list[int], scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed queries [num_tokens, num_q_heads, head_dim] over the paged
+    cache, in float64 on q's device. Query i of sequence b sits at position
+    seq_len_b - q_len_b + i."""
+    q = q.double()
+    k_all = kv.k_cache.double()
+    v_all = kv.v_cache.double()
+    device = q.device
+    block_tables = kv.block_tables.cpu()
+    block_size, num_kv_heads = k_all.shape[1], k_all.shape[2]
+    group = q.shape[1] // num_kv_heads
+    outs = []
+    start = 0
+    for b, q_len in enumerate(q_lens):
+        seq_len = int(kv.seq_lens[b])
+        slots = torch.tensor(slot_mapping(block_tables, b, range(seq_len), block_size), device=device)
+        k = k_all.flatten(0, 1)[slots].repeat_interleave(group, dim=1)   # [seq_len, Hq, D]
+        v = v_all.flatten(0, 1)[slots].repeat_interleave(group, dim=1)
+        qb = q[start:start + q_len]                                       # [q_len, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len, device=device)[None, :] > q_pos, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        start += q_len
+    return torch.cat(outs)
+
+
+def ref_cache_write(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the caches with each token whose slot is >= 0 written at its slot."""
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    k_ref.flatten(0, 1)[slots[keep].long()] = key[keep]
+    v_ref.flatten(0, 1)[slots[keep].long()] = value[keep]
+    return k_ref, v_ref
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN anywhere in out gives NaN (fails any bound)."""
+    out, ref = out.double(), ref.double().to(out.device)
+    return float((out - ref).norm() / ref.norm())
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Relative-error bound per dtype (fp32 arithmetic lands far below its bound)."""
+    return {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}[dtype]

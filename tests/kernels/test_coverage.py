@@ -1,0 +1,33 @@
+"""Every public function of kernels/ is exported and exercised by a kernel test module."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import kernels
+import tests.kernels
+
+
+def _public_functions() -> set[str]:
+    names = set()
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"kernels.{info.name}")
+        names |= {name for name, obj in inspect.getmembers(module, inspect.isfunction)
+                  if not name.startswith("_") and obj.__module__ == module.__name__}
+    return names
+
+
+def _covered() -> set[str]:
+    names = set()
+    for info in pkgutil.iter_modules(tests.kernels.__path__):
+        if info.name.startswith("test_"):
+            names |= set(getattr(importlib.import_module(f"tests.kernels.{info.name}"), "COVERS", ()))
+    return names
+
+
+def test_every_public_kernel_is_exported_and_tested():
+    public = _public_functions()
+    assert public == set(kernels.__all__)
+    assert public <= _covered(), public - _covered()
