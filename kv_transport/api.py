@@ -1,0 +1,154 @@
+"""What callers of the KV transport see: protocols, results and typed errors.
+
+Ownership rule: the transport never allocates or frees KV blocks. The caller passes
+the block ids it holds; when a transfer fails, the caller frees them.
+`release_on_failure` makes that hard to get wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class TransferError(Exception):
+    """A transfer did not land. The caller should free its blocks and report upward."""
+
+
+class HandshakeRefused(TransferError):
+    """The peer's layout fingerprint or cluster secret did not match."""
+
+
+class TransferTimeout(TransferError):
+    """The transfer did not complete within `TransportConfig.transfer_timeout_s`."""
+
+
+class PeerLost(TransferError):
+    """The connection to the peer broke (process died, network error, closed)."""
+
+
+class TransferCancelled(TransferError):
+    """One side cancelled the request (or shut down) before its KV landed."""
+
+
+class SlowPathRefused(TransferError):
+    """The only transport UCX found to the peer is not in `allowed_transports`."""
+
+
+class TransferRejected(TransferError):
+    """The receiver refused this request: unknown id, or a block-count mismatch."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddress:
+    """Where a receiver listens (host and port of its control listener)."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """Outcome of one request's transfer, on either side.
+
+    Attributes:
+        request_id: the caller's request id.
+        num_bytes: KV bytes moved (the request's blocks, all layers, K and V).
+        transport: transport class used ("cuda_ipc", "rdma", "shm", "tcp",
+            "loopback", or "unknown" when it failed before one was chosen).
+        elapsed_s: from `send()`/`expect()` to this result.
+        error: None on success, else why it failed.
+    """
+
+    request_id: str
+    num_bytes: int
+    transport: str
+    elapsed_s: float
+    error: TransferError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def raise_for_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class KVSender(Protocol):
+    """The prefill side: pushes a request's KV blocks to a receiver."""
+
+    async def send(self, request_id: str, block_ids: Sequence[int], peer: PeerAddress) -> TransferResult:
+        """Copy `block_ids` of the local pool into the blocks the receiver expects.
+
+        Args:
+            request_id: id the receiver registered with `expect()`.
+            block_ids: local block ids, in sequence order; they may be freed or reused
+                as soon as this returns (the blocks are packed into a staging buffer
+                before anything is sent).
+            peer: the receiver's `address`.
+
+        Returns:
+            A result that is ok once the KV has landed in the receiver's pool. Never
+            raises TransferError and always returns within the transfer timeout.
+
+        Raises:
+            ValueError: bad block ids or a request id already in flight (caller bug).
+        """
+        ...
+
+    async def close(self) -> None:
+        """Drop every connection; in-flight sends end with PeerLost or TransferCancelled."""
+        ...
+
+
+class KVReceiver(Protocol):
+    """The decode side: lands KV blocks sent for requests it expects."""
+
+    @property
+    def address(self) -> PeerAddress:
+        """Where senders reach this receiver."""
+        ...
+
+    def expect(self, request_id: str, block_ids: Sequence[int]) -> Awaitable[TransferResult]:
+        """Register, at once, local blocks to land `request_id` into.
+
+        Args:
+            request_id: id the sender will use.
+            block_ids: local block ids, in sequence order, as many as the sender sends.
+
+        Returns:
+            An awaitable resolving to a TransferResult within the transfer timeout.
+            On failure the blocks hold garbage and belong to the caller to free.
+
+        Raises:
+            ValueError: bad block ids or `request_id` already expected.
+        """
+        ...
+
+    def cancel(self, request_id: str) -> None:
+        """Resolve a pending `expect()` with TransferCancelled (no-op if already done)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop listening; pending expects resolve with TransferCancelled."""
+        ...
+
+
+async def release_on_failure(
+    transfer: Awaitable[TransferResult], release: Callable[[], None]
+) -> TransferResult:
+    """Await a transfer; call `release()` exactly once if it failed or was cancelled.
+
+    The one place where the caller's "free my blocks on failure" lives, so that a
+    timeout, a peer crash and a cancelled caller task all take the same path.
+    """
+    ok = False
+    try:
+        result = await transfer
+        ok = result.ok
+        return result
+    finally:
+        if not ok:
+            release()

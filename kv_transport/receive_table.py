@@ -1,0 +1,164 @@
+"""Receiver-side bookkeeping shared by the UCX and loopback receivers.
+
+Data and `expect()` may arrive in either order: a request's KV can land before the
+decode worker has registered its blocks. Whatever the order, every expect resolves
+exactly once, every landed payload is acknowledged exactly once, and nothing waits
+longer than the transfer timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kv_transport.api import (
+    TransferCancelled,
+    TransferError,
+    TransferRejected,
+    TransferResult,
+    TransferTimeout,
+)
+from kv_transport.staging import check_block_ids, scatter_blocks, staging_num_blocks
+
+# Tells the sender how its payload ended: None when it landed, else the error.
+Ack = Callable[[TransferError | None], None]
+
+
+@dataclass(slots=True)
+class _Expected:
+    ids: torch.Tensor
+    future: asyncio.Future[TransferResult]
+    started: float
+    timer: asyncio.TimerHandle
+
+
+@dataclass(slots=True)
+class _Early:
+    """A payload that landed before its expect()."""
+
+    staging: torch.Tensor
+    transport: str
+    ack: Ack
+    timer: asyncio.TimerHandle
+
+
+class ReceiveTable:
+    """Matches landed payloads with expected requests and scatters them into the pool."""
+
+    def __init__(self, kv: torch.Tensor, timeout_s: float) -> None:
+        self._kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self._timeout_s = timeout_s
+        self._bytes_per_block = kv[:, :, 0].numel() * kv.element_size()
+        self._expected: dict[str, _Expected] = {}
+        self._early: dict[str, _Early] = {}
+        # Recently failed ids, so that late data is refused at once instead of parked.
+        self._tombstones: dict[str, tuple[TransferError, asyncio.TimerHandle]] = {}
+
+    @property
+    def num_pending(self) -> int:
+        """Expects not yet resolved plus payloads waiting for their expect (0 when idle)."""
+        return len(self._expected) + len(self._early)
+
+    def expect(self, request_id: str, block_ids: Sequence[int]) -> asyncio.Future[TransferResult]:
+        if request_id in self._expected:
+            raise ValueError(f"request {request_id!r} is already expected")
+        ids = check_block_ids(block_ids, self._kv.shape[2])
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[TransferResult] = loop.create_future()
+        timer = loop.call_later(self._timeout_s, self._expire, request_id)
+        self._expected[request_id] = _Expected(ids, future, time.perf_counter(), timer)
+        self._clear_tombstone(request_id)
+        # A caller that cancels the future (or the task awaiting it) cancels the request.
+        future.add_done_callback(lambda f: f.cancelled() and self.cancel(request_id))
+        early = self._early.pop(request_id, None)
+        if early is not None:
+            early.timer.cancel()
+            self._land(request_id, early.staging, early.transport, early.ack)
+        return future
+
+    def cancel(self, request_id: str, reason: str = "cancelled by the receiver") -> None:
+        error = TransferCancelled(f"request {request_id!r}: {reason}")
+        early = self._early.pop(request_id, None)
+        if early is not None:
+            early.timer.cancel()
+            early.ack(error)
+        self._fail(request_id, error)
+
+    def failed(self, request_id: str, error: TransferError) -> None:
+        """The data of `request_id` will never land (its connection broke)."""
+        self._fail(request_id, error)
+
+    def landed(self, request_id: str, staging: torch.Tensor, transport: str, ack: Ack) -> None:
+        """A payload for `request_id` is in `staging` (from `gather_blocks` or `empty_staging`)."""
+        tomb = self._tombstones.get(request_id)
+        if tomb is not None:
+            ack(tomb[0])
+        elif request_id in self._expected:
+            self._land(request_id, staging, transport, ack)
+        elif request_id in self._early:
+            ack(TransferRejected(f"request {request_id!r} sent twice"))
+        else:
+            timer = asyncio.get_running_loop().call_later(self._timeout_s, self._expire_early, request_id)
+            self._early[request_id] = _Early(staging, transport, ack, timer)
+
+    def close(self) -> None:
+        for request_id in list(self._expected):
+            self.cancel(request_id, "receiver closed")
+        for request_id in list(self._early):
+            self.cancel(request_id, "receiver closed")
+        for request_id in list(self._tombstones):
+            self._clear_tombstone(request_id)
+
+    def _land(self, request_id: str, staging: torch.Tensor, transport: str, ack: Ack) -> None:
+        entry = self._expected[request_id]
+        num_blocks = staging_num_blocks(staging)
+        if num_blocks != entry.ids.numel():
+            error = TransferRejected(
+                f"request {request_id!r}: sender sent {num_blocks} blocks, receiver expects {entry.ids.numel()}"
+            )
+            ack(error)
+            self._fail(request_id, error)
+            return
+        scatter_blocks(self._kv, entry.ids, staging)
+        del self._expected[request_id]
+        entry.timer.cancel()
+        ack(None)
+        if not entry.future.done():
+            entry.future.set_result(self._result(request_id, entry, transport, None))
+
+    def _fail(self, request_id: str, error: TransferError) -> None:
+        entry = self._expected.pop(request_id, None)
+        if entry is None:
+            return
+        entry.timer.cancel()
+        timer = asyncio.get_running_loop().call_later(self._timeout_s, self._clear_tombstone, request_id)
+        self._tombstones[request_id] = (error, timer)
+        if not entry.future.done():
+            entry.future.set_result(self._result(request_id, entry, "unknown", error))
+
+    def _expire(self, request_id: str) -> None:
+        self._fail(request_id, TransferTimeout(f"request {request_id!r}: no KV within {self._timeout_s}s"))
+
+    def _expire_early(self, request_id: str) -> None:
+        early = self._early.pop(request_id)
+        early.ack(TransferRejected(f"request {request_id!r}: receiver never expected it"))
+
+    def _clear_tombstone(self, request_id: str) -> None:
+        tomb = self._tombstones.pop(request_id, None)
+        if tomb is not None:
+            tomb[1].cancel()
+
+    def _result(
+        self, request_id: str, entry: _Expected, transport: str, error: TransferError | None
+    ) -> TransferResult:
+        return TransferResult(
+            request_id=request_id,
+            num_bytes=entry.ids.numel() * self._bytes_per_block,
+            transport=transport,
+            elapsed_s=time.perf_counter() - entry.started,
+            error=error,
+        )

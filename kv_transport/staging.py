@@ -1,0 +1,89 @@
+"""Packing a request's scattered blocks into one contiguous buffer and back.
+
+One large message per request instead of one per block: ucxx's per-message cost
+dominates below tens of MiB (measured 0.56 GB/s at 1 MiB vs 105 GB/s at 512 MiB).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def check_block_ids(block_ids: Sequence[int], num_blocks: int) -> torch.Tensor:
+    """Validate block ids against a pool and return them as an int64 tensor (CPU).
+
+    Raises:
+        ValueError: empty, out of range or repeated ids (a caller bug, not a transfer error).
+    """
+    ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+    if ids.numel() == 0:
+        raise ValueError("block_ids must not be empty")
+    if int(ids.min()) < 0 or int(ids.max()) >= num_blocks:
+        raise ValueError(f"block_ids out of range [0, {num_blocks})")
+    if torch.unique(ids).numel() != ids.numel():
+        raise ValueError("block_ids must not repeat")
+    return ids
+
+
+def _blocks_view(kv: torch.Tensor) -> torch.Tensor:
+    """The pool as [num_layers * 2, num_blocks, words_per_block] of the widest integer
+    that divides a block: same bytes, but torch's CPU gather runs ~6x faster on int64
+    rows than on bf16 elements (measured here).
+    """
+    flat = kv.view(kv.shape[0] * kv.shape[1], kv.shape[2], -1)
+    block_bytes = flat.shape[-1] * flat.element_size()
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if block_bytes % dtype.itemsize == 0:
+            return flat.view(dtype)
+    return flat.view(torch.uint8)
+
+
+def gather_blocks(kv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Copy blocks `ids` of a pool into a new contiguous staging tensor.
+
+    Args:
+        kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        ids: [n] int64 block ids
+    Returns:
+        [num_layers * 2, n, words_per_block] integer words, contiguous, on kv's device.
+    """
+    staging = _blocks_view(kv).index_select(1, ids.to(kv.device, non_blocking=True))
+    if staging.is_cuda:
+        # UCX reads the buffer outside torch's stream order: the gather must be done.
+        torch.cuda.current_stream(staging.device).synchronize()
+    return staging
+
+
+def scatter_blocks(kv: torch.Tensor, ids: torch.Tensor, staging: torch.Tensor) -> None:
+    """Write a staging tensor from `gather_blocks` into blocks `ids` of a pool.
+
+    Args:
+        kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        ids: [n] int64 block ids
+        staging: [num_layers * 2, n, words_per_block]
+    """
+    _blocks_view(kv).index_copy_(1, ids.to(kv.device, non_blocking=True), staging)
+    if kv.is_cuda:
+        # "Landed" must mean readable by the decode step that the caller schedules next.
+        torch.cuda.current_stream(kv.device).synchronize()
+
+
+def empty_staging(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """An uninitialised staging tensor for `num_blocks` blocks of this pool."""
+    view = _blocks_view(kv)
+    return torch.empty((view.shape[0], num_blocks, view.shape[2]), dtype=view.dtype, device=kv.device)
+
+
+def staging_num_blocks(staging: torch.Tensor) -> int:
+    return staging.shape[1]
+
+
+def as_bytes(t: torch.Tensor) -> object:
+    """The tensor's memory as something ucxx accepts (numpy on CPU, CUDA array interface on GPU).
+
+    A torch CPU tensor has no buffer protocol, and numpy has no bf16: go through uint8.
+    """
+    flat = t.reshape(-1).view(torch.uint8)
+    return flat if flat.is_cuda else flat.numpy()

@@ -1,0 +1,148 @@
+"""UCX plumbing shared by the UCX sender and receiver: process setup, control
+messages and the authenticated handshake.
+
+Every connection has a control endpoint (listener-made, UCX error handling on, so
+a dead peer fails its pending receives) carrying small JSON frames, one UCX
+message each, so that concurrent senders never interleave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import struct
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ucxx
+
+from kv_transport.api import HandshakeRefused
+from kv_transport.config import TransportConfig
+from kv_transport.handshake import check_proof, describe_mismatch, fingerprint, new_nonce, prove
+
+logger = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = 16 << 10  # worker addresses of RDMA hosts run to kilobytes
+_LEN = struct.Struct("<I")
+PROBE_BYTES = 64 << 10  # above UCX's rendezvous threshold, so the probe picks the bulk path
+PROBE_ID = "\x00probe"
+
+
+def ensure_ucx(config: TransportConfig) -> None:
+    """Initialise ucxx once per process with the configured progress mode."""
+    # RuntimeError: already initialised by another sender/receiver of this process.
+    with contextlib.suppress(RuntimeError):
+        # UCX warns about ucxx's own UCX_MEMTYPE_CACHE setting on every start.
+        ucxx.init(options={"WARN_UNUSED_ENV_VARS": "n"}, progress_mode=config.progress_mode)
+
+
+def spawn(coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
+    """Run a fire-and-forget frame send, tracked in `tasks` so that close() can cancel it.
+
+    Its failure is only logged: a broken link is noticed and handled by the reader loop.
+    """
+    task = asyncio.ensure_future(coro)
+    tasks.add(task)
+
+    def done(t: asyncio.Task[None]) -> None:
+        tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            logger.debug("control frame not sent: %s", t.exception())
+
+    task.add_done_callback(done)
+
+
+class Control:
+    """Framed JSON messages over a ucxx endpoint (the connection's default tags)."""
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        payload = json.dumps(msg).encode()
+        if len(payload) + _LEN.size > MAX_FRAME_BYTES:
+            raise ValueError(f"control frame too large ({len(payload)} bytes)")
+        await self.ep.send(np.frombuffer(_LEN.pack(len(payload)) + payload, np.uint8))
+
+    async def recv(self) -> dict[str, Any]:
+        buf = np.empty(MAX_FRAME_BYTES, np.uint8)
+        await self.ep.recv(buf)
+        (length,) = _LEN.unpack_from(buf)
+        msg = json.loads(buf[_LEN.size:_LEN.size + length].tobytes())
+        if not isinstance(msg, dict) or "t" not in msg:
+            raise ValueError("malformed control frame")
+        return msg
+
+    async def expect(self, kind: str) -> dict[str, Any]:
+        """Next frame, which must be `kind`; a 'refuse' frame raises HandshakeRefused."""
+        msg = await self.recv()
+        if msg["t"] == "refuse":
+            raise HandshakeRefused(f"peer refused: {msg.get('reason', '?')}")
+        if msg["t"] != kind:
+            raise HandshakeRefused(f"protocol error: expected {kind!r}, got {msg['t']!r}")
+        return msg
+
+    def abort(self) -> None:
+        # A short close period: a dead peer must not hold the event loop for UCX's 10 s default.
+        self.ep.abort(period=10**8)
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """What an accepted handshake established."""
+
+    key: bytes  # client nonce + server nonce: seeds per-request data tags
+    peer_num_blocks: int
+    peer_worker_address: bytes
+
+
+async def client_handshake(
+    ctl: Control, fields: dict[str, str | int], config: TransportConfig, where: str
+) -> Session:
+    """Sender side. Raises HandshakeRefused (after telling the peer why)."""
+    client_nonce = new_nonce()
+    await ctl.send({"t": "hello", "layout": fields, "nonce": client_nonce.hex()})
+    challenge = await ctl.expect("challenge")
+    server_nonce, server_fields = bytes.fromhex(challenge["nonce"]), challenge["layout"]
+    reason = ""
+    if not check_proof(config.secret, "server", client_nonce, server_nonce, fingerprint(server_fields),
+                       challenge["proof"]):
+        reason = f"{where} failed to prove the cluster secret (different secrets?)"
+    elif mismatch := describe_mismatch(fields, server_fields):
+        reason = f"KV layout mismatch with {where}: {mismatch}"
+    if reason:
+        await ctl.send({"t": "refuse", "reason": reason})
+        raise HandshakeRefused(reason)
+    proof = prove(config.secret, "client", client_nonce, server_nonce, fingerprint(fields))
+    await ctl.send({"t": "auth", "proof": proof})
+    accept = await ctl.expect("accept")
+    return Session(client_nonce + server_nonce, int(accept["num_blocks"]), bytes.fromhex(accept["worker_address"]))
+
+
+async def server_handshake(
+    ctl: Control, fields: dict[str, str | int], config: TransportConfig, num_blocks: int
+) -> Session:
+    """Receiver side. Raises HandshakeRefused (after telling the peer why)."""
+    hello = await ctl.expect("hello")
+    client_nonce, client_fields = bytes.fromhex(hello["nonce"]), hello["layout"]
+    server_nonce = new_nonce()
+    proof = prove(config.secret, "server", client_nonce, server_nonce, fingerprint(fields))
+    await ctl.send({"t": "challenge", "layout": fields, "nonce": server_nonce.hex(), "proof": proof})
+    auth = await ctl.expect("auth")
+    reason = ""
+    if not check_proof(config.secret, "client", client_nonce, server_nonce, fingerprint(client_fields),
+                       auth["proof"]):
+        reason = "sender failed to prove the cluster secret (different secrets?)"
+    elif mismatch := describe_mismatch(fields, client_fields):
+        reason = f"KV layout mismatch: {mismatch}"
+    if reason:
+        await ctl.send({"t": "refuse", "reason": reason})
+        raise HandshakeRefused(reason)
+    # The worker address lets the sender open the fast data endpoint; only authenticated peers get it.
+    address = bytes(ucxx.get_worker_address())
+    await ctl.send({"t": "accept", "num_blocks": num_blocks, "worker_address": address.hex()})
+    return Session(client_nonce + server_nonce, 0, b"")

@@ -1,0 +1,169 @@
+"""KVReceiver over UCX: a listener that authenticates senders and lands their KV."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import ucxx
+
+from engine.kv_pool import KVLayout
+from kv_transport.api import HandshakeRefused, PeerAddress, PeerLost, TransferError, TransferResult
+from kv_transport.config import TransportConfig
+from kv_transport.handshake import data_tag, layout_fields
+from kv_transport.receive_table import ReceiveTable
+from kv_transport.staging import as_bytes, empty_staging
+from kv_transport.ucx_link import PROBE_BYTES, PROBE_ID, Control, Session, ensure_ucx, server_handshake, spawn
+from kv_transport.wire import error_to_wire
+
+logger = logging.getLogger(__name__)
+
+
+class _Connection:
+    """One authenticated sender: reads its headers, posts receives for its data."""
+
+    def __init__(
+        self, ctl: Control, session: Session, kv: torch.Tensor, table: ReceiveTable,
+        on_close: Callable[[_Connection], None],
+    ) -> None:
+        self._ctl = ctl
+        self._on_close = on_close
+        self._key = session.key
+        self._kv = kv
+        self._table = table
+        self._receiving: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.closed = False
+        self._reader = asyncio.create_task(self._read())
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for request_id in self._receiving:
+            self._table.failed(request_id, PeerLost(f"request {request_id!r}: sender lost mid-transfer"))
+        self._ctl.abort()  # also cancels the receives posted for in-flight data
+        for task in (self._reader, *self._tasks):
+            task.cancel()
+        self._on_close(self)
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                msg = await self._ctl.recv()
+                if msg["t"] == "xfer":
+                    self._start_receive(str(msg["id"]), int(msg["n"]), str(msg.get("transport", "unknown")))
+                elif msg["t"] == "cancel":
+                    self._table.cancel(str(msg["id"]), "cancelled by the sender")
+                elif msg["t"] == "refuse":
+                    logger.warning("KV sender gave up the connection: %s", msg.get("reason"))
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - UCX reports a dead peer as assorted errors
+            logger.info("KV sender connection closed: %s", e)
+        self.close()
+
+    def _start_receive(self, request_id: str, num_blocks: int, transport: str) -> None:
+        if not 0 < num_blocks <= self._kv.shape[2] or request_id in self._receiving:
+            # The sender checks both before sending; a violation means a broken peer.
+            logger.warning("KV sender broke the protocol (request %r, %d blocks)", request_id, num_blocks)
+            self.close()
+            return
+        self._receiving.add(request_id)
+        task = asyncio.create_task(self._receive(request_id, num_blocks, transport))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _receive(self, request_id: str, num_blocks: int, transport: str) -> None:
+        staging = empty_staging(self._kv, num_blocks)
+        try:
+            # Posted on the control endpoint so that closing it cancels the receive.
+            await self._ctl.ep.recv(as_bytes(staging), tag=data_tag(self._key, request_id), force_tag=True)
+        except Exception as e:  # noqa: BLE001
+            self._receiving.discard(request_id)
+            self._table.failed(request_id, PeerLost(f"request {request_id!r}: data receive failed: {e}"))
+            self.close()
+            return
+        self._receiving.discard(request_id)
+        self._table.landed(request_id, staging, transport, lambda error: self._ack(request_id, error))
+
+    def _ack(self, request_id: str, error: TransferError | None) -> None:
+        if self.closed:
+            return
+        spawn(self._ctl.send({"t": "done", "id": request_id, "error": error_to_wire(error)}), self._tasks)
+
+
+class UcxKVReceiver:
+    """KVReceiver over ucxx. Create with `await UcxKVReceiver.start(...)`."""
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, config: TransportConfig) -> None:
+        ensure_ucx(config)
+        self._kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self._config = config
+        self._fields = layout_fields(layout)
+        self._table = ReceiveTable(kv, config.transfer_timeout_s)
+        self._conns: set[_Connection] = set()
+        self._listener: Any = None
+        self._port = 0
+
+    @classmethod
+    async def start(cls, kv: torch.Tensor, layout: KVLayout, config: TransportConfig) -> UcxKVReceiver:
+        receiver = cls(kv, layout, config)
+        # ucxx binds every interface whatever listen_host says; the handshake keeps strangers out.
+        receiver._listener = ucxx.create_listener(receiver._on_connect, port=config.listen_port)
+        receiver._port = receiver._listener.port
+        return receiver
+
+    @property
+    def address(self) -> PeerAddress:
+        return PeerAddress(self._config.listen_host, self._port)
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._conns)
+
+    @property
+    def num_pending(self) -> int:
+        return self._table.num_pending
+
+    def expect(self, request_id: str, block_ids: Sequence[int]) -> asyncio.Future[TransferResult]:
+        return self._table.expect(request_id, block_ids)
+
+    def cancel(self, request_id: str) -> None:
+        self._table.cancel(request_id)
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for conn in list(self._conns):
+            conn.close()
+        self._table.close()
+
+    async def _on_connect(self, ep: Any) -> None:
+        # Must be `async def`: ucxx never awaits a coroutine returned by a plain callable.
+        ctl = Control(ep)
+        try:
+            session = await asyncio.wait_for(self._accept(ctl), self._config.connect_timeout_s)
+        except (HandshakeRefused, asyncio.TimeoutError) as e:
+            logger.warning("KV sender refused: %s", e)
+            ctl.abort()
+            return
+        except Exception as e:  # noqa: BLE001 - a peer that vanished mid-handshake
+            logger.info("KV sender lost during the handshake: %s", e)
+            ctl.abort()
+            return
+        if self._listener is None:  # closed while this sender was shaking hands
+            ctl.abort()
+            return
+        self._conns.add(_Connection(ctl, session, self._kv, self._table, self._conns.discard))
+
+    async def _accept(self, ctl: Control) -> Session:
+        session = await server_handshake(ctl, self._fields, self._config, self._kv.shape[2])
+        probe = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=self._kv.device)
+        await ctl.ep.recv(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True)
+        return session

@@ -1,0 +1,251 @@
+"""KVSender over UCX: one authenticated connection per receiver, one data message per request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import ucxx
+
+from engine.kv_pool import KVLayout
+from kv_transport.api import (
+    PeerAddress,
+    PeerLost,
+    SlowPathRefused,
+    TransferCancelled,
+    TransferError,
+    TransferRejected,
+    TransferResult,
+    TransferTimeout,
+)
+from kv_transport.config import TransportConfig
+from kv_transport.handshake import data_tag, layout_fields
+from kv_transport.staging import as_bytes, check_block_ids, gather_blocks, staging_num_blocks
+from kv_transport.transport_info import ep_info, transport_from_ep_info
+from kv_transport.ucx_link import PROBE_BYTES, PROBE_ID, Control, Session, client_handshake, ensure_ucx, spawn
+from kv_transport.wire import error_from_wire
+
+logger = logging.getLogger(__name__)
+
+
+class _Connection:
+    """An authenticated link to one receiver; fails all its transfers when it breaks."""
+
+    def __init__(
+        self, peer: PeerAddress, ctl: Control, data_ep: Any, session: Session, transport: str,
+        on_close: Callable[[_Connection], None],
+    ) -> None:
+        self.peer = peer
+        self._on_close = on_close
+        self.transport = transport
+        self.peer_num_blocks = session.peer_num_blocks
+        self._ctl = ctl
+        self._data_ep = data_ep
+        self._key = session.key
+        self._acks: dict[str, asyncio.Future[TransferError | None]] = {}
+        # Each data send keeps its staging buffer alive until UCX is done with it.
+        self._data: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.error: TransferError | None = None
+        self._reader = asyncio.create_task(self._read())
+
+    @property
+    def closed(self) -> bool:
+        return self.error is not None
+
+    async def transfer(self, request_id: str, staging: torch.Tensor) -> TransferError | None:
+        """Send one request's staging buffer; return the receiver's verdict."""
+        if self.error is not None:
+            return self.error
+        ack: asyncio.Future[TransferError | None] = asyncio.get_running_loop().create_future()
+        self._acks[request_id] = ack
+        header = {"t": "xfer", "id": request_id, "n": staging_num_blocks(staging), "transport": self.transport}
+        try:
+            await self._ctl.send(header)
+            task = asyncio.create_task(self._send_data(request_id, staging))
+            self._data[request_id] = task
+            task.add_done_callback(lambda _: self._data.pop(request_id, None))
+            return await ack
+        except asyncio.CancelledError:
+            # The caller gave up (cancel or timeout): let the receiver resolve its expect() now.
+            if not self.closed:
+                spawn(self._ctl.send({"t": "cancel", "id": request_id}), self._tasks)
+            raise
+        except Exception as e:  # noqa: BLE001 - the header could not be sent: the link is gone
+            self.close(PeerLost(f"{self.peer}: connection lost: {e}"))
+            return self.error
+        finally:
+            self._acks.pop(request_id, None)
+
+    def data_in_flight(self, request_id: str) -> bool:
+        return request_id in self._data
+
+    def close(self, error: TransferError) -> None:
+        if self.error is not None:
+            return
+        self.error = error
+        for ack in self._acks.values():
+            if not ack.done():
+                ack.set_result(error)
+        if self._data_ep is not self._ctl.ep:
+            self._data_ep.abort(period=10**8)
+        self._ctl.abort()
+        for task in (self._reader, *self._data.values(), *self._tasks):
+            task.cancel()
+        self._on_close(self)
+
+    async def _send_data(self, request_id: str, staging: torch.Tensor) -> None:
+        try:
+            await self._data_ep.send(as_bytes(staging), tag=data_tag(self._key, request_id), force_tag=True)
+        except Exception as e:  # noqa: BLE001 - any UCX failure means the link is gone
+            self.close(PeerLost(f"{self.peer}: data send failed: {e}"))
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                msg = await self._ctl.recv()
+                if msg["t"] == "done":
+                    ack = self._acks.get(msg["id"])
+                    if ack is not None and not ack.done():
+                        ack.set_result(error_from_wire(msg.get("error")))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - UCX reports a dead peer as assorted errors
+            self.close(PeerLost(f"{self.peer}: connection lost: {e}"))
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """What one send() got to before it ended (it may be cut short by the timeout)."""
+
+    conn: _Connection | None = None
+
+
+class UcxKVSender:
+    """KVSender over ucxx. Use inside the event loop that will drive it."""
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, config: TransportConfig) -> None:
+        ensure_ucx(config)
+        self._kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self._config = config
+        self._fields = layout_fields(layout)
+        self._bytes_per_block = kv[:, :, 0].numel() * kv.element_size()
+        self._conns: dict[PeerAddress, _Connection] = {}
+        self._connecting: dict[PeerAddress, asyncio.Task[_Connection]] = {}
+        self._in_flight: set[str] = set()
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._conns)
+
+    async def send(self, request_id: str, block_ids: Sequence[int], peer: PeerAddress) -> TransferResult:
+        ids = check_block_ids(block_ids, self._kv.shape[2])
+        if request_id in self._in_flight:
+            raise ValueError(f"request {request_id!r} is already being sent")
+        self._in_flight.add(request_id)
+        started = time.perf_counter()
+        timeout = self._config.transfer_timeout_s
+        attempt = _Attempt()
+        try:
+            error = await asyncio.wait_for(self._send(request_id, ids, peer, attempt), timeout)
+        except asyncio.TimeoutError:
+            error = TransferTimeout(f"request {request_id!r} to {peer}: not landed within {timeout}s")
+            if attempt.conn is not None and attempt.conn.data_in_flight(request_id):
+                # The receiver stopped draining: nothing else on this link will get through.
+                attempt.conn.close(TransferTimeout(f"{peer} stopped receiving"))
+        except TransferError as e:
+            error = e
+        finally:
+            self._in_flight.discard(request_id)
+        transport = attempt.conn.transport if attempt.conn is not None else "unknown"
+        return TransferResult(request_id, ids.numel() * self._bytes_per_block, transport,
+                              time.perf_counter() - started, error)
+
+    async def close(self) -> None:
+        for task in self._connecting.values():
+            task.cancel()
+        for conn in list(self._conns.values()):
+            conn.close(TransferCancelled("sender closed"))
+
+    async def _send(
+        self, request_id: str, ids: torch.Tensor, peer: PeerAddress, attempt: _Attempt
+    ) -> TransferError | None:
+        conn = attempt.conn = await self._connection(peer)
+        if ids.numel() > conn.peer_num_blocks:
+            return TransferRejected(f"request {request_id!r}: {ids.numel()} blocks, {peer} has {conn.peer_num_blocks}")
+        return await conn.transfer(request_id, gather_blocks(self._kv, ids))
+
+    async def _connection(self, peer: PeerAddress) -> _Connection:
+        conn = self._conns.get(peer)
+        if conn is not None:
+            return conn
+        task = self._connecting.get(peer)
+        if task is None:
+            task = asyncio.create_task(self._connect_within_timeout(peer))
+            self._connecting[peer] = task
+            task.add_done_callback(lambda t: self._connect_done(peer, t))
+        try:
+            # Shielded: one caller timing out must not abort a connect others wait on.
+            conn = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():  # close() stopped the connect, not our caller
+                raise TransferCancelled(f"sender closed while connecting to {peer}") from None
+            raise
+        if not conn.closed:  # it may have died already; the caller's transfer then reports why
+            self._conns[peer] = conn
+        return conn
+
+    def _connect_done(self, peer: PeerAddress, task: asyncio.Task[_Connection]) -> None:
+        self._connecting.pop(peer, None)
+        if not task.cancelled():
+            task.exception()  # mark retrieved: every caller may have timed out already
+
+    async def _connect_within_timeout(self, peer: PeerAddress) -> _Connection:
+        try:
+            return await asyncio.wait_for(self._connect(peer), self._config.connect_timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"connecting to {peer} took over {self._config.connect_timeout_s}s") from None
+
+    async def _connect(self, peer: PeerAddress) -> _Connection:
+        try:
+            ep = await ucxx.create_endpoint(peer.host, peer.port)
+        except Exception as e:  # noqa: BLE001 - refused, unreachable, reset
+            raise PeerLost(f"cannot connect to {peer}: {e}") from e
+        ctl = Control(ep)
+        data_ep = ep
+        try:
+            session = await client_handshake(ctl, self._fields, self._config, str(peer))
+            if self._config.fast_data_path:
+                address = ucxx.get_ucx_address_from_buffer(session.peer_worker_address)
+                data_ep = await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
+            transport = await self._probe(data_ep, session)
+            if not self._config.allows(transport):
+                reason = f"transport to {peer} is {transport}, allowed: {sorted(self._config.allowed_transports)}"
+                await ctl.send({"t": "refuse", "reason": reason})
+                raise SlowPathRefused(reason)
+        except BaseException as e:
+            if data_ep is not ep:
+                data_ep.abort(period=10**8)
+            ctl.abort()
+            if isinstance(e, Exception) and not isinstance(e, TransferError):
+                raise PeerLost(f"handshake with {peer} failed: {e}") from e
+            raise
+        log = logger.warning if transport == "unknown" else logger.info
+        log("KV transport to %s: %s (fast_data_path=%s)", peer, transport, self._config.fast_data_path)
+        return _Connection(peer, ctl, data_ep, session, transport, self._forget)
+
+    def _forget(self, conn: _Connection) -> None:
+        if self._conns.get(conn.peer) is conn:
+            del self._conns[conn.peer]
+
+    async def _probe(self, data_ep: Any, session: Session) -> str:
+        """Send one bulk-sized message so UCX wires up the data path, then read which transport it chose."""
+        probe = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=self._kv.device)
+        await data_ep.send(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True)
+        memory = "cuda" if self._kv.is_cuda else "host"
+        return transport_from_ep_info(ep_info(data_ep.ucp_endpoint), memory)

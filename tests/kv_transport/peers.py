@@ -1,0 +1,125 @@
+"""A KV sender or receiver in its own process, driven over a multiprocessing pipe.
+
+The UCX process tests spawn these so that both sides are real processes with real
+UCX, and so that one side can be SIGKILLed mid-transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+import threading
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import ucxx
+
+from engine.kv_pool import KVLayout, KVPool
+from kv_transport import TransferResult, TransportConfig, release_on_failure
+from kv_transport.ucx_receiver import UcxKVReceiver
+from kv_transport.ucx_sender import UcxKVSender
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """What a child builds: its pool, layout and transport config."""
+
+    secret: bytes = b"pdserve-test-secret"
+    model: str = "tiny"
+    head_dim: int = 8
+    num_blocks: int = 64
+    timeout_s: float = 5.0
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # more TransportConfig fields
+
+    def layout(self) -> KVLayout:
+        return KVLayout(self.model, torch.float16, num_layers=2, num_kv_heads=2, head_dim=self.head_dim, block_size=4)
+
+    def config(self) -> TransportConfig:
+        return TransportConfig(secret=self.secret, transfer_timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s,
+                               **self.extra)
+
+    def with_(self, **changes: Any) -> PeerSpec:
+        return replace(self, **changes)
+
+
+def digest(kv: torch.Tensor, block_ids: list[int]) -> str:
+    """sha256 of blocks `block_ids` (all layers, K and V, in order) of a pool."""
+    return hashlib.sha256(kv[:, :, block_ids].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def run_peer(role: str, conn: Connection, spec: PeerSpec) -> None:
+    """Child process entry point."""
+    asyncio.run(_Peer(role, conn, spec).run())
+
+
+class _Peer:
+    def __init__(self, role: str, conn: Connection, spec: PeerSpec) -> None:
+        self.role = role
+        self.conn = conn
+        self.spec = spec
+        self.pool = KVPool(spec.layout(), spec.num_blocks, "cpu")
+        self.held: set[int] = set()  # blocks "the caller" holds until a transfer ends
+        self.landed: set[int] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> None:
+        if self.role == "sender":
+            torch.manual_seed(self.spec.seed)
+            self.pool.kv.copy_(torch.randn_like(self.pool.kv))
+            self.peer: Any = UcxKVSender(self.pool.kv, self.spec.layout(), self.spec.config())
+        else:
+            self.peer = await UcxKVReceiver.start(self.pool.kv, self.spec.layout(), self.spec.config())
+        inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        # A reader on the pipe, not a thread: the tests count threads.
+        asyncio.get_running_loop().add_reader(self.conn.fileno(), lambda: inbox.put_nowait(self.conn.recv()))
+        address = self.peer.address if self.role == "receiver" else None
+        self.conn.send({"op": "ready", "address": address})
+        while (cmd := await inbox.get())["op"] != "exit":
+            for request_id, block_ids in cmd.get("requests", []):
+                self.held.update(block_ids)
+                if cmd["op"] == "expect":
+                    self._spawn(request_id, block_ids, self.peer.expect(request_id, block_ids))
+                else:
+                    self._spawn(request_id, block_ids, self.peer.send(request_id, block_ids, cmd["peer"]))
+            if cmd["op"] == "stats":
+                self.conn.send({"op": "stats", **self._stats()})
+        await self.peer.close()
+
+    def _spawn(self, request_id: str, block_ids: list[int], transfer: Any) -> None:
+        async def run() -> None:
+            result = await release_on_failure(transfer, lambda: self.held.difference_update(block_ids))
+            self._report(result, block_ids)
+
+        task = asyncio.create_task(run())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def _report(self, result: TransferResult, block_ids: list[int]) -> None:
+        if result.ok:
+            self.held.difference_update(block_ids)  # the test's caller is done with them
+            self.landed.update(block_ids)
+        self.conn.send({
+            "op": "result", "id": result.request_id, "ok": result.ok, "transport": result.transport,
+            "error": type(result.error).__name__ if result.error else None, "message": str(result.error or ""),
+            "elapsed_s": result.elapsed_s, "num_bytes": result.num_bytes,
+            "digest": digest(self.pool.kv, block_ids) if result.ok else None,
+        })
+
+    def _stats(self) -> dict[str, Any]:
+        gc.collect()
+        untouched = [b for b in range(self.spec.num_blocks) if b not in self.landed]
+        return {
+            "threads": len(threading.enumerate()),
+            "endpoints": sum(type(o) is ucxx._lib_async.endpoint.Endpoint for o in gc.get_objects()),
+            "connections": self.peer.num_connections,
+            "pending": getattr(self.peer, "num_pending", 0),
+            "held": len(self.held),
+            "tasks": len(self.tasks),
+            # A receiver's blocks start at zero: a non-zero block nobody sent to is a stray write.
+            "stray_blocks": int((self.pool.kv[:, :, untouched] != 0).any(dim=(0, 1, 3, 4, 5)).sum())
+            if self.role == "receiver" and untouched else 0,
+        }
