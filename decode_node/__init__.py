@@ -1,1 +1,4 @@
-"""The decode worker (Ray actor): KV receive, continuous batching, speculation, token streaming. Built by the cluster issue."""
+"""The decode worker: receives prompts' KV from prefill workers and runs continuous batching.
+
+It is also the colocated ("mixed") worker: `submit` prefills locally.
+"""

@@ -99,15 +99,28 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Tail blocks are freed first so they are evicted first."""
         for block_id in reversed(seq.block_ids):
-            count = self._ref_counts[block_id] - 1
-            if count < 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated")
-            self._ref_counts[block_id] = count
-            if count == 0:
-                self._free[block_id] = None
-                if self._hash_of_block[block_id] is None:
-                    self._free.move_to_end(block_id, last=False)
+            self._drop_ref(block_id)
         seq.block_ids.clear()
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free `seq`'s blocks past those holding its first `num_tokens` tokens.
+
+        Speculation allocates slots for every proposed token; the rejected ones'
+        KV is garbage, and blocks holding only such slots go back to the pool.
+        """
+        num_keep = -(-num_tokens // self.block_size)
+        while len(seq.block_ids) > num_keep:
+            self._drop_ref(seq.block_ids.pop())
+
+    def _drop_ref(self, block_id: int) -> None:
+        count = self._ref_counts[block_id] - 1
+        if count < 0:
+            raise RuntimeError(f"block {block_id} freed more often than allocated")
+        self._ref_counts[block_id] = count
+        if count == 0:
+            self._free[block_id] = None
+            if self._hash_of_block[block_id] is None:  # nothing to find it by: reuse it first
+                self._free.move_to_end(block_id, last=False)
 
     def _num_to_take(self, seq: Sequence, num_new_tokens: int, prefix_block_ids: list[int]) -> int:
         num_revived = sum(1 for b in prefix_block_ids if self._ref_counts[b] == 0)

@@ -108,8 +108,66 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+SPEC_METHODS = ("none", "draft_model", "self_draft", "ngram")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """Speculative decoding: a drafter proposes tokens, the target verifies them in one pass.
+
+    The engine only runs the hooks; `decode_node.spec.build_speculator` turns
+    this config into the drafter it attaches (`Engine.set_speculator`).
+
+    method: "none", "draft_model" (a smaller model with the target's tokenizer),
+        "self_draft" (the target's first `num_draft_layers` layers) or "ngram"
+        (prompt lookup: copy what followed the last n tokens earlier in the context).
+    num_speculative_tokens: K, tokens proposed per step, in [0, 16]; 0 turns
+        speculation off. With `adaptive`, the most any request proposes.
+    draft_model: model source of the draft (as ModelConfig.source); it runs on
+        the target's device and dtype.
+    num_draft_layers: layers of the target the self-draft runs.
+    ngram_min, ngram_max: n-gram lengths prompt lookup tries, longest first.
+    adaptive: pick each request's K from its measured acceptance rate (K=0, with
+        an occasional probe, when speculation does not pay).
+    verify_cost: what verifying one more token adds to a target pass, as a
+        fraction of a decode step (adaptive K weighs it with the draft's cost):
+        near 0 on a GPU at small batches, ~0.15 on a 2-core CPU
+        (benchmarks/spec.py measures it).
+    """
+
+    method: str = "none"
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    num_draft_layers: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+    adaptive: bool = False
+    verify_cost: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"SpecConfig.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"SpecConfig.num_speculative_tokens (K) must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("SpecConfig.method 'draft_model' needs SpecConfig.draft_model (a model source)")
+        if self.num_draft_layers < 1:
+            raise ValueError(f"SpecConfig.num_draft_layers must be >= 1, got {self.num_draft_layers}")
+        if self.verify_cost < 0:
+            raise ValueError(f"SpecConfig.verify_cost must be >= 0, got {self.verify_cost}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"SpecConfig needs 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and self.num_speculative_tokens > 0
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)

@@ -22,11 +22,12 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_pool import KVLayout, KVPool
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
-from engine.outputs import RequestOutput, TokenDelta
+from engine.outputs import EngineLoad, RequestOutput, TokenDelta
 from engine.sampler import Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.speculator import Proposal, Speculator
 from engine.weights import iter_weights, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,11 @@ Prompt = str | list[int]
 class _Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
+    hold_kv: bool = False  # keep the blocks after finishing, until release()
+
+
+class NoCapacity(RuntimeError):
+    """The pool cannot hold a request right now (retry later or elsewhere)."""
 
 
 class Engine:
@@ -72,7 +78,10 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.sampler = Sampler(config.model.seed, device)
         self.runner = ModelRunner(self.model, self.pool, backend_for(device), self.sampler)
+        self.speculator: Speculator | None = None
         self._requests: dict[str, _Request] = {}
+        self._held: dict[str, Sequence] = {}
+        self._num_receiving = 0
         self._ids = itertools.count()
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
                     self.model_name, device, dtype, num_blocks, layout.block_size, self.max_model_len)
@@ -92,8 +101,13 @@ class Engine:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a request; raises ValueError (and changes nothing) if it is invalid."""
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    hold_kv: bool = False) -> str:
+        """Queue a request; raises ValueError (and changes nothing) if it is invalid.
+
+        hold_kv: when the request finishes, keep its blocks (see `held_block_ids`)
+        until `release`: a prefill worker ships them to a decode worker first.
+        """
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
@@ -102,7 +116,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, tuple(token_ids), params, self.pool.layout.block_size)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop) if self.tokenizer else None
-        self._requests[request_id] = _Request(seq, detok)
+        self._requests[request_id] = _Request(seq, detok, hold_kv)
         self.scheduler.add(seq)
         return request_id
 
@@ -123,12 +137,79 @@ class Engine:
             raise ValueError(f"stop strings need a tokenizer; model {self.model_name} has none")
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request at once and free its blocks; False if it is unknown or done."""
+        """Stop a request at once and free its blocks (held ones too); False if it is unknown or done."""
+        if self.release(request_id):
+            return True
         req = self._requests.get(request_id)
         if req is None:
             return False
         self._finish(req.seq, FinishReason.ABORT)
         return True
+
+    # Disaggregation: a prefill worker holds finished KV until it is sent; a
+    # decode worker reserves blocks, receives the KV, then admits the sequence.
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Blocks of a finished `hold_kv` request, covering its prompt's KV in order."""
+        return list(self._held[request_id].block_ids)
+
+    def release(self, request_id: str) -> bool:
+        """Free a held request's blocks (full ones stay in the prefix cache)."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        return True
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Allocate blocks for a prompt whose KV another worker will write.
+
+        Returns the block ids (in position order). Raises ValueError for an
+        invalid request and NoCapacity when seats or blocks are short.
+        """
+        self._validate(prompt_token_ids, params)
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        sched = self.scheduler
+        if len(sched.running) + self._num_receiving >= self.config.scheduler.max_num_seqs:
+            raise NoCapacity(f"all {self.config.scheduler.max_num_seqs} sequence slots are taken")
+        seq = Sequence(request_id, tuple(prompt_token_ids), params, self.pool.layout.block_size)
+        # One block of headroom per running sequence keeps admissions from
+        # forcing preemptions on the very next step.
+        if self.block_manager.num_blocks_needed(seq, seq.num_tokens) + len(sched.running) > \
+                self.block_manager.num_free_blocks or not self.block_manager.allocate(seq, seq.num_tokens):
+            raise NoCapacity(f"not enough free KV blocks for {seq.num_tokens} tokens")
+        seq.status = SequenceStatus.RECEIVING
+        self._requests[request_id] = _Request(seq, None)
+        self._num_receiving += 1
+        return list(seq.block_ids)
+
+    def admit_prefilled(self, request_id: str, first_token_id: int) -> None:
+        """The reserved blocks now hold the prompt's KV: decode from `first_token_id` on."""
+        seq = self._requests[request_id].seq
+        if seq.status is not SequenceStatus.RECEIVING:
+            raise ValueError(f"request {request_id!r} is not waiting for its KV")
+        self._num_receiving -= 1
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.token_ids.append(first_token_id)
+        self.block_manager.cache_full_blocks(seq)
+        self.scheduler.add_running(seq)
+
+    def load(self) -> EngineLoad:
+        sched, bm = self.scheduler, self.block_manager
+        return EngineLoad(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_receiving=self._num_receiving,
+            num_held=len(self._held),
+            queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting)
+            + sum(s.num_tokens - s.num_computed_tokens - 1 for s in sched.running),
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            prefix_queried_tokens=bm.num_prefix_queries,
+            prefix_hit_tokens=bm.num_prefix_hits,
+            num_preemptions=sched.num_preemptions,
+        )
 
     @property
     def has_unfinished(self) -> bool:
@@ -136,19 +217,79 @@ class Engine:
 
     # Stepping ------------------------------------------------------------
 
+    def set_speculator(self, speculator: Speculator | None) -> None:
+        """Speculate with `speculator` from the next step on (None: stop).
+        `decode_node.spec.build_speculator` makes one from `config.spec`."""
+        self.speculator = speculator
+
     def step(self) -> list[TokenDelta]:
-        """Run one iteration; returns a delta for every request that got a token."""
+        """Run one iteration; returns a delta for every request that got tokens."""
+        proposals = self._propose() if self.speculator is not None else {}
         batch = self.scheduler.schedule()
+        if self.speculator is not None:
+            for seq in batch.preempted:
+                self.speculator.release(seq)
         if not batch.seqs:
             return []
-        sampled = self.runner.run(batch)
+        logits = self.runner.compute_logits(batch)
+        verifying = {seq: logits.pop(seq) for seq in batch.seqs if seq.spec_token_ids}
+        sampled = self.runner.sample(logits)
         deltas = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            if seq in verifying:
+                deltas.append(self._verify(seq, verifying[seq], proposals[seq]))
+                continue
             seq.num_computed_tokens += num_new
             self.block_manager.cache_full_blocks(seq)
             if seq in sampled:
                 deltas.append(self._append_token(seq, *sampled[seq]))
         return deltas
+
+    def _propose(self) -> dict[Sequence, Proposal]:
+        """Draft tokens for every running sequence that is decoding (its last token
+        is the only one without KV); they are verified in this step's pass."""
+        assert self.speculator is not None
+        seqs, limits = [], []
+        for seq in self.scheduler.running:
+            seq.spec_token_ids.clear()
+            # The accepted tokens plus the target's own must fit max_tokens and the context.
+            limit = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            if seq.num_computed_tokens == seq.num_tokens - 1 and limit > 0:
+                seqs.append(seq)
+                limits.append(limit)
+        if not seqs:
+            return {}
+        proposals = [p.truncated(n) for p, n in zip(self.speculator.propose(seqs, limits), limits)]
+        for seq, proposal in zip(seqs, proposals):
+            seq.spec_token_ids.extend(proposal.token_ids)
+        return dict(zip(seqs, proposals))
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, proposal: Proposal) -> TokenDelta:
+        """Keep the proposed tokens the target accepts, plus one of its own.
+
+        logits: [1 + K, vocab] from this step's pass over the last token and the
+        K proposed tokens the scheduler kept (`seq.spec_token_ids`).
+        """
+        assert self.speculator is not None
+        params = seq.params
+        proposal = proposal.truncated(len(seq.spec_token_ids))
+        seq.spec_token_ids.clear()
+        token_ids = self.speculator.verify(seq, proposal, self.sampler.probs(logits, params),
+                                           self.sampler.generator(seq.request_id, params))
+        # The last token and the accepted proposals now have KV; the rejected
+        # ones' slots are garbage and get overwritten or trimmed.
+        seq.num_computed_tokens = seq.num_tokens + len(token_ids) - 1
+        logprobs: list[Any] = (self.sampler.logprobs(logits[:len(token_ids)], token_ids, params)
+                               if params.logprobs is not None else [None] * len(token_ids))
+        deltas = []
+        for token_id, lp in zip(token_ids, logprobs):
+            deltas.append(self._append_token(seq, token_id, lp))
+            if seq.is_finished:  # a stop token among the accepted ones: drop the rest
+                break
+        if not seq.is_finished:
+            self.block_manager.trim(seq, seq.num_computed_tokens)
+            self.block_manager.cache_full_blocks(seq)
+        return _merge_deltas(deltas)
 
     def _append_token(self, seq: Sequence, token_id: int, logprobs: Any) -> TokenDelta:
         req = self._requests[seq.request_id]
@@ -170,9 +311,16 @@ class Engine:
                           seq.num_prompt_tokens, seq.num_cached_tokens)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.scheduler.finish(seq, reason)
+        req = self._requests.pop(seq.request_id)
+        if seq.status is SequenceStatus.RECEIVING:
+            self._num_receiving -= 1
+        hold = req.hold_kv and reason is not FinishReason.ABORT
+        self.scheduler.finish(seq, reason, free_blocks=not hold)
+        if hold:
+            self._held[seq.request_id] = seq
         self.sampler.release(seq.request_id)
-        del self._requests[seq.request_id]
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     # Offline batch API ---------------------------------------------------
 
@@ -215,6 +363,16 @@ class Engine:
         finally:
             for rid in pending:
                 self.abort(rid)
+
+
+def _merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
+    """One delta for the tokens a request got in one step (several when speculating)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    return TokenDelta(last.request_id, tuple(t for d in deltas for t in d.token_ids), "".join(d.text for d in deltas),
+                      last.finish_reason, tuple(lp for d in deltas for lp in d.logprobs),
+                      last.num_prompt_tokens, last.num_cached_tokens)
 
 
 def _blocks_that_fit(config: EngineConfig, layout: KVLayout, device: torch.device) -> int:

@@ -25,39 +25,65 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[Sequence, tuple[int, TokenLogprobs | None]]:
         """Compute the batch; returns {seq: (token_id, logprobs)} for each sequence
-        whose scheduled tokens reach its end (mid-prompt chunks sample nothing)."""
+        whose scheduled tokens reach its end (mid-prompt chunks sample nothing).
+        The batch must hold no proposed tokens (see `compute_logits`)."""
+        return self.sample(self.compute_logits(batch))
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
+        """Run the model over the batch; for each sequence whose scheduled tokens
+        reach the end of its tokens and of its proposals (`seq.spec_token_ids`),
+        float32 logits [1 + num_proposed, vocab]: after its last token, then
+        after each proposed token (what speculative verification needs)."""
         order = _decodes_first(batch)
         seqs = [batch.seqs[i] for i in order]
         num_new = [batch.num_new_tokens[i] for i in order]
         input_ids, positions, meta, sample_rows = self._prepare(seqs, num_new)
         step = self.backend.begin_step(meta, self.pool, self.scale)
         hidden = self.model(input_ids, positions, step)
-        rows = [row for row, _ in sample_rows]
+        rows = [row for first, count, _ in sample_rows for row in range(first, first + count)]
         if not rows:
             return {}
-        sample_seqs = [seq for _, seq in sample_rows]
         logits = self.model.compute_logits(hidden[rows])
+        out: dict[Sequence, torch.Tensor] = {}
+        start = 0
+        for _, count, seq in sample_rows:
+            out[seq] = logits[start:start + count]
+            start += count
+        return out
+
+    def sample(self, logits: dict[Sequence, torch.Tensor]) -> dict[Sequence, tuple[int, TokenLogprobs | None]]:
+        """Sample one token for each sequence from its one row of logits [1, vocab]."""
+        if not logits:
+            return {}
+        seqs = list(logits)
+        rows = [logits[s] for s in seqs]
+        assert all(r.shape[0] == 1 for r in rows), "sequences with proposed tokens are verified, not sampled"
         out: SamplerOutput = self.sampler.sample(
-            logits, [s.request_id for s in sample_seqs], [s.params for s in sample_seqs])
-        return {seq: (tok, lp) for seq, tok, lp in zip(sample_seqs, out.token_ids, out.logprobs)}
+            torch.cat(rows), [s.request_id for s in seqs], [s.params for s in seqs])
+        return {seq: (tok, lp) for seq, tok, lp in zip(seqs, out.token_ids, out.logprobs)}
 
     def _prepare(self, seqs: list[Sequence], num_new: list[int]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, Sequence]]]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, int, Sequence]]]:
+        """Tensors and metadata for the step, and (first row, number of rows, seq)
+        for the rows whose logits are wanted."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_rows: list[tuple[int, Sequence]] = []
+        sample_rows: list[tuple[int, int, Sequence]] = []
         decode_tables, decode_lens, prefill_tables, prefill_q_lens, prefill_lens = [], [], [], [], []
         for seq, n in zip(seqs, num_new):
             start = seq.num_computed_tokens
             end = start + n
+            num_proposed = max(0, end - seq.num_tokens)  # the scheduler keeps only what fits
             input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.spec_token_ids[:num_proposed])
             positions.extend(range(start, end))
             blocks = seq.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            if end == seq.num_tokens:
-                sample_rows.append((len(input_ids) - 1, seq))
+            if end >= seq.num_tokens:
+                sample_rows.append((len(input_ids) - 1 - num_proposed, 1 + num_proposed, seq))
             if n == 1 and start > 0:
                 decode_tables.append(blocks)
                 decode_lens.append(end)

@@ -43,3 +43,19 @@ class RequestOutput:
         self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason
         self.num_cached_tokens = delta.num_cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """A worker's load, for the router and metrics."""
+
+    num_running: int
+    num_waiting: int
+    num_receiving: int  # reserved for KV in flight from a prefill worker
+    num_held: int  # finished prefills whose KV is being sent
+    queued_prefill_tokens: int
+    num_free_blocks: int
+    num_blocks: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int

@@ -52,6 +52,29 @@ class Sampler:
         ids = token_ids.tolist()
         return SamplerOutput(ids, _logprobs(logits, ids, params))
 
+    def probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The distribution `sample` draws from, for each row of one request's
+        logits [N, vocab]: [N, vocab] float32, one-hot on the argmax when greedy.
+        Speculative verification accepts draft tokens against it."""
+        if params.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+        return self._filtered_probs(logits, [params] * logits.shape[0])
+
+    def generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        """The random stream a request draws from: its own when seeded, else the shared one."""
+        if params.seed is None or params.greedy:
+            return self._generator
+        gen = self._request_generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+            self._request_generators[request_id] = gen
+        return gen
+
+    def logprobs(self, logits: torch.Tensor, token_ids: list[int], params: SamplingParams) -> list[TokenLogprobs]:
+        """Logprobs of `token_ids[i]` under `logits[i]` for one request that asked for them."""
+        out = _logprobs(logits, token_ids, [params] * len(token_ids))
+        return [lp for lp in out if lp is not None]
+
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         device = logits.device
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
@@ -65,11 +88,7 @@ class Sampler:
         noise = torch.empty(shape, device=self.device).exponential_(generator=self._generator)
         for row, (rid, p) in enumerate(zip(request_ids, params)):
             if p.seed is not None and not p.greedy:
-                gen = self._request_generators.get(rid)
-                if gen is None:
-                    gen = torch.Generator(device=self.device).manual_seed(p.seed)
-                    self._request_generators[rid] = gen
-                noise[row].exponential_(generator=gen)
+                noise[row].exponential_(generator=self.generator(rid, p))
         return noise
 
 

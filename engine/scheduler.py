@@ -1,10 +1,11 @@
 """Iteration-level scheduler: pure Python, no torch.
 
 One rule: each step, under a token budget, decide how far each sequence's
-`num_computed_tokens` advances. Running sequences go first (a decode token or
-the rest of a chunked prompt), then waiting ones are admitted while budget,
-blocks and seat count allow. When blocks run out, the youngest running
-sequence is preempted: its blocks are freed and it is recomputed later.
+`num_computed_tokens` advances. Running sequences go first (a decode token,
+the last token plus its proposed speculative tokens, or the rest of a chunked
+prompt), then waiting ones are admitted while budget, blocks and seat count
+allow. When blocks run out, the youngest running sequence is preempted: its
+blocks are freed and it is recomputed later.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose prompt KV is already in its blocks (received from a prefill worker)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
@@ -61,13 +67,19 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
+                if seq.spec_token_ids:  # never preempt anyone to verify guesses: drop them instead
+                    seq.spec_token_ids.clear()
+                    num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                    continue
                 victim = self.running.pop()  # the youngest
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     return budget
+            # Proposals past the budget are not verified this step.
+            del seq.spec_token_ids[max(0, seq.num_computed_tokens + num_new - seq.num_tokens):]
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
@@ -98,18 +110,21 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.spec_token_ids.clear()
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Take `seq` out at once (finished or aborted) and free its blocks."""
+    def finish(self, seq: Sequence, reason: FinishReason, free_blocks: bool = True) -> None:
+        """Take `seq` out at once (finished or aborted) and free its blocks unless
+        the caller keeps them (a prefill worker until its KV is sent)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if free_blocks:
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

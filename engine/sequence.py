@@ -12,6 +12,7 @@ from engine.sampling import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    RECEIVING = "receiving"  # holds blocks whose KV another worker is sending
     FINISHED = "finished"
 
 
@@ -26,8 +27,9 @@ class Sequence:
     """One request as this node sees it.
 
     The engine's one rule: `num_computed_tokens` moves toward `num_tokens`. A
-    step advances it by a prompt chunk, one decode token or (later) K+1
-    speculative tokens; when it catches up, the step's sampled token is appended.
+    step advances it by a prompt chunk, one decode token or the last token plus
+    K proposed ones (`spec_token_ids`); when it catches up, the step's sampled
+    token (or the accepted proposals and one more) is appended.
     """
 
     request_id: str
@@ -41,6 +43,9 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
+    # Draft tokens to verify after the last token this step (speculative decoding);
+    # never part of token_ids, so hashes, stop checks and counts ignore them.
+    spec_token_ids: list[int] = field(default_factory=list)
     _block_hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -1,1 +1,1 @@
-"""The prefill worker (Ray actor): chunked prefill, prefix cache, KV send. Built by the cluster issue."""
+"""The prefill worker: chunked prefill with a prefix cache, first token, KV sent to a decode worker."""

@@ -1,0 +1,55 @@
+"""A small synchronous client of pdserve.v1.Generation (used by `pdserve generate --target`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from engine.sampling import SamplingParams
+from proto.pdserve.v1 import generation_pb2 as pb
+from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+
+def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+                            max_tokens=p.max_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+                            ignore_eos=p.ignore_eos)
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+class Client:
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
+                 messages: list[dict[str, str]] | None = None, timeout_s: float | None = None
+                 ) -> Iterator[pb.GenerateResponse]:
+        req = pb.GenerateRequest(sampling=sampling_to_proto(params or SamplingParams()))
+        if messages is not None:
+            req.messages.messages.extend(pb.ChatMessage(**m) for m in messages)
+        elif isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            req.prompt_token_ids.ids.extend(prompt or [])
+        return self.stub.Generate(req, timeout=timeout_s)
+
+    def server_info(self, timeout_s: float = 10.0) -> pb.ServerInfo:
+        return self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout_s)
+
+    def list_models(self, timeout_s: float = 10.0) -> pb.ListModelsResponse:
+        return self.stub.ListModels(pb.ListModelsRequest(), timeout=timeout_s)

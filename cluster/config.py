@@ -1,0 +1,188 @@
+"""`pdserve serve` configuration: one YAML file (the one Helm renders) plus CLI flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+
+MODES = ("disaggregated", "colocated")
+POLICIES = ("prefix_aware", "least_load", "round_robin")
+SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The gRPC frontend.
+
+    host/port: where clients connect (127.0.0.1 unless configured otherwise).
+    metrics_port: Prometheus /metrics on the same host; 0 disables it.
+    max_inflight_requests: more concurrent requests get RESOURCE_EXHAUSTED.
+    default_timeout_s: bound on a request without a client deadline.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9400
+    max_inflight_requests: int = 256
+    default_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"ServerConfig ports must be in [0, 65535], got {self.port}, {self.metrics_port}")
+        if self.max_inflight_requests < 1:
+            raise ValueError(f"ServerConfig.max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
+        if self.default_timeout_s <= 0:
+            raise ValueError(f"ServerConfig.default_timeout_s must be > 0, got {self.default_timeout_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """Ray worker pools.
+
+    mode: "disaggregated" (prefill and decode pools) or "colocated" (decode
+        workers prefill locally: one engine does both phases).
+    num_prefill/num_decode: actors per pool (colocated uses num_decode).
+    gpus_per_worker: GPUs each actor takes; 0 on the CPU, None = 1 if GPUs are present.
+    prefill_resource/decode_resource: custom Ray node resources that pin each pool
+        to labelled nodes ("" places anywhere).
+    routing: "prefix_aware" (default), "least_load" or "round_robin".
+    health_interval_s: how often actors are pinged; a dead one is replaced.
+    """
+
+    mode: str = "disaggregated"
+    num_prefill: int = 1
+    num_decode: int = 1
+    gpus_per_worker: float | None = None
+    prefill_resource: str = ""
+    decode_resource: str = ""
+    routing: str = "prefix_aware"
+    health_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"PoolConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if self.num_decode < 1 or (self.mode == "disaggregated" and self.num_prefill < 1):
+            raise ValueError(f"PoolConfig needs >= 1 decode worker (and >= 1 prefill worker when disaggregated), "
+                             f"got num_prefill={self.num_prefill}, num_decode={self.num_decode}")
+        if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
+            raise ValueError(f"PoolConfig.gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
+        if self.routing not in POLICIES:
+            raise ValueError(f"PoolConfig.routing must be one of {POLICIES}, got {self.routing!r}")
+        if self.health_interval_s <= 0:
+            raise ValueError(f"PoolConfig.health_interval_s must be > 0, got {self.health_interval_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class RayConfig:
+    """address: None starts a local Ray cluster; "auto" or host:port joins one."""
+
+    address: str | None = None
+    node_ip_address: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if not self.node_ip_address:
+            raise ValueError("RayConfig.node_ip_address must not be empty")
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransportSettings:
+    """Transport settings without the secret, which comes from $PDSERVE_CLUSTER_SECRET
+    (or is generated for a local cluster) and never from a file in the repo."""
+
+    transfer_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    allowed_transports: tuple[str, ...] = ("cuda_ipc", "rdma", "shm", "tcp")
+
+    def __post_init__(self) -> None:
+        if self.transfer_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("KVTransportSettings timeouts must be > 0")
+        object.__setattr__(self, "allowed_transports", tuple(self.allowed_transports))
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    pools: PoolConfig = field(default_factory=PoolConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    kv_transport: KVTransportSettings = field(default_factory=KVTransportSettings)
+
+
+def cluster_secret() -> bytes:
+    """The secret workers authenticate each other with: $PDSERVE_CLUSTER_SECRET, or a fresh random one."""
+    value = os.environ.get(SECRET_ENV)
+    if value:
+        if len(value.encode()) < 16:
+            raise ValueError(f"${SECRET_ENV} must be at least 16 bytes")
+        return value.encode()
+    return secrets.token_hex(32).encode()
+
+
+_SECTIONS: dict[str, type] = {
+    "server": ServerConfig, "pools": PoolConfig, "ray": RayConfig, "kv_transport": KVTransportSettings,
+}
+_ENGINE_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                                     "spec": SpecConfig}
+
+
+def _build(cls: type, values: dict[str, Any], where: str) -> Any:
+    if not isinstance(values, dict):
+        raise ValueError(f"config section {where!r} must be a mapping, got {type(values).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - names
+    if unknown:
+        raise ValueError(f"unknown keys in config section {where!r}: {sorted(unknown)}")
+    if cls is ModelConfig and "cache_dir" in values:
+        values = {**values, "cache_dir": Path(values["cache_dir"])}
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ValueError(f"config section {where!r}: {e}") from e
+
+
+def config_from_dict(data: dict[str, Any]) -> ServeConfig:
+    """Build a ServeConfig from the YAML structure; unknown keys and bad values are ValueErrors."""
+    data = data or {}
+    unknown = set(data) - set(_SECTIONS) - {"engine"}
+    if unknown:
+        raise ValueError(f"unknown config sections: {sorted(unknown)}")
+    engine = data.get("engine") or {}
+    bad = set(engine) - set(_ENGINE_SECTIONS)
+    if bad:
+        raise ValueError(f"unknown keys in config section 'engine': {sorted(bad)}")
+    engine_config = EngineConfig(**{k: _build(c, engine.get(k) or {}, f"engine.{k}") for k, c in _ENGINE_SECTIONS.items()})
+    sections = {k: _build(c, data.get(k) or {}, k) for k, c in _SECTIONS.items()}
+    return ServeConfig(engine=engine_config, **sections)
+
+
+def load_config(path: str | Path) -> ServeConfig:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError as e:
+        raise ValueError(f"config file {str(path)!r} does not exist") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+    return config_from_dict(data)
+
+
+def with_overrides(config: ServeConfig, **sections: dict[str, Any]) -> ServeConfig:
+    """Replace fields section by section, e.g. with_overrides(c, server={"port": 1})."""
+    changes = {}
+    for name, values in sections.items():
+        values = {k: v for k, v in values.items() if v is not None}
+        if not values:
+            continue
+        if name in _ENGINE_SECTIONS:
+            eng = changes.get("engine", config.engine)
+            changes["engine"] = dataclasses.replace(eng, **{name: dataclasses.replace(getattr(eng, name), **values)})
+        else:
+            changes[name] = dataclasses.replace(getattr(config, name), **values)
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,53 @@
+"""Prometheus metrics of the frontend, served on /metrics (127.0.0.1 unless configured)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from engine.messages import KVTransferInfo
+from engine.outputs import EngineLoad
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Request arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Gap between streamed tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_request_latency_seconds", "Request arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("pdserve_requests", "Finished requests by gRPC status", ["status"], registry=r)
+        self.tokens = Counter("pdserve_generated_tokens", "Generated tokens", registry=r)
+        self.running = Gauge("pdserve_running_sequences", "Running sequences", ["role", "worker"], registry=r)
+        self.waiting = Gauge("pdserve_waiting_sequences", "Waiting sequences", ["role", "worker"], registry=r)
+        self.kv_usage = Gauge("pdserve_kv_block_usage_ratio", "Used fraction of KV blocks", ["role", "worker"],
+                              registry=r)
+        self.prefix_queried = Gauge("pdserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix "
+                                    "cache", ["role", "worker"], registry=r)
+        self.prefix_hits = Gauge("pdserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
+                                 ["role", "worker"], registry=r)
+        self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved between workers", ["transport"],
+                                registry=r)
+        self.kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV transfer latency", ["transport"],
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.workers_lost = Counter("pdserve_workers_lost", "Workers found dead and replaced", ["role"], registry=r)
+
+    def serve(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def kv_transfer(self, info: KVTransferInfo) -> None:
+        self.kv_bytes.labels(info.transport).inc(info.num_bytes)
+        self.kv_seconds.labels(info.transport).observe(info.elapsed_s)
+
+    def worker_load(self, role: str, worker_id: str, load: EngineLoad) -> None:
+        self.running.labels(role, worker_id).set(load.num_running)
+        self.waiting.labels(role, worker_id).set(load.num_waiting)
+        self.kv_usage.labels(role, worker_id).set(1 - load.num_free_blocks / max(1, load.num_blocks))
+        self.prefix_queried.labels(role, worker_id).set(load.prefix_queried_tokens)
+        self.prefix_hits.labels(role, worker_id).set(load.prefix_hit_tokens)
+
+    def worker_lost(self, role: str) -> None:
+        self.workers_lost.labels(role).inc()

@@ -1,0 +1,127 @@
+"""`pdserve serve`: Ray pools, the coordinator, the gRPC server and /metrics, in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+import ray
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cluster.config import ServeConfig, cluster_secret
+from cluster.coordinator import Coordinator
+from cluster.metrics import Metrics
+from cluster.pools import ActorSpec, Pool
+from cluster.router import make_policy
+from cluster.service import GenerationService
+from cluster.validation import ModelLimits
+from decode_node.worker import DecodeWorker
+from engine.weights import load_tokenizer, resolve_model
+from kv_transport import TransportConfig
+from prefill_node.worker import PrefillWorker
+from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+@dataclass(slots=True)
+class Server:
+    """A running server; `stop()` takes everything down."""
+
+    grpc_server: grpc.aio.Server
+    coordinator: Coordinator
+    health: health.aio.HealthServicer
+    metrics: Metrics
+    port: int
+
+    async def stop(self) -> None:
+        await self.grpc_server.stop(grace=2.0)
+        await self.coordinator.stop()
+
+
+def init_ray(config: ServeConfig) -> None:
+    """Join or start Ray. A local cluster binds to 127.0.0.1 and runs no dashboard."""
+    if ray.is_initialized():
+        return
+    if config.ray.address:
+        ray.init(address=config.ray.address, _node_ip_address=config.ray.node_ip_address, include_dashboard=False,
+                 logging_level=logging.WARNING)
+    else:
+        ray.init(_node_ip_address=config.ray.node_ip_address, include_dashboard=False,
+                 logging_level=logging.WARNING)
+
+
+def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool | None, Pool]:
+    p = config.pools
+    gpus = p.gpus_per_worker
+    if gpus is None:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    engine_config = config.engine
+    if p.mode == "colocated":
+        spec = ActorSpec(DecodeWorker, (engine_config, None), 1, gpus, p.decode_resource)
+        return None, Pool("mixed", p.num_decode, spec)
+    prefill = Pool("prefill", p.num_prefill, ActorSpec(PrefillWorker, (engine_config, transport), 1, gpus,
+                                                       p.prefill_resource))
+    decode = Pool("decode", p.num_decode, ActorSpec(DecodeWorker, (engine_config, transport), 1, gpus,
+                                                    p.decode_resource))
+    return prefill, decode
+
+
+async def start_server(config: ServeConfig) -> Server:
+    init_ray(config)
+    files = resolve_model(config.engine.model)  # converts a GGUF once, before the workers need it
+    tokenizer = load_tokenizer(files)  # None for dummy weights: token ids in and out, no text
+    kv = config.kv_transport
+    transport = None
+    if config.pools.mode == "disaggregated":
+        transport = TransportConfig(secret=cluster_secret(), listen_host=config.ray.node_ip_address,
+                                    transfer_timeout_s=kv.transfer_timeout_s, connect_timeout_s=kv.connect_timeout_s,
+                                    allowed_transports=frozenset(kv.allowed_transports))
+    prefill, decode = _pools(config, transport)
+    metrics = Metrics()
+    coordinator = Coordinator(prefill, decode, make_policy(config.pools.routing), config.engine.cache.block_size,
+                              metrics)
+    await coordinator.start(config.pools.health_interval_s)
+    # Workers may cap the context below the model's (KV pool size): take the smallest.
+    lens = [await w.actor.max_model_len.remote() for p in coordinator.pools() for w in p.workers]
+    limits = ModelLimits(files.name, files.arch.vocab_size, min(lens))
+
+    server = grpc.aio.server()
+    service = GenerationService(coordinator, limits, tokenizer, metrics, config.server.max_inflight_requests,
+                                config.server.default_timeout_s)
+    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{config.server.host}:{config.server.port}")
+    if port == 0:
+        raise ValueError(f"cannot bind {config.server.host}:{config.server.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if config.server.metrics_port:
+        metrics.serve(config.server.host, config.server.metrics_port)
+    logger.info("pdserve serving %s on %s:%d (%s, %s)", files.name, config.server.host, port, coordinator.mode,
+                "GPU" if torch.cuda.is_available() else "CPU")
+    return Server(server, coordinator, health_servicer, metrics, port)
+
+
+async def serve_forever(config: ServeConfig) -> None:
+    server = await start_server(config)
+    print(f"pdserve: serving on {config.server.host}:{server.port} ({server.coordinator.mode}); Ctrl-C stops",
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+    ray.shutdown()

@@ -1,0 +1,135 @@
+"""The pdserve.v1.Generation gRPC service: validate, run through the coordinator, stream text."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any
+
+import grpc
+
+from cluster.coordinator import Coordinator, Overloaded, WorkerUnavailable
+from cluster.metrics import Metrics
+from cluster.validation import ModelLimits, parse_request
+from engine.detokenizer import IncrementalDetokenizer
+from engine.messages import WorkerRequest
+from engine.outputs import TokenDelta
+from engine.sequence import FinishReason
+from proto.pdserve.v1 import generation_pb2 as pb
+from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
+VERSION = "0.1.0"
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, coordinator: Coordinator, limits: ModelLimits, tokenizer: Any, metrics: Metrics,
+                 max_inflight: int, default_timeout_s: float) -> None:
+        self.coordinator = coordinator
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.max_inflight = max_inflight
+        self.default_timeout_s = default_timeout_s
+        self.inflight = 0
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        start = time.perf_counter()
+        try:
+            parsed = parse_request(request, self.limits, self.tokenizer)
+        except ValueError as e:
+            self.metrics.requests.labels("INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self.inflight >= self.max_inflight:
+            self.metrics.requests.labels("RESOURCE_EXHAUSTED").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"server is at its limit of {self.max_inflight} concurrent requests; retry later")
+        client_id = request.request_id
+        worker_req = WorkerRequest(uuid.uuid4().hex, parsed.prompt_token_ids,
+                                   dataclasses.replace(parsed.params, stop=()))  # stop strings are checked here
+        remaining = context.time_remaining()
+        timeout = self.default_timeout_s if remaining is None else max(0.0, remaining)
+        self.inflight += 1
+        status = "OK"
+        try:
+            async with asyncio.timeout(timeout):
+                async for response in self._stream(worker_req, parsed.stop, client_id or worker_req.request_id,
+                                                   start):
+                    yield response
+        except TimeoutError:
+            status = "DEADLINE_EXCEEDED"
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request exceeded its deadline of {timeout:.1f} s")
+        except Overloaded as e:
+            status = "RESOURCE_EXHAUSTED"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except WorkerUnavailable as e:
+            status = "UNAVAILABLE"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            raise
+        finally:
+            self.inflight -= 1
+            self.metrics.requests.labels(status).inc()
+
+    async def _stream(self, req: WorkerRequest, stop: tuple[str, ...], client_id: str, start: float):
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, stop) if self.tokenizer else None
+        num_generated = 0
+        last = None
+        deltas = self.coordinator.generate(req)
+        try:
+            async for delta in deltas:
+                now = time.perf_counter()
+                if last is None:
+                    self.metrics.ttft.observe(now - start)
+                else:
+                    self.metrics.itl.observe(now - last)
+                last = now
+                num_generated += len(delta.token_ids)
+                reason = delta.finish_reason
+                if reason is FinishReason.ABORT:
+                    raise WorkerUnavailable("the worker aborted the request")
+                if detok is not None and any(detok.add(token) for token in delta.token_ids):
+                    reason = FinishReason.STOP  # a stop string: the workers are aborted when we return
+                text = detok.take_delta(reason is not None) if detok is not None else ""
+                yield self._response(client_id, delta, text, reason, len(req.prompt_token_ids), num_generated)
+                if reason is not None:
+                    self.metrics.e2e.observe(now - start)
+                    self.metrics.tokens.inc(num_generated)
+                    return
+        finally:
+            await deltas.aclose()
+
+    @staticmethod
+    def _response(client_id: str, delta: TokenDelta, text: str, reason: FinishReason | None,
+                  num_prompt: int, num_generated: int) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(request_id=client_id, token_ids=list(delta.token_ids), text=text)
+        for lp in delta.logprobs:
+            resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=list(lp.top_token_ids),
+                              top_logprobs=list(lp.top_logprobs))
+        if reason is not None:
+            resp.finish_reason = _FINISH[reason]
+            resp.usage.prompt_tokens = num_prompt
+            resp.usage.completion_tokens = num_generated
+            resp.usage.cached_prompt_tokens = delta.num_cached_tokens
+        return resp
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=self.limits.name, max_model_len=self.limits.max_model_len,
+                                                          vocab_size=self.limits.vocab_size)])
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        info = pb.ServerInfo(version=VERSION, mode=self.coordinator.mode, model=self.limits.name)
+        for pool in self.coordinator.pools():
+            for w in pool.workers:
+                load = w.state.load
+                info.workers.add(id=w.worker_id, role=w.role, healthy=w.state.healthy,
+                                 running=load.num_running if load else 0, waiting=load.num_waiting if load else 0,
+                                 free_kv_blocks=load.num_free_blocks if load else 0,
+                                 total_kv_blocks=load.num_blocks if load else 0)
+        return info

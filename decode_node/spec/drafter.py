@@ -1,0 +1,22 @@
+"""What every drafter offers: proposals for a batch of decoding sequences."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.sequence import Sequence
+from engine.speculator import Proposal
+
+
+class Drafter(Protocol):
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+        """Up to `num_tokens[i]` (>= 1) tokens to follow `seqs[i]`'s last token.
+
+        Greedy requests get deterministic proposals (`draft_probs` None); for
+        sampled ones a drafter may sample and return the distributions it drew from.
+        """
+        ...
+
+    def release(self, seq: Sequence) -> None:
+        """Free what the drafter keeps for `seq` (finished, aborted or preempted)."""
+        ...

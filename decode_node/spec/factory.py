@@ -1,0 +1,42 @@
+"""From `SpecConfig` to a speculating engine."""
+
+from __future__ import annotations
+
+from decode_node.spec.adaptive import AdaptiveK
+from decode_node.spec.draft_model import ModelDrafter, load_draft_model, self_draft_model
+from decode_node.spec.drafter import Drafter
+from decode_node.spec.ngram import NgramDrafter
+from decode_node.spec.speculator import SpecDecoder
+from engine.config import EngineConfig, SpecConfig
+from engine.engine import Engine
+
+
+def build_speculator(engine: Engine, config: SpecConfig | None = None) -> SpecDecoder | None:
+    """The speculator `config` (default: the engine's `config.spec`) describes,
+    for `engine`'s model; None when speculation is off. Raises ValueError for a
+    draft that cannot serve this target."""
+    config = config or engine.config.spec
+    if not config.enabled:
+        return None
+    drafter: Drafter
+    if config.method == "ngram":
+        drafter, cost_ratio = NgramDrafter(config.ngram_min, config.ngram_max), 0.0
+    elif config.method == "self_draft":
+        model = self_draft_model(engine.model, config.num_draft_layers)
+        drafter = ModelDrafter(model, engine, f"{engine.model_name}[:{config.num_draft_layers}]")
+        cost_ratio = config.num_draft_layers / engine.arch.num_layers
+    else:
+        assert config.draft_model is not None  # SpecConfig checks it
+        model = load_draft_model(config.draft_model, engine)
+        drafter = ModelDrafter(model, engine, config.draft_model)
+        cost_ratio = model.arch.num_params / engine.arch.num_params
+    # Each proposed token costs a draft step and one more verified position.
+    adaptive = AdaptiveK(config.num_speculative_tokens, cost_ratio + config.verify_cost) if config.adaptive else None
+    return SpecDecoder(drafter, config.num_speculative_tokens, adaptive)
+
+
+def speculative_engine(config: EngineConfig) -> Engine:
+    """An engine that speculates as `config.spec` says (a plain one when it is off)."""
+    engine = Engine(config)
+    engine.set_speculator(build_speculator(engine))
+    return engine

@@ -1,0 +1,99 @@
+"""The decode worker, a plain class that the cluster runs as a Ray actor.
+
+Two ways in: `reserve` + `admit` for a request whose KV a prefill worker sends
+(disaggregated), `submit` for one prefilled here (colocated). Tokens leave in
+batches through `poll`, one call for every request's new tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from decode_node.spec import speculative_engine
+from engine.config import EngineConfig
+from engine.loop import EngineLoop
+from engine.messages import KVTransferInfo, WorkerRequest
+from engine.outputs import EngineLoad, TokenDelta
+from kv_transport import PeerAddress, TransportConfig
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeWorker:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig | None) -> None:
+        self.worker_id = worker_id
+        self.loop = EngineLoop(speculative_engine(engine_config))  # speculates when engine_config.spec says
+        self._transport = transport
+        self._receiver = None
+        self._landing: dict[str, asyncio.Task] = {}
+
+    async def start(self) -> PeerAddress | None:
+        """Open the KV receiver (disaggregated mode); returns where senders reach it."""
+        if self._transport is None:
+            return None
+        from kv_transport.ucx_receiver import UcxKVReceiver
+
+        engine = self.loop.engine
+        layout = engine.pool.layout
+        self._receiver = await UcxKVReceiver.start(engine.pool.kv, layout, self._transport)
+        return self._receiver.address
+
+    async def _call(self, fn):
+        return await asyncio.wrap_future(self.loop.submit(fn))
+
+    async def submit(self, req: WorkerRequest) -> None:
+        """Prefill and decode here (colocated mode)."""
+        await self._call(lambda e: e.add_request(list(req.prompt_token_ids), req.params, req.request_id))
+
+    async def reserve(self, req: WorkerRequest) -> None:
+        """Take blocks for the prompt and start expecting its KV. Raises NoCapacity or ValueError."""
+        if self._receiver is None:
+            raise RuntimeError(f"decode worker {self.worker_id} has no KV receiver (colocated mode)")
+        block_ids = await self._call(lambda e: e.reserve(req.request_id, list(req.prompt_token_ids), req.params))
+        self._landing[req.request_id] = asyncio.ensure_future(self._receiver.expect(req.request_id, block_ids))
+
+    async def admit(self, request_id: str, first_token_id: int) -> KVTransferInfo:
+        """Wait (bounded by the transfer timeout) for the KV, then decode from `first_token_id`.
+
+        On a failed transfer the reserved blocks are freed and the TransferError raised.
+        """
+        landing = self._landing.pop(request_id)
+        result = await landing
+        if not result.ok:
+            await self._call(lambda e: e.abort(request_id))
+            result.raise_for_error()
+        await self._call(lambda e: e.admit_prefilled(request_id, first_token_id))
+        return KVTransferInfo(result.num_bytes, result.transport, result.elapsed_s)
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is here (receiving, running, waiting) and free its blocks."""
+        landing = self._landing.pop(request_id, None)
+        if landing is not None and self._receiver is not None:
+            self._receiver.cancel(request_id)
+            await asyncio.wait([landing], timeout=5.0)
+        return await self._call(lambda e: e.abort(request_id))
+
+    async def poll(self, max_wait_s: float) -> list[TokenDelta]:
+        """Every token delta since the last poll (waits up to `max_wait_s` for one)."""
+        return await asyncio.to_thread(self.loop.take_deltas, max_wait_s)
+
+    async def load(self) -> EngineLoad:
+        return await self._call(lambda e: e.load())
+
+    async def max_model_len(self) -> int:
+        return self.loop.engine.max_model_len
+
+    async def node_id(self) -> str:
+        """The Ray node this worker runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    async def ping(self) -> str:
+        return self.worker_id
+
+    async def shutdown(self) -> None:
+        if self._receiver is not None:
+            await self._receiver.close()
+        self.loop.stop()

@@ -1,0 +1,100 @@
+"""Runs an Engine on its own thread so that an event loop (a worker actor) stays responsive.
+
+Every engine call goes through `submit`: a function applied to the engine
+between two steps, on the loop's thread, so the engine needs no locks. Token
+deltas of each step are collected and taken in batches by `take_deltas`, one
+call for every request's new tokens (not one per token).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from engine.engine import Engine
+from engine.outputs import TokenDelta
+from engine.sequence import FinishReason
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+IDLE_WAIT_S = 0.05
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], object], Future]] = queue.SimpleQueue()
+        self._deltas: list[TokenDelta] = []
+        self._deltas_ready = threading.Condition()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Run `fn(engine)` on the loop thread before the next step."""
+        future: Future[T] = Future()
+        if self._stopped.is_set():
+            future.set_exception(RuntimeError("engine loop is stopped"))
+        else:
+            self._commands.put((fn, future))
+        return future
+
+    def take_deltas(self, timeout_s: float) -> list[TokenDelta]:
+        """Every delta since the last call; waits up to `timeout_s` for the first."""
+        with self._deltas_ready:
+            if not self._deltas:
+                self._deltas_ready.wait(timeout_s)
+            deltas, self._deltas = self._deltas, []
+        return deltas
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopped.set()
+        self._thread.join(timeout_s)
+
+    def _run_commands(self, block_s: float) -> None:
+        try:
+            fn, future = self._commands.get(timeout=block_s) if block_s > 0 else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(e)
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._run_commands(0 if self.engine.has_unfinished else IDLE_WAIT_S)
+            if not self.engine.has_unfinished:
+                continue
+            try:
+                deltas = self.engine.step()
+            except Exception:
+                # A failed step must not kill the worker silently: abort what ran
+                # in it (their callers see the finish) and keep serving.
+                logger.exception("engine step failed; aborting its requests")
+                deltas = self._abort_all()
+            if deltas:
+                with self._deltas_ready:
+                    self._deltas.extend(deltas)
+                    self._deltas_ready.notify_all()
+        while not self._commands.empty():
+            _, future = self._commands.get_nowait()
+            future.set_exception(RuntimeError("engine loop is stopped"))
+
+    def _abort_all(self) -> list[TokenDelta]:
+        ids = [s.request_id for s in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)]
+        for rid in ids:
+            self.engine.abort(rid)
+        return [TokenDelta(rid, (), "", FinishReason.ABORT) for rid in ids]

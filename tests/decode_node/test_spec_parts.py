@@ -1,0 +1,151 @@
+"""The pieces around the rule: config checks, n-gram lookup, metrics, adaptive K,
+draft checks, and the engine hooks (scheduling proposals, trimming blocks)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from decode_node.spec.adaptive import AdaptiveK, best_k, expected_speedup, expected_tokens_per_pass
+from decode_node.spec.draft_model import check_draft
+from decode_node.spec.metrics import SpecMetrics
+from decode_node.spec.ngram import lookup
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig, SpecConfig
+from engine.models.arch import DUMMY_SHAPES
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+
+@pytest.mark.parametrize("k", [-1, 17, 100])
+def test_k_outside_0_16_is_refused(k):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens \(K\) must be in \[0, 16\]"):
+        SpecConfig(method="ngram", num_speculative_tokens=k)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"method": "medusa"}, "method must be one of"),
+    ({"method": "draft_model"}, "needs SpecConfig.draft_model"),
+    ({"num_draft_layers": 0}, "num_draft_layers"),
+    ({"ngram_min": 3, "ngram_max": 2}, "ngram_min <= ngram_max"),
+])
+def test_bad_spec_config(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SpecConfig(**kwargs)
+
+
+def test_k_zero_turns_speculation_off():
+    assert SpecConfig(method="ngram", num_speculative_tokens=16).enabled
+    assert not SpecConfig(method="ngram", num_speculative_tokens=0).enabled
+    assert not SpecConfig().enabled
+
+
+def test_ngram_lookup_copies_what_followed_the_latest_longest_match():
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    assert lookup(tokens, 1, 3, 3) == [4, 5, 6]  # "1 2 3" last seen before 4 5 6
+    assert lookup(tokens, 1, 3, 10) == [4, 5, 6, 7, 1, 2, 3]  # up to the end of the context
+    assert lookup([5, 6, 7, 8], 1, 3, 2) == []
+    assert lookup([4, 1, 7, 2, 1], 1, 3, 2) == [7, 2]  # falls back to shorter n-grams
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens_per_pass(0.75, 4) == pytest.approx(3.05078125)
+    assert expected_tokens_per_pass(1.0, 4) == 5
+    assert expected_tokens_per_pass(0.0, 4) == 1
+    assert expected_speedup(0.75, 4, 0.05) == pytest.approx(3.05078125 / 1.2)
+    assert best_k(0.9, 16, 0.0) == 16
+    assert best_k(0.1, 16, 0.5) == 0  # speculation does not pay
+
+
+def test_metrics_count_passes_and_rejections():
+    m = SpecMetrics()
+    m.record(4, 4)
+    m.record(4, 1)
+    m.record(2, 0)
+    assert (m.num_passes, m.num_proposed, m.num_accepted, m.num_rejections) == (3, 10, 5, 2)
+    assert m.acceptance_rate == pytest.approx(0.5)
+    assert m.alpha == pytest.approx(5 / 7)
+    assert m.mean_accepted_length == pytest.approx(5 / 3)
+    assert m.mean_tokens_per_pass == pytest.approx(8 / 3)
+
+
+def test_adaptive_k_backs_off_and_probes():
+    ada = AdaptiveK(max_k=8, cost_ratio=0.5, probe_interval=4)
+    assert ada.k_for("a") > 0
+    for _ in range(20):
+        ada.update("a", 4, 4)
+    assert ada.k_for("a") == 8
+    for _ in range(20):
+        ada.update("a", 4, 0)
+    ks = [ada.k_for("a") for _ in range(8)]
+    assert ks == [0, 0, 0, 1, 0, 0, 0, 1]
+    ada.forget("a")
+    assert ada.alpha("a") == ada.prior_alpha
+
+
+def _tokenizer(vocab: dict[str, int]) -> SimpleNamespace:
+    return SimpleNamespace(get_vocab=lambda: vocab)
+
+
+def test_draft_checks():
+    tiny, big = DUMMY_SHAPES["tiny"], DUMMY_SHAPES["llama-3.1-8b"]
+    small = DUMMY_SHAPES["llama-3.2-1b"]
+    check_draft(small, None, big, None, 4096)
+    with pytest.raises(ValueError, match="vocabulary size 512 differs from the target's 128256"):
+        check_draft(tiny, None, big, None, 4096)
+    with pytest.raises(ValueError, match="larger than the target"):
+        check_draft(big, None, small, None, 4096)
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        check_draft(small, _tokenizer({"a": 0}), big, _tokenizer({"b": 0}), 4096)
+    with pytest.raises(ValueError, match="both have a tokenizer"):
+        check_draft(small, None, big, _tokenizer({"b": 0}), 4096)
+
+
+BS = 4
+
+
+def _decoding(sched: Scheduler, num_prompt: int, *rids: str) -> list[Sequence]:
+    """Running sequences that have computed their prompts and sampled one token each."""
+    seqs = [Sequence(rid, tuple(range(num_prompt)), SamplingParams(), BS) for rid in rids]
+    for seq in seqs:
+        sched.add(seq)
+    assert sched.schedule().seqs == seqs
+    for seq in seqs:
+        seq.num_computed_tokens = num_prompt
+        seq.token_ids.append(100)
+    return seqs
+
+
+def test_scheduler_verifies_proposals_within_budget():
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=6), BlockManager(64, BS))
+    a, b = _decoding(sched, 5, "a", "b")
+    a.spec_token_ids[:] = [1, 2, 3, 4]
+    b.spec_token_ids[:] = [1, 2, 3, 4]
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [5, 1]  # a: last token + 4 proposals; b: only its last token fits
+    assert a.spec_token_ids == [1, 2, 3, 4] and b.spec_token_ids == []
+    assert len(a.block_ids) == 3  # slots for positions 5..9
+
+
+def test_scheduler_drops_proposals_rather_than_preempting():
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(4, BS))
+    a, b = _decoding(sched, 4, "a", "b")  # one block each, two free
+    a.spec_token_ids[:] = [1, 2, 3, 4, 5, 6, 7, 8]  # would take three more blocks
+    batch = sched.schedule()
+    assert batch.preempted == []
+    assert batch.num_new_tokens == [1, 1] and a.spec_token_ids == []
+
+
+def test_trim_frees_the_tail_blocks():
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    seq = Sequence("a", tuple(range(3)), SamplingParams(), BS)
+    assert bm.allocate(seq, 13)
+    assert len(seq.block_ids) == 4
+    bm.trim(seq, 5)
+    assert len(seq.block_ids) == 2 and bm.num_free_blocks == 6
+    bm.trim(seq, 5)
+    assert len(seq.block_ids) == 2
+    bm.free(seq)
+    assert bm.num_free_blocks == 8
