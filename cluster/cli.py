@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from engine.sampling import SamplingParams
 
 
@@ -27,6 +27,10 @@ def _add_model_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: from memory)")
     g.add_argument("--max-num-batched-tokens", type=int, default=default(sched.max_num_batched_tokens))
     g.add_argument("--max-num-seqs", type=int, default=default(sched.max_num_seqs))
+    g.add_argument("--spec-method", choices=["none", "draft_model", "self_draft", "ngram"], default=None,
+                   help="speculative decoding drafter (default: none)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, help="K, tokens proposed per step")
+    g.add_argument("--draft-model", default=None, help="draft model source (--spec-method draft_model)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -40,11 +44,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _spec_overrides(args: argparse.Namespace) -> dict[str, object]:
+    return {"method": args.spec_method, "num_speculative_tokens": args.num_speculative_tokens,
+            "draft_model": args.draft_model}
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    spec = SpecConfig(**{k: v for k, v in _spec_overrides(args).items() if v is not None})
     return EngineConfig(
         model=ModelConfig(source=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len),
         cache=CacheConfig(num_blocks=args.num_kv_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
+        spec=spec,
     )
 
 
@@ -57,9 +68,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     if args.target:
         return _generate_remote(args, params)
-    from engine.engine import Engine
+    from decode_node.spec import speculative_engine
 
-    engine = Engine(engine_config_from_args(args))
+    engine = speculative_engine(engine_config_from_args(args))
     prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
                for p in args.prompts]
     if len(prompts) == 1:  # stream a single prompt as it is generated
@@ -104,6 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model={"source": args.model, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len},
         cache={"num_blocks": args.num_kv_blocks},
         scheduler={"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs},
+        spec=_spec_overrides(args),
         server={"host": args.host, "port": args.port, "metrics_port": args.metrics_port},
         pools={"mode": args.mode, "num_prefill": args.num_prefill, "num_decode": args.num_decode,
                "routing": args.routing, "gpus_per_worker": args.gpus_per_worker},

@@ -33,6 +33,14 @@ class Metrics:
                                 registry=r)
         self.kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV transfer latency", ["transport"],
                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.spec_proposed = Gauge("pdserve_spec_proposed_tokens", "Draft tokens proposed for verification",
+                                   ["worker"], registry=r)
+        self.spec_accepted = Gauge("pdserve_spec_accepted_tokens", "Draft tokens the target accepted", ["worker"],
+                                   registry=r)
+        self.spec_alpha = Gauge("pdserve_spec_acceptance_alpha", "Per-token acceptance rate (the formula's alpha)",
+                                ["worker"], registry=r)
+        self.spec_mean_accepted = Gauge("pdserve_spec_mean_accepted_length", "Accepted draft tokens per pass",
+                                        ["worker"], registry=r)
         self.workers_lost = Counter("pdserve_workers_lost", "Workers found dead and replaced", ["role"], registry=r)
 
     def serve(self, host: str, port: int) -> None:
@@ -48,6 +56,11 @@ class Metrics:
         self.kv_usage.labels(role, worker_id).set(1 - load.num_free_blocks / max(1, load.num_blocks))
         self.prefix_queried.labels(role, worker_id).set(load.prefix_queried_tokens)
         self.prefix_hits.labels(role, worker_id).set(load.prefix_hit_tokens)
+        if load.spec is not None:
+            self.spec_proposed.labels(worker_id).set(load.spec.num_proposed)
+            self.spec_accepted.labels(worker_id).set(load.spec.num_accepted)
+            self.spec_alpha.labels(worker_id).set(load.spec.alpha)
+            self.spec_mean_accepted.labels(worker_id).set(load.spec.mean_accepted_length)
 
     def worker_lost(self, role: str) -> None:
         self.workers_lost.labels(role).inc()

@@ -8,6 +8,7 @@ batches through `poll`, one call for every request's new tokens.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from decode_node.spec import speculative_engine
@@ -34,9 +35,15 @@ class DecodeWorker:
             return None
         from kv_transport.ucx_receiver import UcxKVReceiver
 
+        import ray
+
         engine = self.loop.engine
-        layout = engine.pool.layout
-        self._receiver = await UcxKVReceiver.start(engine.pool.kv, layout, self._transport)
+        # Advertise this node's address, not the one the driver's config names:
+        # prefill workers on other nodes must reach this one.
+        transport = self._transport
+        if ray.is_initialized():
+            transport = dataclasses.replace(transport, listen_host=ray.util.get_node_ip_address())
+        self._receiver = await UcxKVReceiver.start(engine.pool.kv, engine.pool.layout, transport)
         return self._receiver.address
 
     async def _call(self, fn):

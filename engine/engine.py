@@ -7,6 +7,7 @@ pieces; this class is what `pdserve generate` and the tests drive directly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator
@@ -209,6 +210,7 @@ class Engine:
             prefix_queried_tokens=bm.num_prefix_queries,
             prefix_hit_tokens=bm.num_prefix_hits,
             num_preemptions=sched.num_preemptions,
+            spec=dataclasses.replace(self.speculator.metrics) if self.speculator is not None else None,
         )
 
     @property

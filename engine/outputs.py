@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.sampler import TokenLogprobs
 from engine.sequence import FinishReason
+from engine.speculator import SpecMetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +60,4 @@ class EngineLoad:
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int
+    spec: SpecMetrics | None = None  # speculation counters, when the engine speculates

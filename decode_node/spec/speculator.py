@@ -6,7 +6,7 @@ import torch
 
 from decode_node.spec.adaptive import AdaptiveK
 from decode_node.spec.drafter import Drafter
-from decode_node.spec.metrics import SpecMetrics
+from engine.speculator import SpecMetrics
 from decode_node.spec.rejection import rejection_sample
 from engine.sequence import Sequence
 from engine.speculator import Proposal

@@ -114,3 +114,23 @@ def test_full_server_answers_resource_exhausted_promptly(start):
     for c in clients:
         c.close()
     wait_until(lambda: pools_are_full(srv.target), 10, "blocks to be freed")
+
+
+@pytest.mark.slow
+def test_speculating_decode_worker_exports_acceptance_metrics(start, engine):
+    metrics_port = free_port()
+    srv = start(pools={"mode": "colocated"}, server={"metrics_port": metrics_port},
+                engine={"spec": {"method": "ngram", "num_speculative_tokens": 4}})
+    prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over"
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    want = engine.generate([prompt], params)[0].token_ids
+    assert collect(srv.target, prompt, params).token_ids == want
+
+    def spec() -> tuple[float, float]:
+        m = scrape(metrics_port)
+        return (m.get('pdserve_spec_proposed_tokens{worker="mixed-0"}', 0.0),
+                m.get('pdserve_spec_accepted_tokens{worker="mixed-0"}', 0.0))
+
+    wait_until(lambda: spec()[0] > 0, 10, "speculation counters in /metrics")
+    proposed, accepted = spec()
+    assert 0 < accepted <= proposed

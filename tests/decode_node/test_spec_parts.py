@@ -9,7 +9,7 @@ import pytest
 
 from decode_node.spec.adaptive import AdaptiveK, best_k, expected_speedup, expected_tokens_per_pass
 from decode_node.spec.draft_model import check_draft
-from decode_node.spec.metrics import SpecMetrics
+from engine.speculator import SpecMetrics
 from decode_node.spec.ngram import lookup
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig, SpecConfig

@@ -1,0 +1,133 @@
+{{- define "pdserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "pdserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "pdserve.secretName" -}}
+{{- .Values.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "pdserve.fullname" .)) -}}
+{{- end -}}
+
+{{/* Replaced by the head pod's IP at start: pdserve joins Ray and serves KV from it. */}}
+{{- define "pdserve.podIpPlaceholder" -}}__POD_IP__{{- end -}}
+
+{{/* GPUs each pdserve worker actor takes: the decode group's GPUs per worker. */}}
+{{- define "pdserve.gpusPerWorker" -}}
+{{- $d := .Values.decode -}}
+{{- $p := .Values.prefill -}}
+{{- $perWorker := divf $d.gpus $d.workersPerPod -}}
+{{- if and (eq .Values.config.pools.mode "disaggregated") (ne (divf $p.gpus $p.workersPerPod) $perWorker) -}}
+{{- fail (printf "prefill.gpus/prefill.workersPerPod (%v/%v) must equal decode.gpus/decode.workersPerPod (%v/%v): pdserve gives every worker the same GPUs" $p.gpus $p.workersPerPod $d.gpus $d.workersPerPod) -}}
+{{- end -}}
+{{- $perWorker -}}
+{{- end -}}
+
+{{/* The pdserve config file: values.config plus what the pods decide. */}}
+{{- define "pdserve.config" -}}
+{{- $cfg := deepCopy .Values.config -}}
+{{- $pools := get $cfg "pools" -}}
+{{- $disaggregated := eq $pools.mode "disaggregated" -}}
+{{- $_ := set $pools "num_decode" (mul .Values.decode.replicas .Values.decode.workersPerPod) -}}
+{{- $_ := set $pools "num_prefill" (ternary (mul .Values.prefill.replicas .Values.prefill.workersPerPod) 0 $disaggregated) -}}
+{{- $_ := set $pools "gpus_per_worker" (include "pdserve.gpusPerWorker" . | float64) -}}
+{{- $_ := set $pools "prefill_resource" "prefill" -}}
+{{- $_ := set $pools "decode_resource" "decode" -}}
+{{- $_ := set (get $cfg "server") "host" "0.0.0.0" -}}
+{{- $_ := set $cfg "ray" (dict "address" "auto" "node_ip_address" (include "pdserve.podIpPlaceholder" .)) -}}
+{{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* Ray custom resources of a worker group, as rayStartParams wants them: a quoted JSON string. */}}
+{{- define "pdserve.rayResources" -}}
+{{- printf "%q" (dict .name .group.workersPerPod | toJson) -}}
+{{- end -}}
+
+{{- define "pdserve.workerGroup" -}}
+{{- $root := .root -}}
+{{- $group := .group -}}
+- groupName: {{ .name }}
+  replicas: {{ $group.replicas }}
+  minReplicas: {{ $group.replicas }}
+  maxReplicas: {{ $group.replicas }}
+  rayStartParams:
+    resources: {{ include "pdserve.rayResources" . | quote }}
+    num-gpus: {{ $group.gpus | quote }}
+  template:
+    metadata:
+      labels:
+        {{- include "pdserve.selectorLabels" $root | nindent 8 }}
+        app.kubernetes.io/component: {{ .name }}
+    spec:
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets: {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $group.nodeSelector }}
+      nodeSelector: {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $group.tolerations }}
+      tolerations: {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $group.affinity }}
+      affinity: {{- toYaml . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: ray-worker
+          image: {{ include "pdserve.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          # ray.io/overwrite-container-cmd: KubeRay leaves the command to us and
+          # puts its generated `ray start ... --block` in $KUBERAY_GEN_RAY_START_CMD.
+          command: ["/bin/bash", "-lc", "--"]
+          args: ["ulimit -n 65536; eval \"$KUBERAY_GEN_RAY_START_CMD\""]
+          env:
+            - name: PDSERVE_CACHE_DIR
+              value: {{ $root.Values.config.engine.model.cache_dir | quote }}
+            {{- with $root.Values.extraEnv }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          resources:
+            requests:
+              {{- with $group.resources.requests }}{{ toYaml . | nindent 14 }}{{- end }}
+              {{- if gt (int $group.gpus) 0 }}
+              nvidia.com/gpu: {{ $group.gpus }}
+              {{- end }}
+            limits:
+              {{- with $group.resources.limits }}{{ toYaml . | nindent 14 }}{{- end }}
+              {{- if gt (int $group.gpus) 0 }}
+              nvidia.com/gpu: {{ $group.gpus }}
+              {{- end }}
+          volumeMounts:
+            - name: model-cache
+              mountPath: {{ $root.Values.config.engine.model.cache_dir }}
+            - name: dshm
+              mountPath: /dev/shm
+            {{- with $root.Values.extraVolumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+      volumes:
+        - name: model-cache
+          emptyDir: {}
+        - name: dshm  # Ray's object store and the shm KV transport
+          emptyDir: {medium: Memory}
+        {{- with $root.Values.extraVolumes }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+{{- end -}}

@@ -1,0 +1,81 @@
+"""deploy/ray/: the `ray up` configs pass Ray's own launcher validation (the
+steps `ray up` runs before touching a cloud), and the pdserve config they
+start fits the node types' custom resources."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+from cluster.config import load_config
+from tests.deploy.conftest import ROOT
+
+RAY_DIR = ROOT / "deploy" / "ray"
+LAUNCHER_CONFIGS = ["cluster.yaml", "cluster-local.yaml"]
+
+
+def load(name: str) -> dict[str, Any]:
+    return yaml.safe_load((RAY_DIR / name).read_text())
+
+
+def ray_up_checks(config: dict[str, Any]) -> dict[str, Any]:
+    """What `ray up` does to a config before it needs the provider: defaults
+    merged and node types filled in, then the schema and consistency checks."""
+    prepared = prepare_config(copy.deepcopy(config))
+    validate_config(prepared)
+    return prepared
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_launcher_config_passes_ray_validation(name: str) -> None:
+    prepared = ray_up_checks(load(name))
+    assert prepared["cluster_name"].startswith("pdserve")
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_validation_catches_mistakes(name: str) -> None:
+    broken = load(name)
+    broken["setup_comands"] = []
+    with pytest.raises(jsonschema.ValidationError, match="setup_comands"):
+        ray_up_checks(broken)
+
+
+def serve_config(tmp_path: Path) -> Any:
+    text = (RAY_DIR / "pdserve.yaml").read_text().replace("__NODE_IP__", "10.0.0.10")
+    (tmp_path / "pdserve.yaml").write_text(text)
+    return load_config(tmp_path / "pdserve.yaml")
+
+
+def test_node_types_offer_what_the_pools_need(tmp_path: Path) -> None:
+    pools = serve_config(tmp_path).pools
+    node_types = ray_up_checks(load("cluster.yaml"))["available_node_types"]
+    for role, num_workers in (("prefill", pools.num_prefill), ("decode", pools.num_decode)):
+        resource = getattr(pools, f"{role}_resource")
+        node = node_types[role]
+        assert resource == role and node["resources"][resource] * node["min_workers"] == num_workers
+        assert node["resources"]["GPU"] >= node["resources"][resource] * pools.gpus_per_worker
+    assert not {"prefill", "decode"} & set(node_types["head"]["resources"])
+
+
+def test_serve_config_joins_the_cluster(tmp_path: Path) -> None:
+    config = serve_config(tmp_path)
+    assert config.ray.address == "auto" and config.ray.node_ip_address == "10.0.0.10"
+    assert config.server.host == "127.0.0.1"  # reached through `ray attach -p`, not a public port
+    script = (RAY_DIR / "start-pdserve.sh").read_text()
+    assert 's/__NODE_IP__/${NODE_IP}/' in script and "pdserve serve --config ~/pdserve.yaml" in script
+
+
+def test_setup_installs_pdserve_and_local_workers_get_pool_resources() -> None:
+    for name in LAUNCHER_CONFIGS:
+        config = load(name)
+        assert config["file_mounts"] == {"~/pdserve-src": "."}
+        assert any("pip install" in c and "~/pdserve-src" in c for c in config["setup_commands"])
+        assert any("--dashboard-host=127.0.0.1" in c for c in config["head_start_ray_commands"])
+    local = load("cluster-local.yaml")
+    assert any("--resources=" in c and "ray-resources.json" in c for c in local["worker_start_ray_commands"])
