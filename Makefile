@@ -30,6 +30,7 @@ proto: install
 	$(PY) -m proto.generate
 
 lint: install
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
 test: lint

@@ -115,7 +115,8 @@ def main() -> None:
     engine = Engine(EngineConfig(model=ModelConfig(source=args.model),
                                  cache=CacheConfig(cpu_kv_cache_gib=2.0),
                                  scheduler=SchedulerConfig(max_num_seqs=args.batch_size)))
-    reqs = make_workload(engine.tokenizer, engine.arch.vocab_size, args.num_requests, args.min_output, args.max_output, args.seed)
+    reqs = make_workload(engine.tokenizer, engine.arch.vocab_size, args.num_requests, args.min_output,
+                         args.max_output, args.seed)
     useful = sum(r.output_len for r in reqs)
     rows = []
     t_static = run_static(engine, reqs, args.batch_size)

@@ -158,7 +158,8 @@ def config_from_dict(data: dict[str, Any]) -> ServeConfig:
     bad = set(engine) - set(_ENGINE_SECTIONS)
     if bad:
         raise ValueError(f"unknown keys in config section 'engine': {sorted(bad)}")
-    engine_config = EngineConfig(**{k: _build(c, engine.get(k) or {}, f"engine.{k}") for k, c in _ENGINE_SECTIONS.items()})
+    engine_config = EngineConfig(**{k: _build(c, engine.get(k) or {}, f"engine.{k}")
+                                    for k, c in _ENGINE_SECTIONS.items()})
     sections = {k: _build(c, data.get(k) or {}, k) for k, c in _SECTIONS.items()}
     return ServeConfig(engine=engine_config, **sections)
 

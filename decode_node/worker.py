@@ -33,9 +33,9 @@ class DecodeWorker:
         """Open the KV receiver (disaggregated mode); returns where senders reach it."""
         if self._transport is None:
             return None
-        from kv_transport.ucx_receiver import UcxKVReceiver
-
         import ray
+
+        from kv_transport.ucx_receiver import UcxKVReceiver
 
         engine = self.loop.engine
         # Advertise this node's address, not the one the driver's config names:

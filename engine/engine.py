@@ -6,7 +6,6 @@ pieces; this class is what `pdserve generate` and the tests drive directly.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -22,14 +21,13 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_pool import KVLayout, KVPool
 from engine.model_runner import ModelRunner
-from engine.models.llama import LlamaForCausalLM
 from engine.outputs import EngineLoad, RequestOutput, TokenDelta
 from engine.sampler import Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.speculator import Proposal, Speculator
-from engine.weights import iter_weights, load_tokenizer, resolve_model
+from engine.weights import load_model, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +58,7 @@ class Engine:
         limit = config.model.max_model_len or arch.max_position_embeddings
         if limit > arch.max_position_embeddings:
             raise ValueError(f"max_model_len {limit} exceeds the model's context ({arch.max_position_embeddings})")
-        with torch.device("meta"), _default_dtype(dtype):
-            model = LlamaForCausalLM(arch, limit, device)
-        model.to_empty(device=device)
-        model.tie_weights()
-        model.load_weights(iter_weights(files, arch, config.model.seed, device, dtype))
-        self.model = model.eval()
+        self.model = load_model(files, limit, device, dtype, config.model.seed)
 
         layout = KVLayout(self.model_name, dtype, arch.num_layers, arch.num_kv_heads, arch.head_dim,
                           config.cache.block_size)
@@ -389,13 +382,3 @@ def _blocks_that_fit(config: EngineConfig, layout: KVLayout, device: torch.devic
     if num_blocks < 1:
         raise ValueError("no memory left for the KV cache; lower the model size or raise the memory budget")
     return num_blocks
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)

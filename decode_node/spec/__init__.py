@@ -11,10 +11,10 @@ from decode_node.spec.adaptive import AdaptiveK, best_k, expected_speedup, expec
 from decode_node.spec.draft_model import ModelDrafter, check_draft, load_draft_model, self_draft_model
 from decode_node.spec.drafter import Drafter
 from decode_node.spec.factory import build_speculator, speculative_engine
-from engine.speculator import SpecMetrics
 from decode_node.spec.ngram import NgramDrafter
 from decode_node.spec.rejection import rejection_sample
 from decode_node.spec.speculator import SpecDecoder
+from engine.speculator import SpecMetrics
 
 __all__ = [
     "AdaptiveK", "Drafter", "ModelDrafter", "NgramDrafter", "SpecDecoder", "SpecMetrics", "best_k",

@@ -10,8 +10,6 @@ drafts one token per step.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -30,7 +28,7 @@ from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.speculator import Proposal
-from engine.weights import iter_weights, load_tokenizer, resolve_model
+from engine.weights import load_model, load_tokenizer, resolve_model
 
 
 class ModelDrafter:
@@ -139,12 +137,7 @@ def load_draft_model(source: str, target: Engine) -> LlamaForCausalLM:
     config = replace(target.config.model, source=source, max_model_len=None)
     files = resolve_model(config)
     check_draft(files.arch, load_tokenizer(files), target.arch, target.tokenizer, target.max_model_len)
-    with torch.device("meta"), _default_dtype(target.dtype):
-        model = LlamaForCausalLM(files.arch, target.max_model_len, target.device)
-    model.to_empty(device=target.device)
-    model.tie_weights()
-    model.load_weights(iter_weights(files, files.arch, config.seed, target.device, target.dtype))
-    return model.eval()
+    return load_model(files, target.max_model_len, target.device, target.dtype, config.seed)
 
 
 def check_draft(draft: ModelArch, draft_tokenizer: Any | None, target: ModelArch, target_tokenizer: Any | None,
@@ -161,13 +154,3 @@ def check_draft(draft: ModelArch, draft_tokenizer: Any | None, target: ModelArch
                          f"({target.num_params / 1e6:.1f}M): it would slow decoding down")
     if draft.max_position_embeddings < max_model_len:
         raise ValueError(f"draft context {draft.max_position_embeddings} is shorter than max_model_len {max_model_len}")
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)

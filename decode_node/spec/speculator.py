@@ -6,10 +6,9 @@ import torch
 
 from decode_node.spec.adaptive import AdaptiveK
 from decode_node.spec.drafter import Drafter
-from engine.speculator import SpecMetrics
 from decode_node.spec.rejection import rejection_sample
 from engine.sequence import Sequence
-from engine.speculator import Proposal
+from engine.speculator import Proposal, SpecMetrics
 
 
 class SpecDecoder:

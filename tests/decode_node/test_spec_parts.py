@@ -9,7 +9,6 @@ import pytest
 
 from decode_node.spec.adaptive import AdaptiveK, best_k, expected_speedup, expected_tokens_per_pass
 from decode_node.spec.draft_model import check_draft
-from engine.speculator import SpecMetrics
 from decode_node.spec.ngram import lookup
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig, SpecConfig
@@ -17,6 +16,7 @@ from engine.models.arch import DUMMY_SHAPES
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.speculator import SpecMetrics
 
 
 @pytest.mark.parametrize("k", [-1, 17, 100])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+
 import tomllib
 
 from tests.deploy.conftest import ROOT

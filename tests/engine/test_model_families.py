@@ -74,7 +74,8 @@ def test_sliding_window_is_refused(tmp_path):
 def test_dummy_weights_are_seeded_and_need_token_ids():
     def run(seed: int) -> list[int]:
         engine = Engine(EngineConfig(model=ModelConfig(source="dummy:tiny", device="cpu", seed=seed)))
-        return engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].token_ids
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        return engine.generate([[1, 2, 3, 4]], params)[0].token_ids
 
     assert run(0) == run(0)
     assert run(0) != run(1)
