@@ -30,6 +30,7 @@ class ModelConfig:
     device: "auto" (CUDA when present), "cpu", "cuda", "cuda:N".
     max_model_len: longest prompt + output; None takes the model's own limit.
     seed: seeds dummy weights and the sampler for requests without a seed.
+    enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs.
     """
 
     source: str = DEFAULT_MODEL
@@ -37,6 +38,7 @@ class ModelConfig:
     device: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    enforce_eager: bool = False
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ import torch
 from engine.attention import backend_for
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_pool import KVLayout, KVPool
 from engine.model_runner import ModelRunner
@@ -71,7 +72,13 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, layout.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.sampler = Sampler(config.model.seed, device)
-        self.runner = ModelRunner(self.model, self.pool, backend_for(device), self.sampler)
+        backend = backend_for(device)
+        graphs = None
+        if device.type == "cuda" and not config.model.enforce_eager:
+            graphs = DecodeGraphs(self.model, self.pool, backend, arch.head_dim ** -0.5,
+                                  config.scheduler.max_num_seqs, self.max_model_len)
+            graphs.capture()
+        self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, graphs)
         self.speculator: Speculator | None = None
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, Sequence] = {}

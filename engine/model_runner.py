@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_pool import KVPool
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplerOutput, TokenLogprobs
@@ -13,8 +14,10 @@ from engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend, sampler: Sampler) -> None:
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend, sampler: Sampler,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
+        self.graphs = graphs  # decode-only steps replay these (CUDA)
         self.pool = pool
         self.backend = backend
         self.sampler = sampler
@@ -35,6 +38,9 @@ class ModelRunner:
         reach the end of its tokens and of its proposals (`seq.spec_token_ids`),
         float32 logits [1 + num_proposed, vocab]: after its last token, then
         after each proposed token (what speculative verification needs)."""
+        if self.graphs is not None and _is_plain_decode(batch, self.graphs.max_batch):
+            logits = self.graphs.run(batch.seqs)
+            return {seq: logits[i:i + 1] for i, seq in enumerate(batch.seqs)}
         order = _decodes_first(batch)
         seqs = [batch.seqs[i] for i in order]
         num_new = [batch.num_new_tokens[i] for i in order]
@@ -110,6 +116,13 @@ class ModelRunner:
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, sample_rows)
+
+
+def _is_plain_decode(batch: ScheduledBatch, max_batch: int) -> bool:
+    """One new token per sequence, each its last, nothing proposed: what the graphs capture."""
+    return 0 < len(batch) <= max_batch and all(
+        n == 1 and s.num_computed_tokens == s.num_tokens - 1 and not s.spec_token_ids
+        for s, n in zip(batch.seqs, batch.num_new_tokens))
 
 
 def _decodes_first(batch: ScheduledBatch) -> list[int]:

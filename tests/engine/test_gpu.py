@@ -1,4 +1,4 @@
-"""The engine on CUDA (Triton kernels) against transformers on the same GPU.
+"""The engine on CUDA (Triton kernels, CUDA-graph decode) against transformers on the same GPU.
 
 Tiny random models are built on the spot (no download), with the head dims the
 kernels serve (64 and 128), GQA, and prompts long enough for chunked prefill
@@ -44,6 +44,7 @@ def test_cuda_engine_matches_hf(tmp_path, head_dim, heads, kv_heads):
         want, logits = hf_greedy(hf, prompt, 32)
         assert_matches_reference(out.token_ids, want, logits.cpu(), f"head_dim {head_dim}, prompt {len(prompt)}")
     assert engine.block_manager.num_prefix_hits > 0
+    assert engine.runner.graphs is not None  # the decode steps above replayed CUDA graphs
 
 
 def test_bf16_dummy_llama_runs_and_is_deterministic():
