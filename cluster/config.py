@@ -187,3 +187,19 @@ def with_overrides(config: ServeConfig, **sections: dict[str, Any]) -> ServeConf
         else:
             changes[name] = dataclasses.replace(getattr(config, name), **values)
     return dataclasses.replace(config, **changes)
+
+
+def fit_pools_to_gpus(pools: PoolConfig, num_gpus: float) -> PoolConfig:
+    """Resolve `gpus_per_worker` for a cluster with `num_gpus` GPUs.
+
+    Unset, each worker takes one GPU when there are GPUs, else none (CPU). A
+    disaggregated layout that needs more GPUs than the cluster has would wait
+    forever for them, so it becomes colocated with one mixed worker per GPU.
+    """
+    if pools.gpus_per_worker is not None:
+        return pools
+    if num_gpus < 1:
+        return dataclasses.replace(pools, gpus_per_worker=0.0)
+    if pools.mode == "disaggregated" and pools.num_prefill + pools.num_decode > num_gpus:
+        return dataclasses.replace(pools, mode="colocated", num_decode=int(num_gpus), gpus_per_worker=1.0)
+    return dataclasses.replace(pools, gpus_per_worker=1.0)

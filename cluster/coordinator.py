@@ -142,11 +142,13 @@ class Coordinator:
             prefill.state.inflight -= 1
         if out.transfer is not None:
             self.metrics.kv_transfer(out.transfer)
-        if out.needs_decode:
-            try:
-                await decode.actor.admit.remote(req.request_id, out.first.token_ids[0])
-            except TransferError as e:
-                raise WorkerUnavailable(f"KV transfer to {decode.worker_id} failed: {e}") from e
+        if not out.needs_decode:  # the first token ended it: give the reservation back
+            await self._abort(decode, req.request_id)
+            return out.first
+        try:
+            await decode.actor.admit.remote(req.request_id, out.first.token_ids[0])
+        except TransferError as e:
+            raise WorkerUnavailable(f"KV transfer to {decode.worker_id} failed: {e}") from e
         return out.first
 
     def _pick(self, pool: Pool, hashes: list[int], policy: RoutingPolicy) -> Worker:

@@ -13,7 +13,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cluster.config import ServeConfig, cluster_secret
+from cluster.config import ServeConfig, cluster_secret, fit_pools_to_gpus
 from cluster.coordinator import Coordinator
 from cluster.metrics import Metrics
 from cluster.pools import ActorSpec, Pool
@@ -59,10 +59,12 @@ def init_ray(config: ServeConfig) -> None:
 
 
 def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool | None, Pool]:
-    p = config.pools
+    num_gpus = ray.cluster_resources().get("GPU", 0)
+    p = fit_pools_to_gpus(config.pools, num_gpus)
+    if p.mode != config.pools.mode:
+        logger.warning("%g GPU(s) cannot hold %d prefill + %d decode workers: serving colocated, "
+                       "one mixed worker per GPU", num_gpus, config.pools.num_prefill, config.pools.num_decode)
     gpus = p.gpus_per_worker
-    if gpus is None:
-        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
     engine_config = config.engine
     if p.mode == "colocated":
         spec = ActorSpec(DecodeWorker, (engine_config, None), 1, gpus, p.decode_resource)

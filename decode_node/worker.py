@@ -41,8 +41,10 @@ class DecodeWorker:
         # Advertise this node's address, not the one the driver's config names:
         # prefill workers on other nodes must reach this one.
         transport = self._transport
-        if ray.is_initialized():
-            transport = dataclasses.replace(transport, listen_host=ray.util.get_node_ip_address())
+        if ray.is_initialized():  # the address this node's raylet registered (a pod IP, or 127.0.0.1 locally)
+            node_id = ray.get_runtime_context().get_node_id()
+            host = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+            transport = dataclasses.replace(transport, listen_host=host)
         self._receiver = await UcxKVReceiver.start(engine.pool.kv, engine.pool.layout, transport)
         return self._receiver.address
 

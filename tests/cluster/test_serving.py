@@ -62,6 +62,14 @@ def test_text_and_stop_strings_match_the_engine(disaggregated, engine):
     wait_until(lambda: pools_are_full(disaggregated.target), 10, "every block to be free after a stop string")
 
 
+def test_request_ended_by_its_first_token_frees_the_decode_reservation(disaggregated, engine):
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    want = engine.generate(["The capital of France is"], params)[0].token_ids
+    got = collect(disaggregated.target, "The capital of France is", params)
+    assert got.token_ids == want and got.finish_reason == pb.FINISH_REASON_LENGTH
+    wait_until(lambda: pools_are_full(disaggregated.target), 10, "the decode reservation to be freed")
+
+
 def test_client_cancel_frees_blocks_everywhere(disaggregated):
     with Client(disaggregated.target) as client:
         call = client.generate("Tell me a very long story.", SamplingParams(max_tokens=2000, ignore_eos=True))

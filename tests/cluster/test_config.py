@@ -1,0 +1,45 @@
+"""ServeConfig: YAML loading, overrides, and fitting pools to the GPUs there are."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import PoolConfig, config_from_dict, fit_pools_to_gpus, load_config, with_overrides
+
+
+def test_yaml_sections_build_the_same_objects_as_flags(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("engine:\n  model: {source: dummy:tiny, device: cpu}\n  spec: {method: ngram}\n"
+                 "server: {port: 6000}\npools: {mode: colocated, num_decode: 2}\n")
+    config = load_config(f)
+    assert config.engine.model.source == "dummy:tiny" and config.engine.spec.method == "ngram"
+    assert config.server.port == 6000 and config.server.host == "127.0.0.1"
+    assert config.pools == PoolConfig(mode="colocated", num_decode=2)
+    assert with_overrides(config, server={"port": 7000, "host": None}).server.port == 7000
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"pools": {"num_decode": 0}}, "needs >= 1 decode worker"),
+    ({"pools": {"mode": "mixed-up"}}, "PoolConfig.mode"),
+    ({"server": {"prot": 1}}, "unknown keys in config section 'server'"),
+    ({"engine": {"model": {"dtype": "int3"}}}, "ModelConfig.dtype"),
+    ({"routers": {}}, "unknown config sections"),
+])
+def test_bad_config_is_a_clear_value_error(data, words):
+    with pytest.raises(ValueError, match=words):
+        config_from_dict(data)
+
+
+@pytest.mark.parametrize("gpus, want", [
+    (0, PoolConfig(gpus_per_worker=0.0)),
+    (1, PoolConfig(mode="colocated", num_decode=1, gpus_per_worker=1.0)),
+    (2, PoolConfig(gpus_per_worker=1.0)),
+    (8, PoolConfig(gpus_per_worker=1.0)),
+])
+def test_pools_fit_the_gpus(gpus, want):
+    assert fit_pools_to_gpus(PoolConfig(), gpus) == want
+
+
+def test_explicit_gpus_per_worker_is_kept():
+    pools = PoolConfig(gpus_per_worker=0.5)
+    assert fit_pools_to_gpus(pools, 1) is pools
