@@ -94,7 +94,11 @@ class Coordinator:
         finished = False
         try:
             if self.prefill is None:
-                await decode.actor.submit.remote(req)
+                try:
+                    await decode.actor.submit.remote(req)
+                except ACTOR_LOST as e:
+                    await self.decode.replace(decode)
+                    raise WorkerUnavailable(f"worker {decode.worker_id} was lost") from e
             else:
                 first = await self._prefill(req, decode, hashes)
                 if first is not None:
@@ -149,6 +153,9 @@ class Coordinator:
             await decode.actor.admit.remote(req.request_id, out.first.token_ids[0])
         except TransferError as e:
             raise WorkerUnavailable(f"KV transfer to {decode.worker_id} failed: {e}") from e
+        except ACTOR_LOST as e:
+            await self.decode.replace(decode)
+            raise WorkerUnavailable(f"decode worker {decode.worker_id} was lost") from e
         return out.first
 
     def _pick(self, pool: Pool, hashes: list[int], policy: RoutingPolicy) -> Worker:

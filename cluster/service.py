@@ -73,6 +73,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         except asyncio.CancelledError:
             status = "CANCELLED"
             raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # a bug, not the client's fault: log it, tell the client no more than that
+            status = "INTERNAL"
+            logger.exception("request %s failed", worker_req.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in request {worker_req.request_id}")
         finally:
             self.inflight -= 1
             self.metrics.requests.labels(status).inc()
