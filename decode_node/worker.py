@@ -48,18 +48,15 @@ class DecodeWorker:
         self._receiver = await UcxKVReceiver.start(engine.pool.kv, engine.pool.layout, transport)
         return self._receiver.address
 
-    async def _call(self, fn):
-        return await asyncio.wrap_future(self.loop.submit(fn))
-
     async def submit(self, req: WorkerRequest) -> None:
         """Prefill and decode here (colocated mode)."""
-        await self._call(lambda e: e.add_request(list(req.prompt_token_ids), req.params, req.request_id))
+        await self.loop.call(lambda e: e.add_request(list(req.prompt_token_ids), req.params, req.request_id))
 
     async def reserve(self, req: WorkerRequest) -> None:
         """Take blocks for the prompt and start expecting its KV. Raises NoCapacity or ValueError."""
         if self._receiver is None:
             raise RuntimeError(f"decode worker {self.worker_id} has no KV receiver (colocated mode)")
-        block_ids = await self._call(lambda e: e.reserve(req.request_id, list(req.prompt_token_ids), req.params))
+        block_ids = await self.loop.call(lambda e: e.reserve(req.request_id, list(req.prompt_token_ids), req.params))
         self._landing[req.request_id] = asyncio.ensure_future(self._receiver.expect(req.request_id, block_ids))
 
     async def admit(self, request_id: str, first_token_id: int) -> KVTransferInfo:
@@ -70,9 +67,9 @@ class DecodeWorker:
         landing = self._landing.pop(request_id)
         result = await landing
         if not result.ok:
-            await self._call(lambda e: e.abort(request_id))
+            await self.loop.call(lambda e: e.abort(request_id))
             result.raise_for_error()
-        await self._call(lambda e: e.admit_prefilled(request_id, first_token_id))
+        await self.loop.call(lambda e: e.admit_prefilled(request_id, first_token_id))
         return KVTransferInfo(result.num_bytes, result.transport, result.elapsed_s)
 
     async def abort(self, request_id: str) -> bool:
@@ -81,14 +78,14 @@ class DecodeWorker:
         if landing is not None and self._receiver is not None:
             self._receiver.cancel(request_id)
             await asyncio.wait([landing], timeout=5.0)
-        return await self._call(lambda e: e.abort(request_id))
+        return await self.loop.call(lambda e: e.abort(request_id))
 
     async def poll(self, max_wait_s: float) -> list[TokenDelta]:
         """Every token delta since the last poll (waits up to `max_wait_s` for one)."""
         return await asyncio.to_thread(self.loop.take_deltas, max_wait_s)
 
     async def load(self) -> EngineLoad:
-        return await self._call(lambda e: e.load())
+        return await self.loop.call(lambda e: e.load())
 
     async def max_model_len(self) -> int:
         return self.loop.engine.max_model_len

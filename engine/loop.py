@@ -8,6 +8,7 @@ call for every request's new tokens (not one per token).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -44,6 +45,10 @@ class EngineLoop:
         else:
             self._commands.put((fn, future))
         return future
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """`submit`, awaited from an event loop (a worker actor's)."""
+        return await asyncio.wrap_future(self.submit(fn))
 
     def take_deltas(self, timeout_s: float) -> list[TokenDelta]:
         """Every delta since the last call; waits up to `timeout_s` for the first."""

@@ -37,9 +37,6 @@ class PrefillWorker:
         self._sender = UcxKVSender(engine.pool.kv, engine.pool.layout, self._transport)
         self._pump = asyncio.create_task(self._pump_deltas())
 
-    async def _call(self, fn):
-        return await asyncio.wrap_future(self.loop.submit(fn))
-
     async def _pump_deltas(self) -> None:
         while True:
             for delta in await asyncio.to_thread(self.loop.take_deltas, POLL_S):
@@ -56,27 +53,27 @@ class PrefillWorker:
         self._waiters[rid] = waiter
         params = dataclasses.replace(req.params, max_tokens=1)
         try:
-            await self._call(lambda e: e.add_request(list(req.prompt_token_ids), params, rid, hold_kv=True))
+            await self.loop.call(lambda e: e.add_request(list(req.prompt_token_ids), params, rid, hold_kv=True))
             first = await asyncio.wait_for(waiter, self._prefill_timeout_s)
         except BaseException:
             self._waiters.pop(rid, None)
-            await self._call(lambda e: e.abort(rid))
+            await self.loop.call(lambda e: e.abort(rid))
             raise
         needs_decode = first.finish_reason is FinishReason.LENGTH and req.params.max_tokens > 1
         transfer = None
         try:
             if needs_decode and decode_peer is not None:
-                block_ids = await self._call(lambda e: e.held_block_ids(rid))
+                block_ids = await self.loop.call(lambda e: e.held_block_ids(rid))
                 result = await self._sender.send(rid, block_ids, decode_peer)
                 result.raise_for_error()
                 transfer = KVTransferInfo(result.num_bytes, result.transport, result.elapsed_s)
         finally:
-            await self._call(lambda e: e.release(rid))
+            await self.loop.call(lambda e: e.release(rid))
         first = dataclasses.replace(first, finish_reason=None if needs_decode else first.finish_reason)
         return PrefillOutput(first, needs_decode, transfer)
 
     async def load(self) -> EngineLoad:
-        return await self._call(lambda e: e.load())
+        return await self.loop.call(lambda e: e.load())
 
     async def max_model_len(self) -> int:
         return self.loop.engine.max_model_len
