@@ -2,12 +2,16 @@
 head dim 128, bf16, KV block 16), with baselines measured in the same run:
 
 - prefill, causal, 1k/4k/8k/16k tokens per sequence (16k tokens per batch): TFLOP/s of
-  flash_prefill beside torch SDPA's flash and cuDNN backends;
+  flash_prefill beside torch SDPA's flash and cuDNN backends; ours reads the new tokens'
+  K/V contiguously (k_new/v_new, as the engine calls it) and, for comparison, all of it
+  through the paged cache; plus one chunked-prefill case (new tokens after context
+  already in the cache), ours only, the k_new path checked against the paged-only one;
 - decode, batch {1, 8, 64, 256} x context {512, 4k, 32k}: bandwidth (K/V + q + out bytes
   over time) of paged_decode beside a device-to-device copy and torch SDPA on the same
   K/V laid out contiguously.
 
-    python -m benchmarks.kernels [--sweep] [--json PATH]
+    python -m benchmarks.kernels [--sweep] [--json PATH] [--only prefill|decode]
+                                 [--prefill-configs "M,N,W,S,A;..."]
 
 (as a module: run as a script, this file's own name would shadow the kernels package).
 --sweep also times tuning variants (tile shapes, warps, stages, split counts).
@@ -38,9 +42,11 @@ PREFILL_TOKENS = 16384
 PREFILL_LENS = [1024, 4096, 8192, 16384]
 DECODE_BATCHES = [1, 8, 64, 256]
 DECODE_CONTEXTS = [512, 4096, 32768]
-PREFILL_SWEEP = [  # block_m, block_n, num_warps, num_stages
-    (128, 64, 4, 3), (256, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2),
+PREFILL_SWEEP = [  # block_m, block_n, num_warps, num_stages, maxnreg (k_new/v_new path)
+    (64, 64, 4, 3, 0), (128, 128, 8, 3, 0), (128, 64, 8, 2, 128), (128, 64, 8, 2, 0), (128, 32, 8, 3, 128),
 ]
+PREFILL_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "maxnreg")
+PREFILL_CHUNKED = (2, 4096, 4096)  # batch, context already in the cache, new tokens
 DECODE_SWEEP = [(32, 4, 3), (64, 4, 3), (128, 4, 2)]  # block_n, num_warps, num_stages
 DECODE_SWEEP_CASES = [(1, 4096), (1, 32768), (8, 4096), (8, 32768)]
 DECODE_ROTATE_BYTES = 1 << 30
@@ -68,7 +74,7 @@ def _runs(fn: Callable[[], object], config: object) -> bool:
     try:
         fn()
     except (OutOfResources, CompilationError, RuntimeError) as e:
-        print(f"skip {config}: {e}")
+        print(f"skip {config}: {str(e)[:300]}")
         return False
     return True
 
@@ -100,12 +106,13 @@ def ceilings() -> list[Row]:
             Row("ceiling", "matmul 8192^3", "torch bf16", mm_ms, 2 * 8192**3 / mm_ms / 1e9)]
 
 
-def prefill(length: int, sweep: bool) -> list[Row]:
+def prefill(length: int, configs: list[tuple[int, ...]]) -> list[Row]:
     batch = max(1, PREFILL_TOKENS // length)
     q = torch.randn(batch * length, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     k = torch.randn(batch, length, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     v = torch.randn_like(k)
     k_cache, v_cache, block_tables = _paged(k, v)
+    k_new, v_new = k.flatten(0, 1), v.flatten(0, 1)  # the step's own K/V, packed like q
     cu_seqlens = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * length
     seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
     out = torch.empty_like(q)
@@ -129,18 +136,46 @@ def prefill(length: int, sweep: bool) -> list[Row]:
             continue
         ref = res.transpose(1, 2).reshape_as(q) if ref is None else ref
         rows.append(Row("prefill", case, name, ms, flops / ms / 1e9))
-    keys = ("block_m", "block_n", "num_warps", "num_stages")
-    configs = [dict()] + ([dict(zip(keys, c)) for c in PREFILL_SWEEP] if sweep else [])
-    for cfg in configs:
+    # (name, k_new/v_new given, tuning): defaults first, then the sweep on the engine's path.
+    variants = [("ours default", True, {}), ("ours paged-only default", False, {})]
+    variants += [(f"ours {c}", True, dict(zip(PREFILL_KEYS, c))) for c in configs]
+    for name, new_kv, cfg in variants:
+        extra = {"k_new": k_new, "v_new": v_new} if new_kv else {}
         fn = lambda: flash_prefill(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, length,  # noqa: E731
-                                   out=out, **cfg)
+                                   out=out, **extra, **cfg)
         out.fill_(float("nan"))
         if not _runs(fn, cfg):
             continue
         err = _rel_err(out, ref) if ref is not None else None
         ms = _bench(fn)
-        rows.append(Row("prefill", case, "ours " + (str(tuple(cfg.values())) if cfg else "default"),
-                        ms, flops / ms / 1e9, err))
+        rows.append(Row("prefill", case, name, ms, flops / ms / 1e9, err))
+    return rows
+
+
+def prefill_chunked(batch: int, context: int, q_len: int) -> list[Row]:
+    """New tokens after `context` positions already in the cache: the k_new path reads the
+    context through the block table and the new tokens contiguously."""
+    seq_len = context + q_len
+    q = torch.randn(batch * q_len, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(batch, seq_len, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    k_cache, v_cache, block_tables = _paged(k, v)
+    k_new, v_new = k[:, context:].flatten(0, 1), v[:, context:].flatten(0, 1)
+    cu_seqlens = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * q_len
+    seq_lens = torch.full((batch,), seq_len, device="cuda", dtype=torch.int32)
+    scale = HEAD_DIM ** -0.5
+    flops = 4 * batch * NUM_Q_HEADS * HEAD_DIM * (q_len * context + q_len * q_len / 2)
+    case = f"{batch}x({context}+{q_len})"
+    ref = flash_prefill(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, q_len)
+    out = torch.empty_like(q)
+    rows = []
+    for name, extra in (("ours default", {"k_new": k_new, "v_new": v_new}), ("ours paged-only default", {})):
+        fn = lambda: flash_prefill(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, q_len,  # noqa: E731
+                                   out=out, **extra)
+        out.fill_(float("nan"))
+        fn()
+        rows.append(Row("prefill", case, name, _bench(fn), 0.0, _rel_err(out, ref)))
+        rows[-1].rate = flops / rows[-1].ms / 1e9
     return rows
 
 
@@ -228,7 +263,13 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time tuning variants")
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--only", choices=["prefill", "decode"], help="run one half")
+    parser.add_argument("--prefill-configs", help="prefill sweep instead of the built-in one: "
+                        "'block_m,block_n,num_warps,num_stages,maxnreg;...' (implies --sweep)")
     args = parser.parse_args()
+    if args.prefill_configs:
+        prefill_configs = [tuple(int(x) for x in c.split(",")) for c in args.prefill_configs.split(";")]
+    else:
+        prefill_configs = PREFILL_SWEEP if args.sweep else []
     rows = ceilings()
     copy_tbs = rows[0].rate
     header = f"{'kind':8} {'case':10} {'impl':34} {'ms':>9} {'rate':>8} {'% copy':>7} {'rel_err':>8}"
@@ -236,7 +277,8 @@ def main() -> None:
     print(header)
     cases = []
     if args.only != "decode":
-        cases += [lambda n=n: prefill(n, args.sweep) for n in PREFILL_LENS]
+        cases += [lambda n=n: prefill(n, prefill_configs) for n in PREFILL_LENS]
+        cases.append(lambda: prefill_chunked(*PREFILL_CHUNKED))
     if args.only != "prefill":
         cases += [lambda b=b, c=c: decode(b, c, args.sweep) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
     for run_case in cases:  # rows print as they come, so a run cut short still reports

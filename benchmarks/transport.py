@@ -7,10 +7,20 @@ pool in another process over the UCX transport, beside baselines measured in the
 
 Layout: Llama-3.1-8B (32 layers, 8 KV heads, head dim 128, bf16, block 16): 128 KiB per
 token. Each iteration the receiver expects the request on fresh random block ids, then
-the sender's `send()` is timed: gather on the sender, transfer, scatter on the receiver,
-acknowledgement; so "landed" means the KV is in the receiver's pool. Block ids are random
-on both sides. Two data paths: "fast" (worker-address endpoint without UCX error
-handling) and "checked" (the listener endpoint, error handling on).
+the time from `send()` starting until the receiver's `expect()` resolves ("landed": the KV
+is in the receiver's pool and the receiver knows it) is taken, with CLOCK_MONOTONIC on
+both sides; `send()`'s own time is shown beside it. Block ids are random
+on both sides; the last request of each size is checked byte for byte (sha256 of the
+blocks on both sides). Three data paths:
+- "direct" (GPU only): the sender maps the receiver's pool (CUDA IPC handle from the
+  handshake) and copies block to block into it: grant, one kernel, written.
+- "direct+prepare": the same with `prepare()` called 5 ms before `send()`, as the
+  prefill worker calls it before computing the prompt: the grant's round trip is off
+  the timed path (the sleep stands in for a prefill, which takes longer at any size).
+- "ucx fast": gather, one UCX message over a worker-address endpoint without UCX error
+  handling, scatter, acknowledgement.
+- "ucx checked": the same over the listener endpoint, error handling on.
+On GPU the receiver process sees only its own GPU (CUDA_VISIBLE_DEVICES), as under Ray.
 
 Baselines in the same run, same bytes: cuda, a torch peer copy cuda:0 -> cuda:1,
 contiguous ("peer copy") and with the same gather/scatter around it; cpu, a local
@@ -21,8 +31,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
+import logging
 import multiprocessing as mp
+import os
 import random
 import statistics
 import time
@@ -33,7 +46,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from engine.kv_pool import KVLayout, KVPool
-from kv_transport import PeerAddress, TransportConfig
+from kv_transport import PeerAddress, TransferResult, TransportConfig
 from kv_transport.staging import check_block_ids, gather_blocks, scatter_blocks
 
 LAYOUT = KVLayout("llama-3.1-8b", torch.bfloat16, num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
@@ -48,70 +61,122 @@ class Row:
     path: str
     tokens: int
     mib: float
-    p50_ms: float
+    p50_ms: float  # until the receiver's expect() resolved (baselines: until the copy is done)
+    send_p50_ms: float | None  # until the sender's send() returned
     gbps: float
     transport: str
     vs_copy: float  # share of the plain copy's bandwidth (peer copy or memcpy)
     vs_packed: float  # share of the same copy with the gather/scatter around it
 
 
-def _config(fast: bool) -> TransportConfig:
-    return TransportConfig(secret=SECRET, fast_data_path=fast, transfer_timeout_s=60.0, connect_timeout_s=30.0)
+PATHS = {  # name: (direct_writes, fast_data_path, prepare ahead)
+    "direct+prepare": (True, True, True),
+    "direct": (True, True, False),
+    "ucx fast": (False, True, False),
+    "ucx checked": (False, False, False),
+}
+PREFILL_STANDIN_S = 0.005  # "prefill compute" between prepare() and send(): shorter than any real one
 
 
-def _receiver_process(conn: Connection, device: str, num_blocks: int, fast: bool) -> None:
-    """Receiver: expects what the parent announces; reports failures when told to stop."""
+def _config(path: str) -> TransportConfig:
+    direct, fast, _ = PATHS[path]
+    return TransportConfig(secret=SECRET, direct_writes=direct, fast_data_path=fast, transfer_timeout_s=60.0,
+                           connect_timeout_s=30.0)
+
+
+def _digest(kv: torch.Tensor, ids: list[int]) -> str:
+    return hashlib.sha256(kv[:, :, ids].contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+def _receiver_process(conn: Connection, device: str, num_blocks: int, path: str) -> None:
+    """Receiver: expects what the parent announces, digests blocks on request, reports
+    failures when told to stop."""
     from kv_transport.ucx_receiver import UcxKVReceiver
 
     async def serve() -> None:
         pool = KVPool(LAYOUT, num_blocks, device)  # creates the CUDA context before UCX starts
-        receiver = await UcxKVReceiver.start(pool.kv, LAYOUT, _config(fast))
+        receiver = await UcxKVReceiver.start(pool.kv, LAYOUT, _config(path))
         failures: list[str] = []
+        landed_at: dict[str, float] = {}  # CLOCK_MONOTONIC: comparable with the sender's process
         inbox: asyncio.Queue[tuple[str, list[int]] | None] = asyncio.Queue()
         asyncio.get_running_loop().add_reader(conn.fileno(), lambda: inbox.put_nowait(conn.recv()))
         conn.send(receiver.address)
         while (cmd := await inbox.get()) is not None:
-            landed = receiver.expect(*cmd)
-            landed.add_done_callback(lambda f: f.result().ok or failures.append(str(f.result().error)))
+            if cmd[0] == "digest":
+                conn.send(_digest(pool.kv, cmd[1]))
+                continue
+            if cmd[0] == "landed_at":
+                conn.send(landed_at)
+                continue
+
+            def done(f: asyncio.Future[TransferResult], request_id: str = cmd[0]) -> None:
+                if pool.kv.is_cuda:
+                    # A direct write may still be copying (this stream waits on its event): landed
+                    # means readable here, so wait for what the decode step would wait for.
+                    torch.cuda.current_stream().synchronize()
+                landed_at[request_id] = time.monotonic()
+                if not f.result().ok:
+                    failures.append(str(f.result().error))
+
+            receiver.expect(*cmd).add_done_callback(done)
             conn.send("armed")
         await receiver.close()
         conn.send(failures)
 
     if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+        # Only its own GPU, as Ray gives a worker: the pool is cuda:0 here, GPU 1 physically.
+        os.environ["CUDA_VISIBLE_DEVICES"] = device.removeprefix("cuda:")
+        device = "cuda:0"
+        torch.cuda.set_device(0)
     asyncio.run(serve())
 
 
 async def _bench_ucx(
-    fast: bool, device: str, peer_device: str, tokens_list: list[int], iters: int, num_blocks: int
-) -> list[tuple[int, float, str]]:
-    """(tokens, p50 seconds from send() to landed, transport) per request size."""
+    path: str, device: str, peer_device: str, tokens_list: list[int], iters: int, num_blocks: int
+) -> list[tuple[int, float, float, str]]:
+    """(tokens, p50 seconds until the receiver knows, p50 seconds of send(), transport) per size."""
     from kv_transport.ucx_sender import UcxKVSender
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_process, args=(child, peer_device, num_blocks, fast), daemon=True)
+    proc = ctx.Process(target=_receiver_process, args=(child, peer_device, num_blocks, path), daemon=True)
     proc.start()
     peer: PeerAddress = conn.recv()
     pool = KVPool(LAYOUT, num_blocks, device)
     pool.kv.copy_(torch.randn(pool.kv.shape, device=device).to(LAYOUT.dtype))
-    sender = UcxKVSender(pool.kv, LAYOUT, _config(fast))
+    sender = UcxKVSender(pool.kv, LAYOUT, _config(path))
     rng = random.Random(0)
     out = []
     try:
         for tokens in tokens_list:
             n = tokens // LAYOUT.block_size
-            times, transport = [], "?"
+            times, started, transport = [], {}, "?"
             for i in range(iters + 1):  # the first one connects and warms up
                 request_id = f"{tokens}-{i}"
-                conn.send((request_id, rng.sample(range(num_blocks), n)))
+                recv_ids, send_ids = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
+                conn.send((request_id, recv_ids))
                 assert conn.recv() == "armed"
-                result = await sender.send(request_id, rng.sample(range(num_blocks), n), peer)
+                if PATHS[path][2]:  # as the prefill worker does: ask for the grant, then compute
+                    sender.prepare(request_id, peer)
+                    await asyncio.sleep(PREFILL_STANDIN_S)
+                started[request_id] = time.monotonic()
+                result = await sender.send(request_id, send_ids, peer)
                 result.raise_for_error()
                 transport = result.transport
                 if i:
                     times.append(result.elapsed_s)
-            out.append((tokens, statistics.median(times), transport))
+                await asyncio.sleep(0.002)  # the receiver's side resolves before the next one
+            conn.send(("landed_at",))
+            landed_at = conn.recv()
+            recv_times = [landed_at[r] - t for r, t in started.items() if not r.endswith("-0")]
+            conn.send(("digest", recv_ids))
+            if conn.recv() != _digest(pool.kv, send_ids):
+                raise RuntimeError(f"{path}, {tokens} tokens: the receiver's blocks differ from the sender's")
+            if PATHS[path][0] and device.startswith("cuda") and sender.direct_peers() != [peer]:
+                raise RuntimeError("direct writes were not set up (see the log above for why)")
+            out.append((tokens, statistics.median(recv_times), statistics.median(times), transport))
+        if COPY_SWEEP and sender.direct_peers():
+            _copy_sweep(pool.kv, sender._conns[peer].peer_kv, tokens_list, num_blocks)
     finally:
         await sender.close()
         conn.send(None)
@@ -120,6 +185,32 @@ async def _bench_ucx(
     if failures:
         raise RuntimeError(f"receiver saw failures: {failures[:3]}")
     return out
+
+
+COPY_SWEEP: list[tuple[int, int]] = []  # (chunk, num_warps) of kernels.block_copy, from --copy-sweep
+
+
+def _copy_sweep(src: torch.Tensor, peer_kv: torch.Tensor, tokens_list: list[int], num_blocks: int) -> None:
+    """Time copy_blocks variants into the mapped peer pool, no protocol around them."""
+    from kernels.block_copy import copy_blocks
+    from kv_transport.staging import blocks_view
+
+    rng = random.Random(5)
+    print(f"{'copy_blocks into the peer pool':34} " + " ".join(f"{t:>8}" for t in tokens_list) + "  (GB/s)")
+    for chunk, warps in COPY_SWEEP:
+        rates = []
+        for tokens in tokens_list:
+            n = tokens // LAYOUT.block_size
+            src_ids = torch.tensor(rng.sample(range(num_blocks), n), device=src.device)
+            dst_ids = torch.tensor(rng.sample(range(num_blocks), n), device=src.device)
+
+            def copy() -> None:
+                copy_blocks(blocks_view(src), src_ids, blocks_view(peer_kv), dst_ids, chunk=chunk,
+                            num_warps=warps)  # noqa: B023
+
+            seconds = _p50_seconds(copy, 30, torch.cuda.synchronize)
+            rates.append(n * LAYOUT.bytes_per_block / seconds / 1e9)
+        print(f"{f'chunk {chunk}, {warps} warps':34} " + " ".join(f"{r:>8.1f}" for r in rates))
 
 
 def _p50_seconds(fn: Callable[[], object], iters: int, sync: Callable[[], None]) -> float:
@@ -159,34 +250,35 @@ def _baselines(device: str, peer_device: str, tokens: int, iters: int, num_block
     }
 
 
-def run(device: str, tokens_list: list[int], iters: int) -> list[Row]:
+def run(device: str, tokens_list: list[int], iters: int, paths: list[str]) -> list[Row]:
     src_dev, dst_dev = ("cuda:0", "cuda:1") if device == "cuda" else ("cpu", "cpu")
     # Twice the largest request, so that random block ids are really scattered.
     num_blocks = 2 * max(tokens_list) // LAYOUT.block_size
     bases = {t: _baselines(src_dev, dst_dev, t, iters, num_blocks) for t in tokens_list}
-    measured: list[tuple[str, int, float, str]] = []
-    for fast in (True, False):
-        path = "ucx fast (no UCX error handling)" if fast else "ucx checked (error handling)"
-        results = asyncio.run(_bench_ucx(fast, src_dev, dst_dev, tokens_list, iters, num_blocks))
-        measured += [(path, tokens, seconds, transport) for tokens, seconds, transport in results]
+    measured: list[tuple[str, int, float, float | None, str]] = []
+    for path in paths:
+        results = asyncio.run(_bench_ucx(path, src_dev, dst_dev, tokens_list, iters, num_blocks))
+        measured += [(path, tokens, landed, send, transport) for tokens, landed, send, transport in results]
     for tokens, base in bases.items():
-        measured += [(name, tokens, seconds, "-") for name, seconds in base.items()]
+        measured += [(name, tokens, seconds, None, "-") for name, seconds in base.items()]
     rows = []
-    for path, tokens, seconds, transport in measured:
+    for path, tokens, seconds, send_s, transport in measured:
         nbytes = tokens // LAYOUT.block_size * LAYOUT.bytes_per_block
         copy_s, packed_s = bases[tokens].values()
-        rows.append(Row(path, tokens, nbytes / 2**20, seconds * 1e3, nbytes / seconds / 1e9, transport,
-                        copy_s / seconds, packed_s / seconds))
+        rows.append(Row(path, tokens, nbytes / 2**20, seconds * 1e3, send_s * 1e3 if send_s else None,
+                        nbytes / seconds / 1e9, transport, copy_s / seconds, packed_s / seconds))
     return rows
 
 
 def print_table(rows: list[Row], device: str) -> None:
     copy = "peer copy" if device == "cuda" else "memcpy"
-    print(f"{'path':34} {'tokens':>6} {'MiB':>6} {'p50 ms':>9} {'GB/s':>7} {'transport':>9} "
-          f"{'vs ' + copy:>13} {'vs +gather/scatter':>19}")
+    print(f"{'path':26} {'tokens':>6} {'MiB':>6} {'landed p50 ms':>13} {'send() p50 ms':>13} {'GB/s':>7} "
+          f"{'transport':>9} {'vs ' + copy:>13} {'vs +gather/scatter':>19}")
     for r in rows:
-        print(f"{r.path:34} {r.tokens:>6} {r.mib:>6.0f} {r.p50_ms:>9.3f} {r.gbps:>7.2f} {r.transport:>9} "
-              f"{r.vs_copy:>13.1%} {r.vs_packed:>19.1%}")
+        send = f"{r.send_p50_ms:.3f}" if r.send_p50_ms is not None else "-"
+        print(f"{r.path:26} {r.tokens:>6} {r.mib:>6.0f} {r.p50_ms:>13.3f} {send:>13} {r.gbps:>7.2f} "
+              f"{r.transport:>9} {r.vs_copy:>13.1%} {r.vs_packed:>19.1%}")
+    print("landed: from send() starting until the receiver's expect() resolved (one clock, two processes)")
     if device == "cuda":
         print(f"physical limit: NVLink (H200, NV18) {NVLINK_H200_GBPS:.0f} GB/s per direction; "
               "goal >= 85% of peer copy at >= 1k tokens, 4k tokens landed in <= 2 ms p50")
@@ -200,14 +292,22 @@ def main() -> None:
     parser.add_argument("--tokens", default=None, help="comma-separated request sizes in tokens")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations per size (p50 over them)")
     parser.add_argument("--json", default=None, help="also write every row here")
+    parser.add_argument("--paths", default=None, help=f"comma-separated subset of {list(PATHS)}")
+    parser.add_argument("--copy-sweep", default="", help="chunk:warps,... variants of the direct path's copy kernel")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    COPY_SWEEP.extend(tuple(int(x) for x in v.split(":")) for v in args.copy_sweep.split(",") if v)  # type: ignore[misc]
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         parser.error("--device cuda needs two GPUs")
     default_tokens = "256,1024,4096,16384" if args.device == "cuda" else "256,1024,4096"
     tokens = [int(t) for t in (args.tokens or default_tokens).split(",")]
     if any(t < LAYOUT.block_size or t % LAYOUT.block_size for t in tokens):
         parser.error(f"token counts must be multiples of the block size {LAYOUT.block_size}")
-    rows = run(args.device, tokens, args.iters or (100 if args.device == "cuda" else 10))
+    default = list(PATHS) if args.device == "cuda" else ["ucx fast", "ucx checked"]
+    paths = args.paths.split(",") if args.paths else default
+    if bad := [p for p in paths if p not in PATHS or (args.device == "cpu" and PATHS[p][0])]:
+        parser.error(f"--paths: {bad} unknown, or direct (GPU only)")
+    rows = run(args.device, tokens, args.iters or (100 if args.device == "cuda" else 10), paths)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

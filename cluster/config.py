@@ -100,6 +100,7 @@ class KVTransportSettings:
     transfer_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     allowed_transports: tuple[str, ...] = ("cuda_ipc", "rdma", "shm", "tcp")
+    direct_writes: bool = True  # same-host GPUs: copy blocks straight into the decode pool (CUDA IPC)
 
     def __post_init__(self) -> None:
         if self.transfer_timeout_s <= 0 or self.connect_timeout_s <= 0:

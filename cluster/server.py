@@ -85,7 +85,8 @@ async def start_server(config: ServeConfig) -> Server:
     if config.pools.mode == "disaggregated":
         transport = TransportConfig(secret=cluster_secret(), listen_host=config.ray.node_ip_address,
                                     transfer_timeout_s=kv.transfer_timeout_s, connect_timeout_s=kv.connect_timeout_s,
-                                    allowed_transports=frozenset(kv.allowed_transports))
+                                    allowed_transports=frozenset(kv.allowed_transports),
+                                    direct_writes=kv.direct_writes)
     prefill, decode = _pools(config, transport)
     metrics = Metrics()
     coordinator = Coordinator(prefill, decode, make_policy(config.pools.routing), config.engine.cache.block_size,

@@ -1,4 +1,5 @@
-"""Triton kernels of pdserve: paged KV cache write, FlashAttention prefill, paged decode.
+"""Triton kernels of pdserve: paged KV cache write, FlashAttention prefill, paged decode,
+and the block-to-block copy of the KV transport's direct path.
 
 One file per kernel family; each holds private @triton.jit kernels and one public
 launcher that checks shapes, dtypes and strides. Without a GPU, set TRITON_INTERPRET=1
@@ -7,8 +8,9 @@ before importing (tests do) to run them in Triton's interpreter.
 
 from __future__ import annotations
 
+from kernels.block_copy import copy_blocks
 from kernels.cache_write import cache_write
 from kernels.flash_prefill import flash_prefill
 from kernels.paged_decode import decode_num_splits, decode_workspace, paged_decode
 
-__all__ = ["cache_write", "decode_num_splits", "decode_workspace", "flash_prefill", "paged_decode"]
+__all__ = ["cache_write", "copy_blocks", "decode_num_splits", "decode_workspace", "flash_prefill", "paged_decode"]

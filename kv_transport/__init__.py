@@ -12,6 +12,7 @@ Modules (only the ucx_* ones and transport_info import ucxx):
     config         TransportConfig
     handshake      layout fingerprint, HMAC secret proofs, per-request data tags
     staging        gather/scatter of scattered blocks to one contiguous buffer
+    cuda_ipc       the receiver's pool shared with same-host senders (CUDA IPC handle)
     receive_table  receiver bookkeeping shared by every transport (either arrival order)
     loopback       in-process fake with the same semantics, for tests above
     ucx_link       ucxx setup, control frames, the handshake over UCX
@@ -21,9 +22,15 @@ Modules (only the ucx_* ones and transport_info import ucxx):
     wire           errors in control frames
 
 Wire protocol per connection: control endpoint (listener-made, UCX error handling on)
-carries JSON frames: hello/challenge/auth/accept (handshake), then per request
-xfer (sender) -> done (receiver, with the error if any), and cancel (sender gave up). KV bytes travel as one tagged
-message per request on the data endpoint, tagged by (session, request id).
+carries JSON frames: hello/challenge/auth/accept (handshake; accept carries the pool's
+CUDA IPC handle when the pool is on a GPU), then one of two data paths per connection:
+- direct writes (GPUs of one host that can map the handle): xfer(mode=write) -> grant
+  (the receiver's block ids) -> the sender copies block to block into the mapped pool
+  (kernels.block_copy, one NVLink pass) -> written; or done(error) instead of a grant.
+- UCX messages (other hosts, CPU pools): xfer -> one tagged message per request
+  (gathered blocks) -> done (receiver, with the error if any).
+Either way the sender may cancel (it gave up); a granted writer that cancels has no copy
+in flight, so the receiver may free the blocks.
 """
 
 from __future__ import annotations

@@ -98,6 +98,19 @@ class KVSender(Protocol):
         """
         ...
 
+    def prepare(self, request_id: str, peer: PeerAddress) -> None:
+        """Optional hint, before the KV exists: get ready to send `request_id` to `peer`.
+
+        Lets whatever `send()` would wait for (connecting; a direct-write peer's grant of
+        its blocks) travel while the KV is computed. Returns at once and never fails; call
+        `forget()` when `send()` may not follow, or the peer holds its grant until the timeout.
+        """
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """Withdraw a `prepare()` that `send()` did not consume (no-op otherwise)."""
+        ...
+
     async def close(self) -> None:
         """Drop every connection; in-flight sends end with PeerLost or TransferCancelled."""
         ...

@@ -115,6 +115,12 @@ class LoopbackSender:
             request_id, ids.numel() * self._bytes_per_block, TRANSPORT, time.perf_counter() - started, error
         )
 
+    def prepare(self, request_id: str, peer: PeerAddress) -> None:
+        """Nothing to get ready in one process."""
+
+    def forget(self, request_id: str) -> None:
+        """Nothing was prepared."""
+
     async def close(self) -> None:
         """Nothing to release: loopback holds no connections."""
 

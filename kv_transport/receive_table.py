@@ -26,6 +26,16 @@ from kv_transport.staging import check_block_ids, scatter_blocks, staging_num_bl
 
 # Tells the sender how its payload ended: None when it landed, else the error.
 Ack = Callable[[TransferError | None], None]
+# Answers a sender that asks to write straight into the pool: the block ids to write, or why not.
+Grant = Callable[[torch.Tensor | TransferError], None]
+
+
+@dataclass(slots=True)
+class _Writer:
+    """A sender granted direct writes into a request's blocks, until it says `written`."""
+
+    abort: Callable[[], None]  # breaks the writer's connection, which fails the request
+    cancel: TransferError | None = None  # the receiver cancelled meanwhile: fail on `written`
 
 
 @dataclass(slots=True)
@@ -33,6 +43,16 @@ class _Expected:
     ids: torch.Tensor
     future: asyncio.Future[TransferResult]
     started: float
+    timer: asyncio.TimerHandle
+    writer: _Writer | None = None
+
+
+@dataclass(slots=True)
+class _EarlyWrite:
+    """A request to write that arrived before its expect()."""
+
+    grant: Grant
+    abort: Callable[[], None]
     timer: asyncio.TimerHandle
 
 
@@ -47,7 +67,13 @@ class _Early:
 
 
 class ReceiveTable:
-    """Matches landed payloads with expected requests and scatters them into the pool."""
+    """Matches landed payloads with expected requests and scatters them into the pool.
+
+    Direct writes (a sender copying into the pool itself) take two steps: `grant()`
+    hands the sender the block ids, `written()` lands the request. Between the two the
+    blocks are the sender's: a cancel or timeout waits for `written` or for the writer's
+    connection to break, so blocks are never freed while a copy may still reach them.
+    """
 
     def __init__(self, kv: torch.Tensor, timeout_s: float) -> None:
         self._kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -55,13 +81,14 @@ class ReceiveTable:
         self._bytes_per_block = kv[:, :, 0].numel() * kv.element_size()
         self._expected: dict[str, _Expected] = {}
         self._early: dict[str, _Early] = {}
+        self._early_writes: dict[str, _EarlyWrite] = {}
         # Recently failed ids, so that late data is refused at once instead of parked.
         self._tombstones: dict[str, tuple[TransferError, asyncio.TimerHandle]] = {}
 
     @property
     def num_pending(self) -> int:
         """Expects not yet resolved plus payloads waiting for their expect (0 when idle)."""
-        return len(self._expected) + len(self._early)
+        return len(self._expected) + len(self._early) + len(self._early_writes)
 
     def expect(self, request_id: str, block_ids: Sequence[int]) -> asyncio.Future[TransferResult]:
         if request_id in self._expected:
@@ -78,15 +105,72 @@ class ReceiveTable:
         if early is not None:
             early.timer.cancel()
             self._land(request_id, early.staging, early.transport, early.ack)
+        early_write = self._early_writes.pop(request_id, None)
+        if early_write is not None:
+            early_write.timer.cancel()
+            self.grant(request_id, early_write.grant, early_write.abort)
         return future
 
-    def cancel(self, request_id: str, reason: str = "cancelled by the receiver") -> None:
+    def cancel(self, request_id: str, reason: str = "cancelled by the receiver", writer_done: bool = False) -> None:
+        """Fail `request_id` now, or, while a granted writer may be copying, once it is done.
+
+        `writer_done`: the cancel comes from the writer itself, which has no copy in flight.
+        """
         error = TransferCancelled(f"request {request_id!r}: {reason}")
+        if writer_done:
+            self._stop_writer(request_id)
         early = self._early.pop(request_id, None)
         if early is not None:
             early.timer.cancel()
             early.ack(error)
+        early_write = self._early_writes.pop(request_id, None)
+        if early_write is not None:
+            early_write.timer.cancel()
+            early_write.grant(error)
+        entry = self._expected.get(request_id)
+        if entry is not None and entry.writer is not None:
+            entry.writer.cancel = error  # a copy may be in flight: resolve on written / link loss
+            return
         self._fail(request_id, error)
+
+    def grant(self, request_id: str, grant: Grant, abort: Callable[[], None]) -> None:
+        """A sender asks to copy the blocks of `request_id` into the pool itself.
+
+        `grant` gets the block ids at once if the request is expected, later if its
+        expect() comes within the timeout, or the error. The writer checks the count (it
+        may ask before its KV exists). `abort` breaks the writer's connection; it is
+        called if the writer never reports `written` or `cancel` in time.
+        """
+        tomb = self._tombstones.get(request_id)
+        entry = self._expected.get(request_id)
+        if tomb is not None:
+            grant(tomb[0])
+        elif entry is not None:
+            if entry.writer is not None:
+                grant(TransferRejected(f"request {request_id!r} sent twice"))
+            else:
+                entry.writer = _Writer(abort)
+                grant(entry.ids)
+        elif request_id in self._early or request_id in self._early_writes:
+            grant(TransferRejected(f"request {request_id!r} sent twice"))
+        else:
+            timer = asyncio.get_running_loop().call_later(self._timeout_s, self._expire_early, request_id)
+            self._early_writes[request_id] = _EarlyWrite(grant, abort, timer)
+
+    def written(self, request_id: str, transport: str) -> None:
+        """The sender granted `request_id` has finished copying (its copy is complete on the GPU)."""
+        entry = self._expected.get(request_id)
+        if entry is None or entry.writer is None:
+            return  # already failed (its writer's link broke first); nothing holds the blocks
+        cancelled = entry.writer.cancel
+        entry.writer = None
+        if cancelled is not None:
+            self._fail(request_id, cancelled)
+            return
+        del self._expected[request_id]
+        entry.timer.cancel()
+        if not entry.future.done():
+            entry.future.set_result(self._result(request_id, entry, transport, None))
 
     def failed(self, request_id: str, error: TransferError) -> None:
         """The data of `request_id` will never land (its connection broke)."""
@@ -97,9 +181,9 @@ class ReceiveTable:
         tomb = self._tombstones.get(request_id)
         if tomb is not None:
             ack(tomb[0])
-        elif request_id in self._expected:
+        elif request_id in self._expected and self._expected[request_id].writer is None:
             self._land(request_id, staging, transport, ack)
-        elif request_id in self._early:
+        elif request_id in self._expected or request_id in self._early or request_id in self._early_writes:
             ack(TransferRejected(f"request {request_id!r} sent twice"))
         else:
             timer = asyncio.get_running_loop().call_later(self._timeout_s, self._expire_early, request_id)
@@ -107,8 +191,11 @@ class ReceiveTable:
 
     def close(self) -> None:
         for request_id in list(self._expected):
+            abort = self._stop_writer(request_id)
             self.cancel(request_id, "receiver closed")
-        for request_id in list(self._early):
+            if abort is not None:
+                abort()
+        for request_id in [*self._early, *self._early_writes]:
             self.cancel(request_id, "receiver closed")
         for request_id in list(self._tombstones):
             self._clear_tombstone(request_id)
@@ -141,11 +228,28 @@ class ReceiveTable:
             entry.future.set_result(self._result(request_id, entry, "unknown", error))
 
     def _expire(self, request_id: str) -> None:
+        # A writer silent for the whole timeout is hung: break its link, then the blocks are free.
+        abort = self._stop_writer(request_id)
         self._fail(request_id, TransferTimeout(f"request {request_id!r}: no KV within {self._timeout_s}s"))
+        if abort is not None:
+            abort()
+
+    def _stop_writer(self, request_id: str) -> Callable[[], None] | None:
+        """Forget the writer of `request_id`, returning how to abort it (None if none)."""
+        entry = self._expected.get(request_id)
+        if entry is None or entry.writer is None:
+            return None
+        writer, entry.writer = entry.writer, None
+        return writer.abort
 
     def _expire_early(self, request_id: str) -> None:
-        early = self._early.pop(request_id)
-        early.ack(TransferRejected(f"request {request_id!r}: receiver never expected it"))
+        error = TransferRejected(f"request {request_id!r}: receiver never expected it")
+        early = self._early.pop(request_id, None)
+        if early is not None:
+            early.ack(error)
+        early_write = self._early_writes.pop(request_id, None)
+        if early_write is not None:
+            early_write.grant(error)
 
     def _clear_tombstone(self, request_id: str) -> None:
         tomb = self._tombstones.pop(request_id, None)

@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import struct
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from kv_transport.handshake import check_proof, describe_mismatch, fingerprint, 
 
 logger = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES = 16 << 10  # worker addresses of RDMA hosts run to kilobytes
+MAX_FRAME_BYTES = 256 << 10  # RDMA worker addresses run to kilobytes; grants list up to ~48k block ids
 _LEN = struct.Struct("<I")
 PROBE_BYTES = 64 << 10  # above UCX's rendezvous threshold, so the probe picks the bulk path
 PROBE_ID = "\x00probe"
@@ -98,6 +98,7 @@ class Session:
     key: bytes  # client nonce + server nonce: seeds per-request data tags
     peer_num_blocks: int
     peer_worker_address: bytes
+    peer_pool: dict[str, Any] | None = None  # the receiver's pool as a CUDA IPC handle (cuda_ipc.export_pool)
 
 
 async def client_handshake(
@@ -120,13 +121,19 @@ async def client_handshake(
     proof = prove(config.secret, "client", client_nonce, server_nonce, fingerprint(fields))
     await ctl.send({"t": "auth", "proof": proof})
     accept = await ctl.expect("accept")
-    return Session(client_nonce + server_nonce, int(accept["num_blocks"]), bytes.fromhex(accept["worker_address"]))
+    return Session(client_nonce + server_nonce, int(accept["num_blocks"]), bytes.fromhex(accept["worker_address"]),
+                   accept.get("pool"))
 
 
 async def server_handshake(
-    ctl: Control, fields: dict[str, str | int], config: TransportConfig, num_blocks: int
+    ctl: Control, fields: dict[str, str | int], config: TransportConfig, num_blocks: int,
+    pool: Callable[[], dict[str, Any] | None],
 ) -> Session:
-    """Receiver side. Raises HandshakeRefused (after telling the peer why)."""
+    """Receiver side. Raises HandshakeRefused (after telling the peer why).
+
+    `pool` describes the receiver's pool for direct writes (None: not offered); it is
+    called, and its handle sent, only once the sender has proved the secret.
+    """
     hello = await ctl.expect("hello")
     client_nonce, client_fields = bytes.fromhex(hello["nonce"]), hello["layout"]
     server_nonce = new_nonce()
@@ -142,7 +149,7 @@ async def server_handshake(
     if reason:
         await ctl.send({"t": "refuse", "reason": reason})
         raise HandshakeRefused(reason)
-    # The worker address lets the sender open the fast data endpoint; only authenticated peers get it.
+    # The worker address and the pool handle open the fast data paths; only authenticated peers get them.
     address = bytes(ucxx.get_worker_address())
-    await ctl.send({"t": "accept", "num_blocks": num_blocks, "worker_address": address.hex()})
+    await ctl.send({"t": "accept", "num_blocks": num_blocks, "worker_address": address.hex(), "pool": pool()})
     return Session(client_nonce + server_nonce, 0, b"")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,6 +14,7 @@ import ucxx
 from engine.kv_pool import KVLayout
 from kv_transport.api import HandshakeRefused, PeerAddress, PeerLost, TransferError, TransferResult
 from kv_transport.config import TransportConfig
+from kv_transport.cuda_ipc import export_pool
 from kv_transport.handshake import data_tag, layout_fields
 from kv_transport.receive_table import ReceiveTable
 from kv_transport.staging import as_bytes, empty_staging
@@ -34,7 +36,10 @@ class _Connection:
         self._key = session.key
         self._kv = kv
         self._table = table
-        self._receiving: set[str] = set()
+        self._receiving: set[str] = set()  # message-path requests whose data is awaited
+        self._writing: set[str] = set()  # direct-write requests not yet written
+        self._copied: torch.cuda.Event | None = None  # the writer's copy event (CUDA IPC), if opened
+        self._copied_handle = ""
         self._tasks: set[asyncio.Task[None]] = set()
         self.closed = False
         self._reader = asyncio.create_task(self._read())
@@ -43,7 +48,7 @@ class _Connection:
         if self.closed:
             return
         self.closed = True
-        for request_id in self._receiving:
+        for request_id in (*self._receiving, *self._writing):
             self._table.failed(request_id, PeerLost(f"request {request_id!r}: sender lost mid-transfer"))
         self._ctl.abort()  # also cancels the receives posted for in-flight data
         for task in (self._reader, *self._tasks):
@@ -54,10 +59,24 @@ class _Connection:
         try:
             while True:
                 msg = await self._ctl.recv()
-                if msg["t"] == "xfer":
+                if msg["t"] == "xfer" and msg.get("mode") == "write":
+                    self._open_copy_event(str(msg.get("event", "")))
+                    self._start_write(str(msg["id"]))
+                elif msg["t"] == "xfer":
                     self._start_receive(str(msg["id"]), int(msg["n"]), str(msg.get("transport", "unknown")))
+                elif msg["t"] == "written":
+                    request_id = str(msg["id"])
+                    if request_id in self._writing:
+                        self._writing.discard(request_id)
+                        if self._copied is not None:
+                            # The copy may still run: whatever uses the pool next on this
+                            # device's stream (the decode step) starts after it.
+                            torch.cuda.current_stream(self._kv.device).wait_event(self._copied)
+                        self._table.written(request_id, "cuda_ipc")
                 elif msg["t"] == "cancel":
-                    self._table.cancel(str(msg["id"]), "cancelled by the sender")
+                    request_id = str(msg["id"])
+                    self._writing.discard(request_id)  # a writer that cancels has no copy in flight
+                    self._table.cancel(request_id, "cancelled by the sender", writer_done=True)
                 elif msg["t"] == "refuse":
                     logger.warning("KV sender gave up the connection: %s", msg.get("reason"))
                     break
@@ -67,11 +86,46 @@ class _Connection:
             logger.info("KV sender connection closed: %s", e)
         self.close()
 
-    def _start_receive(self, request_id: str, num_blocks: int, transport: str) -> None:
-        if not 0 < num_blocks <= self._kv.shape[2] or request_id in self._receiving:
+    def _check_header(self, request_id: str, num_blocks: int | None) -> bool:
+        bad_count = num_blocks is not None and not 0 < num_blocks <= self._kv.shape[2]
+        if bad_count or request_id in self._receiving or request_id in self._writing:
             # The sender checks both before sending; a violation means a broken peer.
             logger.warning("KV sender broke the protocol (request %r, %d blocks)", request_id, num_blocks)
             self.close()
+            return False
+        return True
+
+    def _start_write(self, request_id: str) -> None:
+        """The sender will copy into the pool itself (it mapped it): hand it the block ids.
+        It may ask before its KV exists (prepare), so it checks the count itself."""
+        if self._check_header(request_id, None):
+            self._writing.add(request_id)
+            self._table.grant(request_id, lambda answer: self._grant(request_id, answer), self.close)
+
+    def _grant(self, request_id: str, answer: torch.Tensor | TransferError) -> None:
+        if self.closed:
+            return
+        if isinstance(answer, TransferError):
+            self._writing.discard(request_id)
+            spawn(self._ctl.send({"t": "done", "id": request_id, "error": error_to_wire(answer)}), self._tasks)
+            return
+        ids = base64.b64encode(answer.to(torch.int32).numpy().tobytes()).decode()
+        grant = {"t": "grant", "id": request_id, "ids": ids, "ordered": self._copied is not None}
+        spawn(self._ctl.send(grant), self._tasks)
+
+    def _open_copy_event(self, handle: str) -> None:
+        """Open the writer's copy event once; without it the writer waits for its copy itself."""
+        if not handle or handle == self._copied_handle or not self._kv.is_cuda:
+            return
+        self._copied_handle = handle
+        try:
+            self._copied = torch.cuda.Event.from_ipc_handle(self._kv.device, bytes.fromhex(handle))
+        except RuntimeError as e:
+            logger.info("cannot open the KV writer's CUDA event (%s): it will wait for its copies", e)
+            self._copied = None
+
+    def _start_receive(self, request_id: str, num_blocks: int, transport: str) -> None:
+        if not self._check_header(request_id, num_blocks):
             return
         self._receiving.add(request_id)
         task = asyncio.create_task(self._receive(request_id, num_blocks, transport))
@@ -144,6 +198,16 @@ class UcxKVReceiver:
             conn.close()
         self._table.close()
 
+    def _offer_pool(self) -> dict[str, Any] | None:
+        """The pool's CUDA IPC handle for a sender's direct writes (fresh per sender)."""
+        if not (self._config.direct_writes and self._kv.is_cuda):
+            return None
+        try:
+            return export_pool(self._kv)
+        except RuntimeError as e:
+            logger.warning("cannot share the KV pool over CUDA IPC, senders will use UCX messages: %s", e)
+            return None
+
     async def _on_connect(self, ep: Any) -> None:
         # Must be `async def`: ucxx never awaits a coroutine returned by a plain callable.
         ctl = Control(ep)
@@ -163,7 +227,7 @@ class UcxKVReceiver:
         self._conns.add(_Connection(ctl, session, self._kv, self._table, self._conns.discard))
 
     async def _accept(self, ctl: Control) -> Session:
-        session = await server_handshake(ctl, self._fields, self._config, self._kv.shape[2])
+        session = await server_handshake(ctl, self._fields, self._config, self._kv.shape[2], self._offer_pool)
         probe = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=self._kv.device)
         await ctl.ep.recv(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True)
         return session

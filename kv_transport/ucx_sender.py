@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -24,8 +26,9 @@ from kv_transport.api import (
     TransferTimeout,
 )
 from kv_transport.config import TransportConfig
+from kv_transport.cuda_ipc import open_pool
 from kv_transport.handshake import data_tag, layout_fields
-from kv_transport.staging import as_bytes, check_block_ids, gather_blocks, staging_num_blocks
+from kv_transport.staging import as_bytes, check_block_ids, copy_pool_blocks, gather_blocks, staging_num_blocks
 from kv_transport.transport_info import ep_info, transport_from_ep_info
 from kv_transport.ucx_link import PROBE_BYTES, PROBE_ID, Control, Session, client_handshake, ensure_ucx, spawn
 from kv_transport.wire import error_from_wire
@@ -38,9 +41,15 @@ class _Connection:
 
     def __init__(
         self, peer: PeerAddress, ctl: Control, data_ep: Any, session: Session, transport: str,
-        on_close: Callable[[_Connection], None],
+        on_close: Callable[[_Connection], None], peer_kv: torch.Tensor | None = None,
     ) -> None:
         self.peer = peer
+        # The receiver's pool mapped into this process: KV is written straight into it.
+        self.peer_kv = peer_kv
+        # Recorded after each copy; the receiver opens it (CUDA IPC) and orders its stream
+        # after it, so that it may use the KV before our host has seen the copy finish.
+        self._copied = torch.cuda.Event(interprocess=True) if peer_kv is not None and peer_kv.is_cuda else None
+        self._receiver_orders = False  # the receiver could open that event (from its grants)
         self._on_close = on_close
         self.transport = transport
         self.peer_num_blocks = session.peer_num_blocks
@@ -48,6 +57,7 @@ class _Connection:
         self._data_ep = data_ep
         self._key = session.key
         self._acks: dict[str, asyncio.Future[TransferError | None]] = {}
+        self._grants: dict[str, asyncio.Future[torch.Tensor | TransferError]] = {}
         # Each data send keeps its staging buffer alive until UCX is done with it.
         self._data: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -73,14 +83,82 @@ class _Connection:
             return await ack
         except asyncio.CancelledError:
             # The caller gave up (cancel or timeout): let the receiver resolve its expect() now.
-            if not self.closed:
-                spawn(self._ctl.send({"t": "cancel", "id": request_id}), self._tasks)
+            self._cancel_remote(request_id)
             raise
         except Exception as e:  # noqa: BLE001 - the header could not be sent: the link is gone
             self.close(PeerLost(f"{self.peer}: connection lost: {e}"))
             return self.error
         finally:
             self._acks.pop(request_id, None)
+
+    def request_grant(self, request_id: str) -> None:
+        """Ask the receiver for the blocks of `request_id` now; `write` uses the answer."""
+        if request_id in self._grants:
+            return
+        grant: asyncio.Future[torch.Tensor | TransferError] = asyncio.get_running_loop().create_future()
+        self._grants[request_id] = grant
+        if self.error is not None:
+            grant.set_result(self.error)
+            return
+        header: dict[str, Any] = {"t": "xfer", "id": request_id, "mode": "write"}
+        if self._copied is not None:
+            header["event"] = bytes(self._copied.ipc_handle()).hex()
+        spawn(self._send_or_close(header), self._tasks)
+
+    def withdraw(self, request_id: str) -> None:
+        """Give back a grant that `write` will not use (the receiver may free its blocks)."""
+        if self._grants.pop(request_id, None) is not None:
+            self._cancel_remote(request_id)
+
+    def _cancel_remote(self, request_id: str) -> None:
+        """Tell the receiver we are done with `request_id` without landing it (it frees)."""
+        if not self.closed:
+            spawn(self._ctl.send({"t": "cancel", "id": request_id}), self._tasks)
+
+    async def write(self, request_id: str, kv: torch.Tensor, ids: torch.Tensor) -> TransferError | None:
+        """Copy blocks `ids` of `kv` straight into the blocks the receiver grants."""
+        assert self.peer_kv is not None
+        self.request_grant(request_id)  # no-op when prepared ahead
+        written = False
+        try:
+            answer = await self._grants[request_id]
+            if isinstance(answer, TransferError):
+                self._grants.pop(request_id, None)
+                return answer
+            if answer.numel() != ids.numel():
+                self.withdraw(request_id)
+                return TransferRejected(f"request {request_id!r}: {ids.numel()} blocks, {self.peer} expects "
+                                        f"{answer.numel()}")
+            del self._grants[request_id]
+            if self._copied is not None and self._receiver_orders:
+                # "written" travels while the copy runs: the receiver's stream waits on the event.
+                copy_pool_blocks(kv, ids, self.peer_kv, answer, wait=False)
+                self._copied.record(torch.cuda.current_stream(kv.device))
+                written = True
+                await self._ctl.send({"t": "written", "id": request_id})
+                self._copied.synchronize()  # our blocks are free for reuse when we return
+                return None
+            copy_pool_blocks(kv, ids, self.peer_kv, answer)
+            written = True
+            # Not awaited: the receiver learns it one message later; if that message is lost,
+            # so is the link, and the receiver fails the request (its caller frees the blocks).
+            spawn(self._send_or_close({"t": "written", "id": request_id}), self._tasks)
+            return None
+        except asyncio.CancelledError:
+            # Before the copy: the grant goes back. After it: "written" may not have left; the
+            # cancel frees the blocks either way, since no copy is in flight any more.
+            self._grants.pop(request_id, None)
+            self._cancel_remote(request_id)
+            raise
+        except Exception as e:  # noqa: BLE001 - a frame could not be sent: the link is gone
+            self.close(PeerLost(f"{self.peer}: connection lost{' after writing' if written else ''}: {e}"))
+            return self.error
+
+    async def _send_or_close(self, msg: dict[str, Any]) -> None:
+        try:
+            await self._ctl.send(msg)
+        except Exception as e:  # noqa: BLE001 - the link is gone
+            self.close(PeerLost(f"{self.peer}: connection lost: {e}"))
 
     def data_in_flight(self, request_id: str) -> bool:
         return request_id in self._data
@@ -89,9 +167,9 @@ class _Connection:
         if self.error is not None:
             return
         self.error = error
-        for ack in self._acks.values():
-            if not ack.done():
-                ack.set_result(error)
+        for waiter in (*self._acks.values(), *self._grants.values()):
+            if not waiter.done():
+                waiter.set_result(error)
         if self._data_ep is not self._ctl.ep:
             self._data_ep.abort(period=10**8)
         self._ctl.abort()
@@ -109,14 +187,37 @@ class _Connection:
         try:
             while True:
                 msg = await self._ctl.recv()
-                if msg["t"] == "done":
+                if msg["t"] == "grant":
+                    self._receiver_orders = bool(msg.get("ordered"))
+                    self._resolve_grant(str(msg["id"]), self._granted_ids(msg))
+                elif msg["t"] == "done":
+                    error = error_from_wire(msg.get("error"))
                     ack = self._acks.get(msg["id"])
                     if ack is not None and not ack.done():
-                        ack.set_result(error_from_wire(msg.get("error")))
+                        ack.set_result(error)
+                    if error is not None:
+                        self._resolve_grant(str(msg["id"]), error)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - UCX reports a dead peer as assorted errors
             self.close(PeerLost(f"{self.peer}: connection lost: {e}"))
+
+
+    def _resolve_grant(self, request_id: str, answer: torch.Tensor | TransferError) -> None:
+        # No waiter: we gave up on it, and our cancel frees the blocks on the receiver.
+        grant = self._grants.get(request_id)
+        if grant is not None and not grant.done():
+            grant.set_result(answer)
+
+    def _granted_ids(self, msg: dict[str, Any]) -> torch.Tensor:
+        """Block ids from a grant frame, checked against the receiver's pool (a bad one breaks the link)."""
+        ids = torch.frombuffer(bytearray(base64.b64decode(msg["ids"])), dtype=torch.int32).to(torch.int64)
+        assert self.peer_kv is not None
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.peer_kv.shape[2]:
+            raise ValueError(f"grant for {msg['id']!r} names blocks outside the receiver's pool")
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"grant for {msg['id']!r} repeats a block")
+        return ids
 
 
 @dataclass(slots=True)
@@ -138,22 +239,49 @@ class UcxKVSender:
         self._conns: dict[PeerAddress, _Connection] = {}
         self._connecting: dict[PeerAddress, asyncio.Task[_Connection]] = {}
         self._in_flight: set[str] = set()
+        self._prepared: dict[str, _Connection] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def num_connections(self) -> int:
         return len(self._conns)
 
+    def direct_peers(self) -> list[PeerAddress]:
+        """Receivers this sender writes into directly (their pools mapped here)."""
+        return [peer for peer, conn in self._conns.items() if conn.peer_kv is not None]
+
+    def prepare(self, request_id: str, peer: PeerAddress) -> None:
+        """See KVSender.prepare: asks a direct-write peer for its blocks now, or starts connecting."""
+        conn = self._conns.get(peer)
+        if conn is None:
+            spawn(self._connect_ahead(peer), self._tasks)
+        elif conn.peer_kv is not None and not conn.closed and request_id not in self._prepared:
+            conn.request_grant(request_id)
+            self._prepared[request_id] = conn
+
+    def forget(self, request_id: str) -> None:
+        conn = self._prepared.pop(request_id, None)
+        if conn is not None:
+            conn.withdraw(request_id)
+
+    async def _connect_ahead(self, peer: PeerAddress) -> None:
+        with contextlib.suppress(TransferError):  # send() reports it
+            await self._connection(peer)
+
     async def send(self, request_id: str, block_ids: Sequence[int], peer: PeerAddress) -> TransferResult:
         ids = check_block_ids(block_ids, self._kv.shape[2])
         if request_id in self._in_flight:
             raise ValueError(f"request {request_id!r} is already being sent")
+        self._prepared.pop(request_id, None)  # the write below takes the grant, or sends it back
         self._in_flight.add(request_id)
         started = time.perf_counter()
         timeout = self._config.transfer_timeout_s
         attempt = _Attempt()
         try:
-            error = await asyncio.wait_for(self._send(request_id, ids, peer, attempt), timeout)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: the send runs in this task, no extra loop iteration.
+            async with asyncio.timeout(timeout):
+                error = await self._send(request_id, ids, peer, attempt)
+        except TimeoutError:
             error = TransferTimeout(f"request {request_id!r} to {peer}: not landed within {timeout}s")
             if attempt.conn is not None and attempt.conn.data_in_flight(request_id):
                 # The receiver stopped draining: nothing else on this link will get through.
@@ -167,7 +295,8 @@ class UcxKVSender:
                               time.perf_counter() - started, error)
 
     async def close(self) -> None:
-        for task in self._connecting.values():
+        self._prepared.clear()
+        for task in (*self._connecting.values(), *self._tasks):
             task.cancel()
         for conn in list(self._conns.values()):
             conn.close(TransferCancelled("sender closed"))
@@ -178,6 +307,8 @@ class UcxKVSender:
         conn = attempt.conn = await self._connection(peer)
         if ids.numel() > conn.peer_num_blocks:
             return TransferRejected(f"request {request_id!r}: {ids.numel()} blocks, {peer} has {conn.peer_num_blocks}")
+        if conn.peer_kv is not None:
+            return await conn.write(request_id, self._kv, ids)
         return await conn.transfer(request_id, gather_blocks(self._kv, ids))
 
     async def _connection(self, peer: PeerAddress) -> _Connection:
@@ -220,10 +351,16 @@ class UcxKVSender:
         data_ep = ep
         try:
             session = await client_handshake(ctl, self._fields, self._config, str(peer))
-            if self._config.fast_data_path:
-                address = ucxx.get_ucx_address_from_buffer(session.peer_worker_address)
-                data_ep = await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
-            transport = await self._probe(data_ep, session)
+            peer_kv = self._open_peer_pool(session, peer)
+            if peer_kv is not None:
+                # KV goes straight into the mapped pool; the probe only completes the handshake.
+                transport = "cuda_ipc"
+                await self._probe(ep, session)
+            else:
+                if self._config.fast_data_path:
+                    address = ucxx.get_ucx_address_from_buffer(session.peer_worker_address)
+                    data_ep = await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
+                transport = await self._probe(data_ep, session)
             if not self._config.allows(transport):
                 reason = f"transport to {peer} is {transport}, allowed: {sorted(self._config.allowed_transports)}"
                 await ctl.send({"t": "refuse", "reason": reason})
@@ -236,8 +373,25 @@ class UcxKVSender:
                 raise PeerLost(f"handshake with {peer} failed: {e}") from e
             raise
         log = logger.warning if transport == "unknown" else logger.info
-        log("KV transport to %s: %s (fast_data_path=%s)", peer, transport, self._config.fast_data_path)
-        return _Connection(peer, ctl, data_ep, session, transport, self._forget)
+        path = "direct writes into the peer's pool" if peer_kv is not None else \
+            f"UCX messages, fast_data_path={self._config.fast_data_path}"
+        log("KV transport to %s: %s (%s)", peer, transport, path)
+        return _Connection(peer, ctl, data_ep, session, transport, self._forget, peer_kv)
+
+    def _open_peer_pool(self, session: Session, peer: PeerAddress) -> torch.Tensor | None:
+        """The receiver's pool mapped for direct writes, or None (not offered, or not mappable here)."""
+        desc = session.peer_pool
+        if desc is None or not (self._config.direct_writes and self._kv.is_cuda):
+            return None
+        try:
+            peer_kv = open_pool(desc, self._kv.device)
+        except (ValueError, RuntimeError) as e:
+            logger.info("KV pool of %s not mappable here (%s): using UCX messages", peer, e)
+            return None
+        expected = (*self._kv.shape[:2], session.peer_num_blocks, *self._kv.shape[3:])
+        if tuple(peer_kv.shape) != expected or peer_kv.dtype != self._kv.dtype:
+            raise TransferError(f"{peer} shared a pool of shape {tuple(peer_kv.shape)}, expected {expected}")
+        return peer_kv
 
     def _forget(self, conn: _Connection) -> None:
         if self._conns.get(conn.peer) is conn:

@@ -52,11 +52,16 @@ class PrefillWorker:
         waiter: asyncio.Future[TokenDelta] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = waiter
         params = dataclasses.replace(req.params, max_tokens=1)
+        if decode_peer is not None:
+            # The decode worker's grant of its blocks (direct writes) travels while we compute.
+            self._sender.prepare(rid, decode_peer)
         try:
             await self.loop.call(lambda e: e.add_request(list(req.prompt_token_ids), params, rid, hold_kv=True))
             first = await asyncio.wait_for(waiter, self._prefill_timeout_s)
         except BaseException:
             self._waiters.pop(rid, None)
+            if decode_peer is not None:
+                self._sender.forget(rid)
             await self.loop.call(lambda e: e.abort(rid))
             raise
         needs_decode = first.finish_reason is FinishReason.LENGTH and req.params.max_tokens > 1
@@ -68,6 +73,8 @@ class PrefillWorker:
                 result.raise_for_error()
                 transfer = KVTransferInfo(result.num_bytes, result.transport, result.elapsed_s)
         finally:
+            if decode_peer is not None:
+                self._sender.forget(rid)  # a no-op once sent
             await self.loop.call(lambda e: e.release(rid))
         first = dataclasses.replace(first, finish_reason=None if needs_decode else first.finish_reason)
         return PrefillOutput(first, needs_decode, transfer)

@@ -30,6 +30,9 @@ class _TritonStep:
             paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                          self.scale, out=out[:nd])
         if meta.num_prefills:
+            # The chunk's own K/V straight from the projection (contiguous rows, TMA);
+            # only earlier context is gathered from the cache.
             flash_prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
-                          meta.prefill_block_tables, self.scale, meta.prefill_max_seqlen_q, out=out[nd:])
+                          meta.prefill_block_tables, self.scale, meta.prefill_max_seqlen_q, out=out[nd:],
+                          k_new=k[nd:], v_new=v[nd:])
         return out

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import fnmatch
 import re
-
 import tomllib
 
 from tests.deploy.conftest import ROOT

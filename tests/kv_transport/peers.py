@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
+import os
 import threading
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
@@ -34,6 +35,9 @@ class PeerSpec:
     timeout_s: float = 5.0
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # more TransportConfig fields
+    # Direct writes: the receiver's pool lives in a shared file that the sender maps, standing
+    # in for the CUDA IPC mapping (CPU-only CI); the wire protocol and the copy are the real ones.
+    direct: bool = False
 
     def layout(self) -> KVLayout:
         return KVLayout(self.model, torch.float16, num_layers=2, num_kv_heads=2, head_dim=self.head_dim, block_size=4)
@@ -53,7 +57,32 @@ def digest(kv: torch.Tensor, block_ids: list[int]) -> str:
 
 def run_peer(role: str, conn: Connection, spec: PeerSpec) -> None:
     """Child process entry point."""
+    if spec.direct:
+        _map_pools_through_files()
     asyncio.run(_Peer(role, conn, spec).run())
+
+
+def _map_pools_through_files() -> None:
+    """Stand-ins for cuda_ipc.export_pool / open_pool on CPU pools: a file in /dev/shm."""
+
+    def offer(receiver: UcxKVReceiver) -> dict[str, Any]:
+        kv = receiver._kv
+        path = f"/dev/shm/pdserve-test-{os.getpid()}-{id(kv)}"
+        if not os.path.exists(path):
+            shared = torch.from_file(path, shared=True, size=kv.numel(), dtype=kv.dtype).view(kv.shape)
+            shared.copy_(kv)
+            kv.set_(shared)  # the receiver's pool now lives in the file (same tensor object)
+        return {"path": path, "shape": list(kv.shape)}
+
+    def open_(sender: UcxKVSender, session: Any, peer: Any) -> torch.Tensor | None:
+        desc = session.peer_pool
+        if desc is None:
+            return None
+        shape = torch.Size(desc["shape"])
+        return torch.from_file(desc["path"], shared=True, size=shape.numel(), dtype=sender._kv.dtype).view(shape)
+
+    UcxKVReceiver._offer_pool = offer  # type: ignore[method-assign]
+    UcxKVSender._open_peer_pool = open_  # type: ignore[method-assign]
 
 
 class _Peer:
@@ -79,6 +108,10 @@ class _Peer:
         address = self.peer.address if self.role == "receiver" else None
         self.conn.send({"op": "ready", "address": address})
         while (cmd := await inbox.get())["op"] != "exit":
+            for request_id in cmd.get("prepare", []):
+                self.peer.prepare(request_id, cmd["peer"])
+            for request_id in cmd.get("forget", []):
+                self.peer.forget(request_id)
             for request_id, block_ids in cmd.get("requests", []):
                 self.held.update(block_ids)
                 if cmd["op"] == "expect":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import os
 import random
@@ -56,6 +57,8 @@ class Peer:
             self.process.join(10)
         if self.process.is_alive():
             self.kill()
+        for path in glob.glob(f"/dev/shm/pdserve-test-{self.process.pid}-*"):  # direct-write pools
+            os.unlink(path)
 
     def _next(self, op: str, timeout_s: float) -> dict[str, Any]:
         """Next message of kind `op`; results arriving meanwhile are filed."""
@@ -99,9 +102,22 @@ def pair() -> Iterator[tuple[Peer, Peer]]:
         yield receiver, sender
 
 
+@pytest.fixture(scope="module")
+def direct_pair() -> Iterator[tuple[Peer, Peer]]:
+    """Senders write straight into the receiver's (file-mapped) pool: grant / written frames."""
+    spec = PeerSpec(num_blocks=256, timeout_s=TIMEOUT_S, direct=True)
+    with peers(("receiver", spec), ("sender", spec.with_(seed=7))) as (receiver, sender):
+        yield receiver, sender
+
+
+BOTH_PATHS = pytest.mark.parametrize("path", ["pair", "direct_pair"], ids=["messages", "direct-writes"])
+TRANSPORTS = {"pair": ("shm", "tcp"), "direct_pair": ("cuda_ipc",)}
+
+
+@BOTH_PATHS
 @pytest.mark.parametrize("early", [False, True], ids=["expect-first", "data-first"])
-def test_concurrent_requests_land_byte_exact(pair: tuple[Peer, Peer], early: bool) -> None:
-    receiver, sender = pair
+def test_concurrent_requests_land_byte_exact(request: pytest.FixtureRequest, path: str, early: bool) -> None:
+    receiver, sender = request.getfixturevalue(path)
     rng = random.Random(int(early))
     sizes = [rng.randint(1, 12) for _ in range(8)]
     recv_ids = scattered(rng, 256, sizes)
@@ -121,12 +137,13 @@ def test_concurrent_requests_land_byte_exact(pair: tuple[Peer, Peer], early: boo
     for name in names:
         assert sent[name]["ok"] and landed[name]["ok"], (sent[name], landed[name])
         assert landed[name]["digest"] == sent[name]["digest"]
-        assert sent[name]["transport"] in ("shm", "tcp")
+        assert sent[name]["transport"] == landed[name]["transport"] and sent[name]["transport"] in TRANSPORTS[path]
     assert receiver.stats()["stray_blocks"] == 0
 
 
-def test_no_leaks_after_100_transfers(pair: tuple[Peer, Peer]) -> None:
-    receiver, sender = pair
+@BOTH_PATHS
+def test_no_leaks_after_100_transfers(request: pytest.FixtureRequest, path: str) -> None:
+    receiver, sender = request.getfixturevalue(path)
     rng = random.Random(3)
     before = sender.stats(), receiver.stats()
     for batch in range(10):  # 10 batches of 10 requests in flight at once
@@ -161,10 +178,11 @@ def test_mismatch_is_refused(pair: tuple[Peer, Peer], change: dict[str, Any], wo
     assert receiver.stats()["connections"] == connections
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "checked-path"])
-def test_receiver_killed_mid_transfer(fast: bool) -> None:
+@pytest.mark.parametrize("mode", ["fast", "checked", "direct"], ids=["fast-path", "checked-path", "direct-writes"])
+def test_receiver_killed_mid_transfer(mode: str) -> None:
     # 256 KiB blocks, so that a 100 MiB request is still on the wire when the receiver dies.
-    spec = PeerSpec(num_blocks=512, head_dim=4096, timeout_s=TIMEOUT_S, extra={"fast_data_path": fast})
+    spec = PeerSpec(num_blocks=512, head_dim=4096, timeout_s=TIMEOUT_S, extra={"fast_data_path": mode == "fast"},
+                    direct=mode == "direct")
     with peers(("receiver", spec), ("sender", spec)) as (receiver, sender):
         receiver.command("expect", requests=[("warm", [1]), ("big", list(range(100, 500)))])
         sender.command("send", requests=[("warm", [2])], peer=receiver.address)
@@ -188,8 +206,9 @@ def test_receiver_killed_mid_transfer(fast: bool) -> None:
         assert stats["held"] == 0 and stats["connections"] == 0 and stats["endpoints"] == 0
 
 
-def test_sender_killed_mid_transfer() -> None:
-    spec = PeerSpec(num_blocks=64, timeout_s=TIMEOUT_S)
+@pytest.mark.parametrize("direct", [False, True], ids=["messages", "direct-writes"])
+def test_sender_killed_mid_transfer(direct: bool) -> None:
+    spec = PeerSpec(num_blocks=64, timeout_s=TIMEOUT_S, direct=direct)
     with peers(("receiver", spec), ("sender", spec)) as (receiver, sender):
         receiver.command("expect", requests=[("warm", [1]), ("big", list(range(8, 40))), ("never", [50, 51])])
         sender.command("send", requests=[("warm", [2])], peer=receiver.address)
@@ -224,3 +243,33 @@ def test_error_handling_data_path_uses_tcp(pair: tuple[Peer, Peer]) -> None:
         landed = receiver.wait_results(["tcp"], TIMEOUT_S + SLACK_S)["tcp"]
         assert sent["ok"] and sent["transport"] == "tcp" and landed["transport"] == "tcp"
         assert landed["digest"] == sent["digest"]
+
+
+def test_direct_writes_prepared_ahead(direct_pair: tuple[Peer, Peer]) -> None:
+    """prepare() fetches the grant before the KV exists; forget() gives an unused one back,
+    which fails the receiver's expect at once instead of at its timeout."""
+    receiver, sender = direct_pair
+    receiver.command("expect", requests=[("warm", [39])])
+    sender.command("send", requests=[("warm", [1])], peer=receiver.address)  # connects
+    assert sender.wait_results(["warm"], TIMEOUT_S + SLACK_S)["warm"]["ok"]
+    receiver.command("expect", requests=[("ahead", [40, 41, 42]), ("dropped", [43, 44])])
+    sender.command("prepare", prepare=["ahead", "dropped"], peer=receiver.address)
+    time.sleep(0.3)  # the grants arrive while "the KV is computed"
+    sender.command("send", requests=[("ahead", [7, 8, 9])], peer=receiver.address, forget=["dropped"])
+    sent = sender.wait_results(["ahead"], TIMEOUT_S + SLACK_S)["ahead"]
+    landed = receiver.wait_results(["ahead", "dropped"], SLACK_S)
+    assert sent["ok"] and landed["ahead"]["ok"] and landed["ahead"]["digest"] == sent["digest"]
+    assert landed["dropped"]["error"] == "TransferCancelled", landed["dropped"]
+    stats = receiver.stats()
+    assert stats["pending"] == 0 and stats["held"] == 0
+
+
+def test_direct_write_block_count_mismatch(direct_pair: tuple[Peer, Peer]) -> None:
+    receiver, sender = direct_pair
+    receiver.command("expect", requests=[("short", [60, 61])])
+    sender.command("send", requests=[("short", [1, 2, 3])], peer=receiver.address)
+    sent = sender.wait_results(["short"], TIMEOUT_S + SLACK_S)["short"]
+    landed = receiver.wait_results(["short"], TIMEOUT_S + SLACK_S)["short"]
+    assert sent["error"] == "TransferRejected" and "expects 2" in sent["message"], sent
+    assert landed["error"] == "TransferCancelled", landed
+    assert receiver.stats()["stray_blocks"] == 0 and sender.stats()["held"] == 0

@@ -1,0 +1,60 @@
+"""Copy scattered KV blocks of one pool into scattered blocks of another, in one launch.
+
+The KV transport's direct path: `dst` is the decode worker's pool mapped into the
+prefill worker through a CUDA IPC handle, so every store crosses NVLink once, with no
+staging buffer on either side (a gather, a peer copy and a scatter would move the bytes
+three times).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    src_ptr, dst_ptr,            # [planes, num_blocks, words] (strided over planes and blocks)
+    src_ids_ptr, dst_ids_ptr,    # [n] int64
+    src_plane_stride, src_block_stride, dst_plane_stride, dst_block_stride,
+    WORDS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    plane = tl.program_id(1).to(tl.int64)
+    src = src_ptr + plane * src_plane_stride + tl.load(src_ids_ptr + pair) * src_block_stride
+    dst = dst_ptr + plane * dst_plane_stride + tl.load(dst_ids_ptr + pair) * dst_block_stride
+    offs = tl.arange(0, CHUNK)
+    for start in tl.static_range(0, WORDS, CHUNK):
+        mask = start + offs < WORDS
+        tl.store(dst + start + offs, tl.load(src + start + offs, mask=mask), mask=mask)
+
+
+def copy_blocks(
+    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor,
+    chunk: int = 1024, num_warps: int = 4,
+) -> None:
+    """dst[:, dst_ids[i]] = src[:, src_ids[i]] for every i, asynchronously on the current stream.
+
+    Args:
+        src, dst: [planes, num_blocks, words], same dtype and planes/words, last dim
+            contiguous (the pools viewed as rows of one block, e.g. `staging.blocks_view`).
+            `dst` may live on another GPU (peer memory mapped into this process).
+        src_ids, dst_ids: [n] int64 on src's device, same length; dst_ids must not repeat.
+        chunk: words one program moves per step (power of two); num_warps: per program.
+
+    No host sync and no allocation.
+    """
+    planes, _, words = src.shape
+    assert dst.shape[0] == planes and dst.shape[2] == words, (src.shape, dst.shape)
+    assert src.dtype == dst.dtype and src.stride(2) == 1 and dst.stride(2) == 1
+    assert src_ids.shape == dst_ids.shape and src_ids.dim() == 1, (src_ids.shape, dst_ids.shape)
+    assert src_ids.dtype == dst_ids.dtype == torch.int64
+    assert src_ids.device == dst_ids.device == src.device, (src_ids.device, dst_ids.device, src.device)
+    if src_ids.numel() == 0:
+        return
+    chunk = min(chunk, triton.next_power_of_2(words))
+    _copy_blocks_kernel[(src_ids.numel(), planes)](
+        src, dst, src_ids, dst_ids, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+        WORDS=words, CHUNK=chunk, num_warps=num_warps,
+    )

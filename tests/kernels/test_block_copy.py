@@ -1,0 +1,55 @@
+"""copy_blocks against indexing in torch: scattered ids on both sides, pools of different
+sizes, every dtype width, blocks whose size is not a multiple of the copy chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import copy_blocks
+from kv_transport.staging import blocks_view
+
+COVERS = ("copy_blocks",)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pools(shape: tuple[int, ...], src_blocks: int, dst_blocks: int, dtype: torch.dtype):
+    layers, _, block_size, heads, head_dim = shape
+    src = torch.randn(layers, 2, src_blocks, block_size, heads, head_dim, device=DEVICE).to(dtype)
+    dst = torch.full((layers, 2, dst_blocks, block_size, heads, head_dim), float("nan"), device=DEVICE).to(dtype)
+    return src, dst
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 16, 2, 16), (3, 2, 16, 1, 24), (1, 2, 32, 3, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 5])
+def test_copy_blocks_matches_indexing(shape, dtype, n):
+    src, dst = _pools(shape, src_blocks=9, dst_blocks=7, dtype=dtype)
+    gen = torch.Generator().manual_seed(n)
+    src_ids = torch.randperm(9, generator=gen)[:n].to(DEVICE)
+    dst_ids = torch.randperm(7, generator=gen)[:n].to(DEVICE)
+    expected = dst.clone()
+    expected[:, :, dst_ids] = src[:, :, src_ids]
+    copy_blocks(blocks_view(src), src_ids, blocks_view(dst), dst_ids, chunk=64)
+    # equal_nan: blocks not named keep their NaN poison; the named ones match bit for bit.
+    assert torch.equal(dst.isnan(), expected.isnan())
+    assert torch.equal(dst.nan_to_num(), expected.nan_to_num())
+
+
+def test_copy_blocks_nothing_to_copy():
+    src, dst = _pools((1, 2, 16, 1, 16), 2, 2, torch.float32)
+    none = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    copy_blocks(blocks_view(src), none, blocks_view(dst), none)
+    assert dst.isnan().all()
+
+
+@pytest.mark.gpu
+def test_copy_blocks_llama_8b_layout_gpu():
+    """The transport's real shape: 32 layers, 8 KV heads, head dim 128, bf16, block 16."""
+    src, dst = _pools((32, 2, 16, 8, 128), 600, 500, torch.bfloat16)
+    src_ids, dst_ids = torch.randperm(600, device=DEVICE)[:256], torch.randperm(500, device=DEVICE)[:256]
+    expected = dst.clone()
+    expected[:, :, dst_ids] = src[:, :, src_ids]
+    copy_blocks(blocks_view(src), src_ids, blocks_view(dst), dst_ids)
+    assert torch.equal(dst.isnan(), expected.isnan())
+    assert torch.equal(dst.nan_to_num(), expected.nan_to_num())
