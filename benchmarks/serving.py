@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from cluster.config import config_from_dict
+from cluster.metrics import Metrics
 from cluster.server import start_server
 from proto.pdserve.v1 import generation_pb2 as pb
 from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -101,15 +102,31 @@ async def run_mode(mode: str, args: argparse.Namespace) -> list[tuple[str, Trace
             stub = pb_grpc.GenerationStub(channel)
             models = await stub.ListModels(pb.ListModelsRequest())
             vocab = models.models[0].vocab_size
-            await load_run(stub, 4.0, 4, 64, 8, vocab)  # warm up (kernel compilation)
+            # Warm up at the measured prompt length: Triton compiles a prefill kernel per tile
+            # shape, and a compile inside a timed run shows up as a seconds-long TTFT tail.
+            await load_run(stub, 4.0, 4, args.prompt_len, 8, vocab)
             for rate in args.rates:
                 trace = await load_run(stub, rate, args.num_requests, args.prompt_len, args.output_len, vocab)
                 results.append((f"{mode}, {rate:g} req/s", trace))
             during, *_ = await burst_run(stub, vocab, args.burst_len, args.burst_count)
             results.append((f"{mode}, ITL during {args.burst_count}x{args.burst_len} burst", during))
+        print_kv_transfers(mode, server.metrics)
     finally:
         await server.stop()
     return results
+
+
+def print_kv_transfers(mode: str, metrics: Metrics) -> None:
+    """KV transfers of the run by transport and path (direct writes or UCX messages)."""
+    for family in metrics.registry.collect():
+        if family.name != "pdserve_kv_transfer_seconds":
+            continue
+        sums = {tuple(s.labels.values()): s.value for s in family.samples if s.name.endswith("_sum")}
+        for s in family.samples:
+            if s.name.endswith("_count") and s.value:
+                labels = tuple(s.labels.values())
+                print(f"{mode}: {int(s.value)} KV transfers, {', '.join(labels)}, "
+                      f"mean {sums[labels] / s.value * 1e3:.2f} ms (prefill side)")
 
 
 async def main_async(args: argparse.Namespace) -> None:

@@ -29,9 +29,10 @@ class Metrics:
                                     "cache", ["role", "worker"], registry=r)
         self.prefix_hits = Gauge("pdserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
                                  ["role", "worker"], registry=r)
-        self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved between workers", ["transport"],
+        # path: "direct" (written into the decode pool over CUDA IPC) or "messages" (UCX).
+        self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved between workers", ["transport", "path"],
                                 registry=r)
-        self.kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV transfer latency", ["transport"],
+        self.kv_seconds = Histogram("pdserve_kv_transfer_seconds", "KV transfer latency", ["transport", "path"],
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.spec_proposed = Gauge("pdserve_spec_proposed_tokens", "Draft tokens proposed for verification",
                                    ["worker"], registry=r)
@@ -47,8 +48,9 @@ class Metrics:
         start_http_server(port, addr=host, registry=self.registry)
 
     def kv_transfer(self, info: KVTransferInfo) -> None:
-        self.kv_bytes.labels(info.transport).inc(info.num_bytes)
-        self.kv_seconds.labels(info.transport).observe(info.elapsed_s)
+        path = "direct" if info.direct else "messages"
+        self.kv_bytes.labels(info.transport, path).inc(info.num_bytes)
+        self.kv_seconds.labels(info.transport, path).observe(info.elapsed_s)
 
     def worker_load(self, role: str, worker_id: str, load: EngineLoad) -> None:
         self.running.labels(role, worker_id).set(load.num_running)

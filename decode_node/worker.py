@@ -70,7 +70,7 @@ class DecodeWorker:
             await self.loop.call(lambda e: e.abort(request_id))
             result.raise_for_error()
         await self.loop.call(lambda e: e.admit_prefilled(request_id, first_token_id))
-        return KVTransferInfo(result.num_bytes, result.transport, result.elapsed_s)
+        return KVTransferInfo(result.num_bytes, result.transport, result.elapsed_s, result.direct)
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is here (receiving, running, waiting) and free its blocks."""

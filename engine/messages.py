@@ -24,6 +24,7 @@ class KVTransferInfo:
     num_bytes: int
     transport: str
     elapsed_s: float
+    direct: bool = False  # written straight into the decode pool (CUDA IPC), not sent as messages
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,7 +94,9 @@ def _attend_new(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Values that change from batch to batch are not specialized on (Triton would compile a
+# variant per "== 1" / "divisible by 16" class, seconds each, in the middle of serving).
+@triton.jit(do_not_specialize=["stride_bt", "num_m_blocks"])
 def _prefill_kernel(
     q_ptr,              # [num_tokens, num_q_heads, head_dim]
     k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim]

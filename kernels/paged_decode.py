@@ -23,7 +23,9 @@ _MAX_SPLITS = 128
 _LONG_SPLIT_TOKENS = 2048
 
 
-@triton.jit
+# stride_bt (blocks per row of this batch's table) changes from step to step in eager
+# mode: not specialized on, so that it never triggers a compile while serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr,              # [batch, num_q_heads, head_dim]
     k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim]

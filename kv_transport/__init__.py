@@ -24,9 +24,12 @@ Modules (only the ucx_* ones and transport_info import ucxx):
 Wire protocol per connection: control endpoint (listener-made, UCX error handling on)
 carries JSON frames: hello/challenge/auth/accept (handshake; accept carries the pool's
 CUDA IPC handle when the pool is on a GPU), then one of two data paths per connection:
-- direct writes (GPUs of one host that can map the handle): xfer(mode=write) -> grant
-  (the receiver's block ids) -> the sender copies block to block into the mapped pool
-  (kernels.block_copy, one NVLink pass) -> written; or done(error) instead of a grant.
+- direct writes (GPUs of one host that can map the handle): xfer(mode=write, the
+  sender's interprocess CUDA event) -> grant (the receiver's block ids) -> the sender
+  copies block to block into the mapped pool (kernels.block_copy, one NVLink pass),
+  records the event and sends written while the copy runs; the receiver orders its
+  stream after the event. Or done(error) instead of a grant. `prepare()` sends the xfer
+  before the KV exists, so the grant travels during the prefill.
 - UCX messages (other hosts, CPU pools): xfer -> one tagged message per request
   (gathered blocks) -> done (receiver, with the error if any).
 Either way the sender may cancel (it gave up); a granted writer that cancels has no copy

@@ -59,6 +59,8 @@ class TransferResult:
             "loopback", or "unknown" when it failed before one was chosen).
         elapsed_s: from `send()`/`expect()` to this result.
         error: None on success, else why it failed.
+        direct: the KV was written straight into the receiver's pool (CUDA IPC) rather
+            than sent as UCX messages.
     """
 
     request_id: str
@@ -66,6 +68,7 @@ class TransferResult:
     transport: str
     elapsed_s: float
     error: TransferError | None = None
+    direct: bool = False
 
     @property
     def ok(self) -> bool:

@@ -158,7 +158,8 @@ class ReceiveTable:
             self._early_writes[request_id] = _EarlyWrite(grant, abort, timer)
 
     def written(self, request_id: str, transport: str) -> None:
-        """The sender granted `request_id` has finished copying (its copy is complete on the GPU)."""
+        """The writer granted `request_id` has copied it (complete, or ordered before the
+        pool's next use on this device's stream)."""
         entry = self._expected.get(request_id)
         if entry is None or entry.writer is None:
             return  # already failed (its writer's link broke first); nothing holds the blocks
@@ -170,7 +171,7 @@ class ReceiveTable:
         del self._expected[request_id]
         entry.timer.cancel()
         if not entry.future.done():
-            entry.future.set_result(self._result(request_id, entry, transport, None))
+            entry.future.set_result(self._result(request_id, entry, transport, None, direct=True))
 
     def failed(self, request_id: str, error: TransferError) -> None:
         """The data of `request_id` will never land (its connection broke)."""
@@ -257,7 +258,7 @@ class ReceiveTable:
             tomb[1].cancel()
 
     def _result(
-        self, request_id: str, entry: _Expected, transport: str, error: TransferError | None
+        self, request_id: str, entry: _Expected, transport: str, error: TransferError | None, direct: bool = False
     ) -> TransferResult:
         return TransferResult(
             request_id=request_id,
@@ -265,4 +266,5 @@ class ReceiveTable:
             transport=transport,
             elapsed_s=time.perf_counter() - entry.started,
             error=error,
+            direct=direct,
         )

@@ -75,24 +75,20 @@ def scatter_blocks(kv: torch.Tensor, ids: torch.Tensor, staging: torch.Tensor) -
         torch.cuda.current_stream(kv.device).synchronize()
 
 
-def copy_pool_blocks(
-    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor, wait: bool = True
-) -> None:
+def copy_pool_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
     """dst blocks `dst_ids` = src blocks `src_ids`, block to block, no staging buffer.
 
     Args:
         src, dst: pools [num_layers, 2, num_blocks, ...] of one layout; on CUDA `dst` may be
             another GPU's pool mapped into this process (one NVLink pass, kernels.block_copy).
         src_ids, dst_ids: [n] int64 block ids.
-        wait: on CUDA, return once the copy is complete; else once it is queued on the
-            current stream (the CPU copy always completes).
+    On CUDA the copy is queued on the current stream (the caller waits for it); on the
+    CPU it is complete on return.
     """
     if src.is_cuda:
         # One host-to-device copy for both id lists (pinned, so it queues without a sync).
         ids = torch.cat((src_ids, dst_ids)).pin_memory().to(src.device, non_blocking=True)
         copy_blocks(blocks_view(src), ids[:len(src_ids)], blocks_view(dst), ids[len(src_ids):])
-        if wait:
-            torch.cuda.current_stream(src.device).synchronize()
     else:
         blocks_view(dst).index_copy_(1, dst_ids, blocks_view(src).index_select(1, src_ids))
 

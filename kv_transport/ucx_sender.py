@@ -130,16 +130,21 @@ class _Connection:
                 return TransferRejected(f"request {request_id!r}: {ids.numel()} blocks, {self.peer} expects "
                                         f"{answer.numel()}")
             del self._grants[request_id]
-            if self._copied is not None and self._receiver_orders:
-                # "written" travels while the copy runs: the receiver's stream waits on the event.
-                copy_pool_blocks(kv, ids, self.peer_kv, answer, wait=False)
+            if self._copied is not None:
+                # On the current stream, after the work that produced the KV. (A side stream
+                # measured no faster in serving: benchmarks/RESULTS.md, transport v2.)
+                copy_pool_blocks(kv, ids, self.peer_kv, answer)
                 self._copied.record(torch.cuda.current_stream(kv.device))
                 written = True
-                await self._ctl.send({"t": "written", "id": request_id})
-                self._copied.synchronize()  # our blocks are free for reuse when we return
-                return None
-            copy_pool_blocks(kv, ids, self.peer_kv, answer)
-            written = True
+                if self._receiver_orders:
+                    # "written" travels while the copy runs: the receiver's stream waits on the event.
+                    await self._ctl.send({"t": "written", "id": request_id})
+                    self._copied.synchronize()  # our blocks are free for reuse when we return
+                    return None
+                self._copied.synchronize()
+            else:
+                copy_pool_blocks(kv, ids, self.peer_kv, answer)
+                written = True
             # Not awaited: the receiver learns it one message later; if that message is lost,
             # so is the link, and the receiver fails the request (its caller frees the blocks).
             spawn(self._send_or_close({"t": "written", "id": request_id}), self._tasks)
@@ -291,8 +296,9 @@ class UcxKVSender:
         finally:
             self._in_flight.discard(request_id)
         transport = attempt.conn.transport if attempt.conn is not None else "unknown"
+        direct = attempt.conn is not None and attempt.conn.peer_kv is not None
         return TransferResult(request_id, ids.numel() * self._bytes_per_block, transport,
-                              time.perf_counter() - started, error)
+                              time.perf_counter() - started, error, direct)
 
     async def close(self) -> None:
         self._prepared.clear()

@@ -71,7 +71,7 @@ class PrefillWorker:
                 block_ids = await self.loop.call(lambda e: e.held_block_ids(rid))
                 result = await self._sender.send(rid, block_ids, decode_peer)
                 result.raise_for_error()
-                transfer = KVTransferInfo(result.num_bytes, result.transport, result.elapsed_s)
+                transfer = KVTransferInfo(result.num_bytes, result.transport, result.elapsed_s, result.direct)
         finally:
             if decode_peer is not None:
                 self._sender.forget(rid)  # a no-op once sent

@@ -75,8 +75,8 @@ def test_prefix_aware_routing_and_metrics(start, tokenizer):
     assert by_worker[holder] / queried >= 0.6, f"hit rate {by_worker[holder] / queried:.2f} on {holder}"
     other = "prefill-1" if holder == "prefill-0" else "prefill-0"
     assert by_worker[other] == 0
-    assert m['pdserve_kv_transfer_bytes_total{transport="shm"}'] + m.get(
-        'pdserve_kv_transfer_bytes_total{transport="tcp"}', 0) > 0
+    assert m.get('pdserve_kv_transfer_bytes_total{path="messages",transport="shm"}', 0) + m.get(
+        'pdserve_kv_transfer_bytes_total{path="messages",transport="tcp"}', 0) > 0
     assert m['pdserve_requests_total{status="OK"}'] == 4
     assert len(prefix_block_hashes(prefix, 16)) == 20
 
