@@ -48,7 +48,12 @@ class _Connection:
         self.peer_kv = peer_kv
         # Recorded after each copy; the receiver opens it (CUDA IPC) and orders its stream
         # after it, so that it may use the KV before our host has seen the copy finish.
-        self._copied = torch.cuda.Event(interprocess=True) if peer_kv is not None and peer_kv.is_cuda else None
+        self._copied: torch.cuda.Event | None = None
+        self._copied_handle = ""
+        if peer_kv is not None and peer_kv.is_cuda:
+            self._copied = torch.cuda.Event(interprocess=True)
+            with torch.cuda.device(peer_kv.device):  # our GPU (the mapping is opened on it)
+                self._copied_handle = bytes(self._copied.ipc_handle()).hex()  # creates the event here
         self._receiver_orders = False  # the receiver could open that event (from its grants)
         self._on_close = on_close
         self.transport = transport
@@ -101,8 +106,8 @@ class _Connection:
             grant.set_result(self.error)
             return
         header: dict[str, Any] = {"t": "xfer", "id": request_id, "mode": "write"}
-        if self._copied is not None:
-            header["event"] = bytes(self._copied.ipc_handle()).hex()
+        if self._copied_handle:
+            header["event"] = self._copied_handle
         spawn(self._send_or_close(header), self._tasks)
 
     def withdraw(self, request_id: str) -> None:

@@ -138,7 +138,7 @@ class _Peer:
         self.conn.send({
             "op": "result", "id": result.request_id, "ok": result.ok, "transport": result.transport,
             "error": type(result.error).__name__ if result.error else None, "message": str(result.error or ""),
-            "elapsed_s": result.elapsed_s, "num_bytes": result.num_bytes,
+            "elapsed_s": result.elapsed_s, "num_bytes": result.num_bytes, "direct": result.direct,
             "digest": digest(self.pool.kv, block_ids) if result.ok else None,
         })
 

@@ -138,6 +138,7 @@ def test_concurrent_requests_land_byte_exact(request: pytest.FixtureRequest, pat
         assert sent[name]["ok"] and landed[name]["ok"], (sent[name], landed[name])
         assert landed[name]["digest"] == sent[name]["digest"]
         assert sent[name]["transport"] == landed[name]["transport"] and sent[name]["transport"] in TRANSPORTS[path]
+        assert sent[name]["direct"] == landed[name]["direct"] == (path == "direct_pair")
     assert receiver.stats()["stray_blocks"] == 0
 
 
