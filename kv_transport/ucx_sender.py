@@ -396,8 +396,11 @@ class UcxKVSender:
             return None
         try:
             peer_kv = open_pool(desc, self._kv.device)
-        except (ValueError, RuntimeError) as e:
+        except ValueError as e:  # another host: messages are the path there
             logger.info("KV pool of %s not mappable here (%s): using UCX messages", peer, e)
+            return None
+        except RuntimeError as e:  # same host, yet CUDA or /dev/shm refused: a slower path than expected
+            logger.warning("KV pool of %s offered but not mappable (%s): falling back to UCX messages", peer, e)
             return None
         expected = (*self._kv.shape[:2], session.peer_num_blocks, *self._kv.shape[3:])
         if tuple(peer_kv.shape) != expected or peer_kv.dtype != self._kv.dtype:
