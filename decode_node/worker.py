@@ -13,18 +13,17 @@ import logging
 
 from decode_node.spec import speculative_engine
 from engine.config import EngineConfig
-from engine.loop import EngineLoop
+from engine.loop import LoopWorker
 from engine.messages import KVTransferInfo, WorkerRequest
-from engine.outputs import EngineLoad, TokenDelta
+from engine.outputs import TokenDelta
 from kv_transport import PeerAddress, TransportConfig
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeWorker:
+class DecodeWorker(LoopWorker):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig | None) -> None:
-        self.worker_id = worker_id
-        self.loop = EngineLoop(speculative_engine(engine_config))  # speculates when engine_config.spec says
+        super().__init__(worker_id, speculative_engine(engine_config))  # speculates when engine_config.spec says
         self._transport = transport
         self._receiver = None
         self._landing: dict[str, asyncio.Task] = {}
@@ -84,20 +83,11 @@ class DecodeWorker:
         """Every token delta since the last poll (waits up to `max_wait_s` for one)."""
         return await asyncio.to_thread(self.loop.take_deltas, max_wait_s)
 
-    async def load(self) -> EngineLoad:
-        return await self.loop.call(lambda e: e.load())
-
-    async def max_model_len(self) -> int:
-        return self.loop.engine.max_model_len
-
     async def node_id(self) -> str:
         """The Ray node this worker runs on."""
         import ray
 
         return ray.get_runtime_context().get_node_id()
-
-    async def ping(self) -> str:
-        return self.worker_id
 
     async def shutdown(self) -> None:
         if self._receiver is not None:

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from engine.engine import Engine
-from engine.outputs import TokenDelta
+from engine.outputs import EngineLoad, TokenDelta
 from engine.sequence import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -103,3 +103,21 @@ class EngineLoop:
         for rid in ids:
             self.engine.abort(rid)
         return [TokenDelta(rid, (), "", FinishReason.ABORT) for rid in ids]
+
+
+class LoopWorker:
+    """What both worker roles answer the cluster with about their engine (the Ray actor
+    methods they share); each role adds its own way in."""
+
+    def __init__(self, worker_id: str, engine: Engine) -> None:
+        self.worker_id = worker_id
+        self.loop = EngineLoop(engine)
+
+    async def load(self) -> EngineLoad:
+        return await self.loop.call(lambda e: e.load())
+
+    async def max_model_len(self) -> int:
+        return self.loop.engine.max_model_len
+
+    async def ping(self) -> str:
+        return self.worker_id

@@ -8,9 +8,9 @@ import logging
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.loop import EngineLoop
+from engine.loop import LoopWorker
 from engine.messages import KVTransferInfo, PrefillOutput, WorkerRequest
-from engine.outputs import EngineLoad, TokenDelta
+from engine.outputs import TokenDelta
 from engine.sequence import FinishReason
 from kv_transport import PeerAddress, TransportConfig
 
@@ -19,11 +19,10 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.5
 
 
-class PrefillWorker:
+class PrefillWorker(LoopWorker):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig,
                  prefill_timeout_s: float = 60.0) -> None:
-        self.worker_id = worker_id
-        self.loop = EngineLoop(Engine(engine_config))
+        super().__init__(worker_id, Engine(engine_config))
         self._transport = transport
         self._prefill_timeout_s = prefill_timeout_s
         self._sender = None
@@ -79,20 +78,11 @@ class PrefillWorker:
         first = dataclasses.replace(first, finish_reason=None if needs_decode else first.finish_reason)
         return PrefillOutput(first, needs_decode, transfer)
 
-    async def load(self) -> EngineLoad:
-        return await self.loop.call(lambda e: e.load())
-
-    async def max_model_len(self) -> int:
-        return self.loop.engine.max_model_len
-
     async def node_id(self) -> str:
         """The Ray node this worker runs on."""
         import ray
 
         return ray.get_runtime_context().get_node_id()
-
-    async def ping(self) -> str:
-        return self.worker_id
 
     async def shutdown(self) -> None:
         if self._pump is not None:

@@ -1,4 +1,5 @@
-"""Pearson's chi-square goodness-of-fit test, without scipy."""
+"""Pearson's chi-square goodness-of-fit test, without scipy, and a broken acceptance rule
+that the distribution tests must catch."""
 
 from __future__ import annotations
 
@@ -22,3 +23,12 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
     dof = len(obs) - 1
     # The chi-square survival function is the regularized upper incomplete gamma.
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))
+
+
+def resample_from_target(draft, q, p, gen):
+    """The classic bug: on rejection draw from p instead of normalize(max(0, p - q))."""
+    for i, x in enumerate(draft):
+        qx = 1.0 if q is None else float(q[i, x])
+        if float(torch.rand((), generator=gen)) * qx >= float(p[i, x]):
+            return list(draft[:i]) + [int(torch.multinomial(p[i], 1, generator=gen))]
+    return list(draft) + [int(torch.multinomial(p[len(draft)], 1, generator=gen))]

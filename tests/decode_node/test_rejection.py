@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from decode_node.spec.rejection import rejection_sample
-from tests.decode_node.stats import chi_square_pvalue
+from tests.decode_node.stats import chi_square_pvalue, resample_from_target
 
 VOCAB = 8
 
@@ -62,16 +62,7 @@ def _accept_always(draft, q, p, gen):
     return list(draft) + [int(torch.multinomial(p[len(draft)], 1, generator=gen))]
 
 
-def _resample_from_target(draft, q, p, gen):
-    """The classic bug: on rejection draw from p instead of normalize(max(0, p - q))."""
-    for i, x in enumerate(draft):
-        qx = 1.0 if q is None else float(q[i, x])
-        if float(torch.rand((), generator=gen)) * qx >= float(p[i, x]):
-            return list(draft[:i]) + [int(torch.multinomial(p[i], 1, generator=gen))]
-    return list(draft) + [int(torch.multinomial(p[len(draft)], 1, generator=gen))]
-
-
-@pytest.mark.parametrize("rule", [_accept_always, _resample_from_target])
+@pytest.mark.parametrize("rule", [_accept_always, resample_from_target])
 def test_the_statistical_test_rejects_a_broken_rule(rule):
     first, _ = _emitted(rule, 4000, one_hot_draft=False)
     assert chi_square_pvalue(first, P[0]) < 1e-6

@@ -22,7 +22,7 @@ from engine.sampler import Sampler
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 from engine.speculator import Proposal
-from tests.decode_node.stats import chi_square_pvalue
+from tests.decode_node.stats import chi_square_pvalue, resample_from_target
 
 VOCAB = 16
 PROMPT = [1, 2, 3, 4, 5, 6]
@@ -125,17 +125,8 @@ def test_speculative_sampling_keeps_the_target_distribution(engine, exact_margin
     assert chi_square_pvalue(third, exact_marginals[1]) > 1e-3
 
 
-def _resample_from_target(draft, q, p, gen):
-    """The classic bug: on rejection draw from p instead of normalize(max(0, p - q))."""
-    for i, x in enumerate(draft):
-        qx = 1.0 if q is None else float(q[i, x])
-        if float(torch.rand((), generator=gen)) * qx >= float(p[i, x]):
-            return list(draft[:i]) + [int(torch.multinomial(p[i], 1, generator=gen))]
-    return list(draft) + [int(torch.multinomial(p[len(draft)], 1, generator=gen))]
-
-
 def test_the_test_fails_when_the_acceptance_rule_is_broken(engine, exact_marginals, monkeypatch):
-    monkeypatch.setattr(speculator_module, "rejection_sample", _resample_from_target)
+    monkeypatch.setattr(speculator_module, "rejection_sample", resample_from_target)
     engine.set_speculator(_speculator(engine, "uniform"))
     try:
         second, third = _sample_marginals(engine)
