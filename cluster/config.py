@@ -141,6 +141,10 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     unknown = set(values) - names
     if unknown:
         raise ValueError(f"unknown keys in config section {where!r}: {sorted(unknown)}")
+    # A YAML "no" quoted, or "false" from a --set flag, would be a truthy string: refuse it.
+    for f in dataclasses.fields(cls):
+        if f.type in ("bool", bool) and f.name in values and not isinstance(values[f.name], bool):
+            raise ValueError(f"config section {where!r}: {f.name} must be true or false, got {values[f.name]!r}")
     if cls is ModelConfig and "cache_dir" in values:
         values = {**values, "cache_dir": Path(values["cache_dir"])}
     try:

@@ -24,6 +24,7 @@ def test_yaml_sections_build_the_same_objects_as_flags(tmp_path):
     ({"server": {"prot": 1}}, "unknown keys in config section 'server'"),
     ({"engine": {"model": {"dtype": "int3"}}}, "ModelConfig.dtype"),
     ({"routers": {}}, "unknown config sections"),
+    ({"kv_transport": {"direct_writes": "no"}}, "direct_writes must be true or false"),
 ])
 def test_bad_config_is_a_clear_value_error(data, words):
     with pytest.raises(ValueError, match=words):
