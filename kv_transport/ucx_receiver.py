@@ -107,7 +107,7 @@ class _Connection:
             return
         if isinstance(answer, TransferError):
             self._writing.discard(request_id)
-            spawn(self._ctl.send({"t": "done", "id": request_id, "error": error_to_wire(answer)}), self._tasks)
+            self._ack(request_id, answer)
             return
         ids = base64.b64encode(answer.to(torch.int32).numpy().tobytes()).decode()
         grant = {"t": "grant", "id": request_id, "ids": ids, "ordered": self._copied is not None}
