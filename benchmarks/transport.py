@@ -76,6 +76,80 @@ PATHS = {  # name: (direct_writes, fast_data_path, prepare ahead)
     "ucx checked": (False, False, False),
 }
 PREFILL_STANDIN_S = 0.005  # "prefill compute" between prepare() and send(): shorter than any real one
+BREAKDOWN: list[bool] = []  # --breakdown: time the direct path's parts (patches the transport; slower)
+
+
+class _Marks:
+    """CLOCK_MONOTONIC times of one process's steps of the request in flight (--breakdown).
+
+    The benchmark sends one request at a time, so `current` names the request.
+    """
+
+    def __init__(self) -> None:
+        self.current = ""
+        self.at: dict[str, dict[str, float]] = {}
+        self.kernel_ms: dict[str, float] = {}
+        self._events: tuple[str, torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def mark(self, step: str, request_id: str | None = None) -> None:
+        self.at.setdefault(request_id or self.current, {})[step] = time.monotonic()
+
+    def patch_sender(self) -> None:
+        """Time the copy's launch and its GPU duration, and when `written` has left."""
+        from kv_transport import pool_writer, ucx_link
+
+        write, send, launch = pool_writer.PoolWriter.write, ucx_link.Control.send, pool_writer.copy_blocks
+
+        def timed_launch(*args: object, **kwargs: object) -> None:
+            self.mark("kernel launch")
+            launch(*args, **kwargs)
+            self.mark("kernel launched")
+
+        def timed_write(writer: pool_writer.PoolWriter, *args: object) -> object:
+            self.mark("copy called")
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(writer.stream)
+            slot = write(writer, *args)
+            end.record(writer.stream)
+            self.mark("copy launched")
+            self._events = (self.current, start, end)
+            return slot
+
+        async def timed_send(ctl: ucx_link.Control, msg: dict) -> None:
+            await send(ctl, msg)
+            if msg["t"] == "written":
+                self.mark("written sent", str(msg["id"]))
+
+        pool_writer.PoolWriter.write = timed_write  # type: ignore[method-assign]
+        pool_writer.copy_blocks = timed_launch
+        ucx_link.Control.send = timed_send  # type: ignore[method-assign]
+
+    def read_kernel_time(self) -> None:
+        assert self._events is not None
+        request_id, start, end = self._events
+        end.synchronize()
+        self.kernel_ms[request_id] = start.elapsed_time(end)
+
+    def patch_receiver(self) -> None:
+        """Time when `written` arrives and when the table hears of it."""
+        from kv_transport import ucx_link
+        from kv_transport.receive_table import ReceiveTable
+
+        recv, written = ucx_link.Control.recv, ReceiveTable.written
+
+        def timed_written(table: ReceiveTable, request_id: str, *args: object) -> None:
+            self.mark("table.written", request_id)
+            written(table, request_id, *args)  # type: ignore[arg-type]
+
+        ReceiveTable.written = timed_written  # type: ignore[method-assign]
+
+        async def timed_recv(ctl: ucx_link.Control) -> dict:
+            msg = await recv(ctl)
+            if msg["t"] == "written":
+                self.mark("written received", str(msg["id"]))
+            return msg
+
+        ucx_link.Control.recv = timed_recv  # type: ignore[method-assign]
 
 
 def _config(path: str) -> TransportConfig:
@@ -88,10 +162,14 @@ def _digest(kv: torch.Tensor, ids: list[int]) -> str:
     return hashlib.sha256(kv[:, :, ids].contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
-def _receiver_process(conn: Connection, device: str, num_blocks: int, path: str) -> None:
+def _receiver_process(conn: Connection, device: str, num_blocks: int, path: str, breakdown: bool) -> None:
     """Receiver: expects what the parent announces, digests blocks on request, reports
     failures when told to stop."""
     from kv_transport.ucx_receiver import UcxKVReceiver
+
+    marks = _Marks()
+    if breakdown:
+        marks.patch_receiver()
 
     async def serve() -> None:
         pool = KVPool(LAYOUT, num_blocks, device)  # creates the CUDA context before UCX starts
@@ -106,14 +184,15 @@ def _receiver_process(conn: Connection, device: str, num_blocks: int, path: str)
                 conn.send(_digest(pool.kv, cmd[1]))
                 continue
             if cmd[0] == "landed_at":
-                conn.send(landed_at)
+                conn.send((landed_at, marks.at))
                 continue
 
             def done(f: asyncio.Future[TransferResult], request_id: str = cmd[0]) -> None:
-                if pool.kv.is_cuda:
-                    # A direct write may still be copying (this stream waits on its event): landed
-                    # means readable here, so wait for what the decode step would wait for.
-                    torch.cuda.current_stream().synchronize()
+                marks.mark("expect resolved", request_id)
+                if f.result().ready is not None:
+                    # A direct write may still be copying: landed means readable here, which
+                    # is when the decode engine would admit the request.
+                    f.result().ready.synchronize()
                 landed_at[request_id] = time.monotonic()
                 if not f.result().ok:
                     failures.append(str(f.result().error))
@@ -139,12 +218,18 @@ async def _bench_ucx(
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_process, args=(child, peer_device, num_blocks, path), daemon=True)
+    proc = ctx.Process(target=_receiver_process, args=(child, peer_device, num_blocks, path, bool(BREAKDOWN)),
+                       daemon=True)
     proc.start()
     peer: PeerAddress = conn.recv()
     pool = KVPool(LAYOUT, num_blocks, device)
     pool.kv.copy_(torch.randn(pool.kv.shape, device=device).to(LAYOUT.dtype))
+    if pool.kv.is_cuda:
+        torch.cuda.synchronize()  # send() needs complete KV (its copy runs on a stream of its own)
     sender = UcxKVSender(pool.kv, LAYOUT, _config(path))
+    marks = _Marks()
+    if BREAKDOWN and PATHS[path][0]:
+        marks.patch_sender()
     rng = random.Random(0)
     out = []
     try:
@@ -160,15 +245,21 @@ async def _bench_ucx(
                     sender.prepare(request_id, peer)
                     await asyncio.sleep(PREFILL_STANDIN_S)
                 started[request_id] = time.monotonic()
+                marks.current = request_id
                 result = await sender.send(request_id, send_ids, peer)
+                marks.mark("send returned")
                 result.raise_for_error()
+                if marks.at.get(request_id, {}).get("copy launched"):
+                    marks.read_kernel_time()
                 transport = result.transport
                 if i:
                     times.append(result.elapsed_s)
                 await asyncio.sleep(0.002)  # the receiver's side resolves before the next one
             conn.send(("landed_at",))
-            landed_at = conn.recv()
+            landed_at, recv_marks = conn.recv()
             recv_times = [landed_at[r] - t for r, t in started.items() if not r.endswith("-0")]
+            if BREAKDOWN:
+                _print_breakdown(path, tokens, started, marks, recv_marks, landed_at)
             conn.send(("digest", recv_ids))
             if conn.recv() != _digest(pool.kv, send_ids):
                 raise RuntimeError(f"{path}, {tokens} tokens: the receiver's blocks differ from the sender's")
@@ -185,6 +276,25 @@ async def _bench_ucx(
     if failures:
         raise RuntimeError(f"receiver saw failures: {failures[:3]}")
     return out
+
+
+def _print_breakdown(
+    path: str, tokens: int, started: dict[str, float], marks: _Marks, recv_marks: dict[str, dict[str, float]],
+    landed_at: dict[str, float],
+) -> None:
+    """p50 of each step's time since send() started (ms), both processes on one clock."""
+    steps: dict[str, list[float]] = {}
+    for request_id, t0 in started.items():
+        if request_id.endswith("-0"):
+            continue
+        at = {**marks.at.get(request_id, {}), **recv_marks.get(request_id, {}), "landed": landed_at[request_id]}
+        for step, t in at.items():
+            steps.setdefault(step, []).append((t - t0) * 1e3)
+        if request_id in marks.kernel_ms:
+            steps.setdefault("(copy kernel GPU time)", []).append(marks.kernel_ms[request_id])
+    order = sorted(steps, key=lambda k: statistics.median(steps[k]) if not k.startswith("(") else 1e9)
+    print(f"breakdown {path}, {tokens} tokens (p50 ms since send() started): " +
+          ", ".join(f"{k} {statistics.median(steps[k]):.3f}" for k in order))
 
 
 COPY_SWEEP: list[tuple[int, int]] = []  # (chunk, num_warps) of kernels.block_copy, from --copy-sweep
@@ -293,9 +403,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=None, help="timed iterations per size (p50 over them)")
     parser.add_argument("--json", default=None, help="also write every row here")
     parser.add_argument("--paths", default=None, help=f"comma-separated subset of {list(PATHS)}")
+    parser.add_argument("--breakdown", action="store_true", help="time the direct path's steps (patches it)")
     parser.add_argument("--copy-sweep", default="", help="chunk:warps,... variants of the direct path's copy kernel")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    BREAKDOWN.extend([True] if args.breakdown else [])
     COPY_SWEEP.extend(tuple(int(x) for x in v.split(":")) for v in args.copy_sweep.split(",") if v)  # type: ignore[misc]
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         parser.error("--device cuda needs two GPUs")

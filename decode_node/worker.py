@@ -68,7 +68,7 @@ class DecodeWorker(LoopWorker):
         if not result.ok:
             await self.loop.call(lambda e: e.abort(request_id))
             result.raise_for_error()
-        await self.loop.call(lambda e: e.admit_prefilled(request_id, first_token_id))
+        await self.loop.call(lambda e: e.admit_prefilled(request_id, first_token_id, result.ready))
         return KVTransferInfo(result.num_bytes, result.transport, result.elapsed_s, result.direct)
 
     async def abort(self, request_id: str) -> bool:

@@ -83,6 +83,8 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, Sequence] = {}
         self._num_receiving = 0
+        # Admitted, but their KV is still being copied in: (first token, CUDA event of the copy).
+        self._kv_landing: dict[Sequence, tuple[int, torch.cuda.Event]] = {}
         self._ids = itertools.count()
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
                     self.model_name, device, dtype, num_blocks, layout.block_size, self.max_model_len)
@@ -185,16 +187,37 @@ class Engine:
         self._num_receiving += 1
         return list(seq.block_ids)
 
-    def admit_prefilled(self, request_id: str, first_token_id: int) -> None:
-        """The reserved blocks now hold the prompt's KV: decode from `first_token_id` on."""
+    def admit_prefilled(self, request_id: str, first_token_id: int, kv_ready: torch.cuda.Event | None = None) -> None:
+        """The reserved blocks hold the prompt's KV: decode from `first_token_id` on.
+
+        `kv_ready`: the KV is still being copied in and is there once this CUDA event has
+        completed. The sequence waits outside the batch until then, so that no step (and no
+        other sequence) waits for the copy.
+        """
         seq = self._requests[request_id].seq
-        if seq.status is not SequenceStatus.RECEIVING:
+        if seq.status is not SequenceStatus.RECEIVING or seq in self._kv_landing:
             raise ValueError(f"request {request_id!r} is not waiting for its KV")
+        if kv_ready is not None and not kv_ready.query():
+            self._kv_landing[seq] = (first_token_id, kv_ready)
+            return
+        self._run_prefilled(seq, first_token_id)
+
+    def _run_prefilled(self, seq: Sequence, first_token_id: int) -> None:
         self._num_receiving -= 1
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.token_ids.append(first_token_id)
-        self.block_manager.cache_full_blocks(seq)
+        self.block_manager.cache_full_blocks(seq)  # only now: a prefix hit must find the KV there
         self.scheduler.add_running(seq)
+
+    def _admit_landed(self) -> None:
+        """Run the sequences whose KV has landed; with nothing else to run, wait for one
+        (bounded by its copy) rather than spin."""
+        if not self.scheduler.has_unfinished:
+            next(iter(self._kv_landing.values()))[1].synchronize()
+        for seq, (first_token_id, ready) in list(self._kv_landing.items()):
+            if ready.query():
+                del self._kv_landing[seq]
+                self._run_prefilled(seq, first_token_id)
 
     def load(self) -> EngineLoad:
         sched, bm = self.scheduler, self.block_manager
@@ -215,7 +238,7 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._kv_landing)
 
     # Stepping ------------------------------------------------------------
 
@@ -226,6 +249,8 @@ class Engine:
 
     def step(self) -> list[TokenDelta]:
         """Run one iteration; returns a delta for every request that got tokens."""
+        if self._kv_landing:
+            self._admit_landed()
         proposals = self._propose() if self.speculator is not None else {}
         batch = self.scheduler.schedule()
         if self.speculator is not None:
@@ -314,6 +339,9 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         req = self._requests.pop(seq.request_id)
+        landing = self._kv_landing.pop(seq, None)
+        if landing is not None:
+            landing[1].synchronize()  # its blocks are written by a copy in flight: free them after it
         if seq.status is SequenceStatus.RECEIVING:
             self._num_receiving -= 1
         hold = req.hold_kv and reason is not FinishReason.ABORT

@@ -16,14 +16,14 @@ import triton.language as tl
 @triton.jit
 def _copy_blocks_kernel(
     src_ptr, dst_ptr,            # [planes, num_blocks, words] (strided over planes and blocks)
-    src_ids_ptr, dst_ids_ptr,    # [n] int64
+    src_ids_ptr, dst_ids_ptr,    # [n] int32 or int64
     src_plane_stride, src_block_stride, dst_plane_stride, dst_block_stride,
     WORDS: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pair = tl.program_id(0)
     plane = tl.program_id(1).to(tl.int64)
-    src = src_ptr + plane * src_plane_stride + tl.load(src_ids_ptr + pair) * src_block_stride
-    dst = dst_ptr + plane * dst_plane_stride + tl.load(dst_ids_ptr + pair) * dst_block_stride
+    src = src_ptr + plane * src_plane_stride + tl.load(src_ids_ptr + pair).to(tl.int64) * src_block_stride
+    dst = dst_ptr + plane * dst_plane_stride + tl.load(dst_ids_ptr + pair).to(tl.int64) * dst_block_stride
     offs = tl.arange(0, CHUNK)
     for start in tl.static_range(0, WORDS, CHUNK):
         mask = start + offs < WORDS
@@ -40,7 +40,8 @@ def copy_blocks(
         src, dst: [planes, num_blocks, words], same dtype and planes/words, last dim
             contiguous (the pools viewed as rows of one block, e.g. `staging.blocks_view`).
             `dst` may live on another GPU (peer memory mapped into this process).
-        src_ids, dst_ids: [n] int64 on src's device, same length; dst_ids must not repeat.
+        src_ids, dst_ids: [n] int32 or int64 on src's device, same length and dtype; dst_ids
+            must not repeat.
         chunk: words one program moves per step (power of two); num_warps: per program.
 
     No host sync and no allocation.
@@ -49,7 +50,7 @@ def copy_blocks(
     assert dst.shape[0] == planes and dst.shape[2] == words, (src.shape, dst.shape)
     assert src.dtype == dst.dtype and src.stride(2) == 1 and dst.stride(2) == 1
     assert src_ids.shape == dst_ids.shape and src_ids.dim() == 1, (src_ids.shape, dst_ids.shape)
-    assert src_ids.dtype == dst_ids.dtype == torch.int64
+    assert src_ids.dtype == dst_ids.dtype and src_ids.dtype in (torch.int32, torch.int64)
     assert src_ids.device == dst_ids.device == src.device, (src_ids.device, dst_ids.device, src.device)
     if src_ids.numel() == 0:
         return

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TransferError(Exception):
@@ -61,6 +64,9 @@ class TransferResult:
         error: None on success, else why it failed.
         direct: the KV was written straight into the receiver's pool (CUDA IPC) rather
             than sent as UCX messages.
+        ready: receiver side, direct writes: the sender's copy may still be running; the
+            KV is in the pool once this CUDA event completes (query it, or order work after
+            it). None: the KV is there already.
     """
 
     request_id: str
@@ -69,6 +75,7 @@ class TransferResult:
     elapsed_s: float
     error: TransferError | None = None
     direct: bool = False
+    ready: torch.cuda.Event | None = None
 
     @property
     def ok(self) -> bool:
@@ -87,9 +94,10 @@ class KVSender(Protocol):
 
         Args:
             request_id: id the receiver registered with `expect()`.
-            block_ids: local block ids, in sequence order; they may be freed or reused
-                as soon as this returns (the blocks are packed into a staging buffer
-                before anything is sent).
+            block_ids: local block ids, in sequence order. Their KV must be complete (on a
+                GPU: the caller has synchronized with the work that wrote it; a direct write
+                copies on a stream of its own, not after the caller's). They may be freed or
+                reused as soon as this returns.
             peer: the receiver's `address`.
 
         Returns:

@@ -157,9 +157,9 @@ class ReceiveTable:
             timer = asyncio.get_running_loop().call_later(self._timeout_s, self._expire_early, request_id)
             self._early_writes[request_id] = _EarlyWrite(grant, abort, timer)
 
-    def written(self, request_id: str, transport: str) -> None:
-        """The writer granted `request_id` has copied it (complete, or ordered before the
-        pool's next use on this device's stream)."""
+    def written(self, request_id: str, transport: str, ready: torch.cuda.Event | None = None) -> None:
+        """The writer granted `request_id` has copied it (or queued the copy: then `ready`
+        completes once it is done; see TransferResult.ready)."""
         entry = self._expected.get(request_id)
         if entry is None or entry.writer is None:
             return  # already failed (its writer's link broke first); nothing holds the blocks
@@ -171,7 +171,7 @@ class ReceiveTable:
         del self._expected[request_id]
         entry.timer.cancel()
         if not entry.future.done():
-            entry.future.set_result(self._result(request_id, entry, transport, None, direct=True))
+            entry.future.set_result(self._result(request_id, entry, transport, None, direct=True, ready=ready))
 
     def failed(self, request_id: str, error: TransferError) -> None:
         """The data of `request_id` will never land (its connection broke)."""
@@ -258,7 +258,8 @@ class ReceiveTable:
             tomb[1].cancel()
 
     def _result(
-        self, request_id: str, entry: _Expected, transport: str, error: TransferError | None, direct: bool = False
+        self, request_id: str, entry: _Expected, transport: str, error: TransferError | None, direct: bool = False,
+        ready: torch.cuda.Event | None = None,
     ) -> TransferResult:
         return TransferResult(
             request_id=request_id,
@@ -267,4 +268,5 @@ class ReceiveTable:
             elapsed_s=time.perf_counter() - entry.started,
             error=error,
             direct=direct,
+            ready=ready,
         )

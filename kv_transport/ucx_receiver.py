@@ -39,6 +39,7 @@ class _Connection:
         self._receiving: set[str] = set()  # message-path requests whose data is awaited
         self._writing: set[str] = set()  # direct-write requests not yet written
         self._copied: torch.cuda.Event | None = None  # the writer's copy event (CUDA IPC), if opened
+        self._landing: torch.cuda.Stream | None = None  # ours, to wait on it (created with it)
         self._copied_handle = ""
         self._tasks: set[asyncio.Task[None]] = set()
         self.closed = False
@@ -68,11 +69,7 @@ class _Connection:
                     request_id = str(msg["id"])
                     if request_id in self._writing:
                         self._writing.discard(request_id)
-                        if self._copied is not None:
-                            # The copy may still run: whatever uses the pool next on this
-                            # device's stream (the decode step) starts after it.
-                            torch.cuda.current_stream(self._kv.device).wait_event(self._copied)
-                        self._table.written(request_id, "cuda_ipc")
+                        self._table.written(request_id, "cuda_ipc", self._landed_event())
                 elif msg["t"] == "cancel":
                     request_id = str(msg["id"])
                     self._writing.discard(request_id)  # a writer that cancels has no copy in flight
@@ -113,6 +110,19 @@ class _Connection:
         grant = {"t": "grant", "id": request_id, "ids": ids, "ordered": self._copied is not None}
         spawn(self._ctl.send(grant), self._tasks)
 
+    def _landed_event(self) -> torch.cuda.Event | None:
+        """An event of ours that completes when the writer's copy queued so far is done (None
+        when the writer waited for its copy itself). On a stream that nothing else uses, so
+        that the decode steps never wait for a copy: the engine admits the request once the
+        event has completed."""
+        if self._copied is None:
+            return None
+        assert self._landing is not None
+        self._landing.wait_event(self._copied)
+        ready = torch.cuda.Event()
+        ready.record(self._landing)
+        return ready
+
     def _open_copy_event(self, handle: str) -> None:
         """Open the writer's copy event once; without it the writer waits for its copy itself."""
         if not handle or handle == self._copied_handle or not self._kv.is_cuda:
@@ -120,6 +130,7 @@ class _Connection:
         self._copied_handle = handle
         try:
             self._copied = torch.cuda.Event.from_ipc_handle(self._kv.device, bytes.fromhex(handle))
+            self._landing = torch.cuda.Stream(self._kv.device)
         except RuntimeError as e:
             logger.info("cannot open the KV writer's CUDA event (%s): it will wait for its copies", e)
             self._copied = None

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import ucxx
 
@@ -28,7 +29,8 @@ from kv_transport.api import (
 from kv_transport.config import TransportConfig
 from kv_transport.cuda_ipc import open_pool
 from kv_transport.handshake import data_tag, layout_fields
-from kv_transport.staging import as_bytes, check_block_ids, copy_pool_blocks, gather_blocks, staging_num_blocks
+from kv_transport.pool_writer import PoolWriter
+from kv_transport.staging import as_bytes, check_block_ids, gather_blocks, staging_num_blocks
 from kv_transport.transport_info import ep_info, transport_from_ep_info
 from kv_transport.ucx_link import PROBE_BYTES, PROBE_ID, Control, Session, client_handshake, ensure_ucx, spawn
 from kv_transport.wire import error_from_wire
@@ -41,11 +43,12 @@ class _Connection:
 
     def __init__(
         self, peer: PeerAddress, ctl: Control, data_ep: Any, session: Session, transport: str,
-        on_close: Callable[[_Connection], None], peer_kv: torch.Tensor | None = None,
+        on_close: Callable[[_Connection], None], kv: torch.Tensor, peer_kv: torch.Tensor | None = None,
     ) -> None:
         self.peer = peer
         # The receiver's pool mapped into this process: KV is written straight into it.
         self.peer_kv = peer_kv
+        self._writer = PoolWriter(kv, peer_kv) if peer_kv is not None else None
         # Recorded after each copy; the receiver opens it (CUDA IPC) and orders its stream
         # after it, so that it may use the KV before our host has seen the copy finish.
         self._copied: torch.cuda.Event | None = None
@@ -62,7 +65,7 @@ class _Connection:
         self._data_ep = data_ep
         self._key = session.key
         self._acks: dict[str, asyncio.Future[TransferError | None]] = {}
-        self._grants: dict[str, asyncio.Future[torch.Tensor | TransferError]] = {}
+        self._grants: dict[str, asyncio.Future[np.ndarray | TransferError]] = {}
         # Each data send keeps its staging buffer alive until UCX is done with it.
         self._data: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -100,7 +103,7 @@ class _Connection:
         """Ask the receiver for the blocks of `request_id` now; `write` uses the answer."""
         if request_id in self._grants:
             return
-        grant: asyncio.Future[torch.Tensor | TransferError] = asyncio.get_running_loop().create_future()
+        grant: asyncio.Future[np.ndarray | TransferError] = asyncio.get_running_loop().create_future()
         self._grants[request_id] = grant
         if self.error is not None:
             grant.set_result(self.error)
@@ -120,9 +123,9 @@ class _Connection:
         if not self.closed:
             spawn(self._ctl.send({"t": "cancel", "id": request_id}), self._tasks)
 
-    async def write(self, request_id: str, kv: torch.Tensor, ids: torch.Tensor) -> TransferError | None:
-        """Copy blocks `ids` of `kv` straight into the blocks the receiver grants."""
-        assert self.peer_kv is not None
+    async def write(self, request_id: str, ids: torch.Tensor) -> TransferError | None:
+        """Copy blocks `ids` of the local pool straight into the blocks the receiver grants."""
+        assert self._writer is not None
         self.request_grant(request_id)  # no-op when prepared ahead
         written = False
         try:
@@ -130,33 +133,33 @@ class _Connection:
             if isinstance(answer, TransferError):
                 self._grants.pop(request_id, None)
                 return answer
-            if answer.numel() != ids.numel():
+            if len(answer) != ids.numel():
                 self.withdraw(request_id)
                 return TransferRejected(f"request {request_id!r}: {ids.numel()} blocks, {self.peer} expects "
-                                        f"{answer.numel()}")
+                                        f"{len(answer)}")
             del self._grants[request_id]
-            if self._copied is not None:
-                # On the current stream, after the work that produced the KV. (A side stream
-                # measured no faster in serving: benchmarks/RESULTS.md, transport v2.)
-                copy_pool_blocks(kv, ids, self.peer_kv, answer)
-                self._copied.record(torch.cuda.current_stream(kv.device))
-                written = True
-                if self._receiver_orders:
-                    # "written" travels while the copy runs: the receiver's stream waits on the event.
-                    await self._ctl.send({"t": "written", "id": request_id})
-                    self._copied.synchronize()  # our blocks are free for reuse when we return
-                    return None
-                self._copied.synchronize()
-            else:
-                copy_pool_blocks(kv, ids, self.peer_kv, answer)
-                written = True
-            # Not awaited: the receiver learns it one message later; if that message is lost,
-            # so is the link, and the receiver fails the request (its caller frees the blocks).
-            spawn(self._send_or_close({"t": "written", "id": request_id}), self._tasks)
-            return None
+            slot = self._writer.write(ids.numpy().astype(np.int32), answer)
+            written = True
+            try:
+                if self._copied is not None:
+                    self._copied.record(self._writer.stream)
+                    if self._receiver_orders:
+                        # "written" travels while the copy runs: the receiver orders its use after the event.
+                        await self._ctl.send({"t": "written", "id": request_id})
+                        return None
+                    self._copied.synchronize()
+                # Not awaited: the receiver learns it one message later; if that message is lost,
+                # so is the link, and the receiver fails the request (its caller frees the blocks).
+                spawn(self._send_or_close({"t": "written", "id": request_id}), self._tasks)
+                return None
+            finally:
+                if self._copied is not None:
+                    # Whatever happened, nothing of ours touches either pool once we return.
+                    self._copied.synchronize()
+                self._writer.release(slot)
         except asyncio.CancelledError:
-            # Before the copy: the grant goes back. After it: "written" may not have left; the
-            # cancel frees the blocks either way, since no copy is in flight any more.
+            # Before the copy: the grant goes back. After it (done, see above): "written" may
+            # not have left; the cancel frees the blocks either way.
             self._grants.pop(request_id, None)
             self._cancel_remote(request_id)
             raise
@@ -219,13 +222,13 @@ class _Connection:
         if grant is not None and not grant.done():
             grant.set_result(answer)
 
-    def _granted_ids(self, msg: dict[str, Any]) -> torch.Tensor:
-        """Block ids from a grant frame, checked against the receiver's pool (a bad one breaks the link)."""
-        ids = torch.frombuffer(bytearray(base64.b64decode(msg["ids"])), dtype=torch.int32).to(torch.int64)
-        assert self.peer_kv is not None
-        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.peer_kv.shape[2]:
+    def _granted_ids(self, msg: dict[str, Any]) -> np.ndarray:
+        """Block ids (int32) from a grant frame, checked against the receiver's pool (a bad
+        one breaks the link)."""
+        ids = np.frombuffer(base64.b64decode(msg["ids"]), dtype=np.int32)
+        if ids.size == 0 or ids.min() < 0 or ids.max() >= self.peer_num_blocks:
             raise ValueError(f"grant for {msg['id']!r} names blocks outside the receiver's pool")
-        if torch.unique(ids).numel() != ids.numel():
+        if np.unique(ids).size != ids.size:
             raise ValueError(f"grant for {msg['id']!r} repeats a block")
         return ids
 
@@ -319,7 +322,7 @@ class UcxKVSender:
         if ids.numel() > conn.peer_num_blocks:
             return TransferRejected(f"request {request_id!r}: {ids.numel()} blocks, {peer} has {conn.peer_num_blocks}")
         if conn.peer_kv is not None:
-            return await conn.write(request_id, self._kv, ids)
+            return await conn.write(request_id, ids)
         return await conn.transfer(request_id, gather_blocks(self._kv, ids))
 
     async def _connection(self, peer: PeerAddress) -> _Connection:
@@ -387,7 +390,7 @@ class UcxKVSender:
         path = "direct writes into the peer's pool" if peer_kv is not None else \
             f"UCX messages, fast_data_path={self._config.fast_data_path}"
         log("KV transport to %s: %s (%s)", peer, transport, path)
-        return _Connection(peer, ctl, data_ep, session, transport, self._forget, peer_kv)
+        return _Connection(peer, ctl, data_ep, session, transport, self._forget, self._kv, peer_kv)
 
     def _open_peer_pool(self, session: Session, peer: PeerAddress) -> torch.Tensor | None:
         """The receiver's pool mapped for direct writes, or None (not offered, or not mappable here)."""

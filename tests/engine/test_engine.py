@@ -89,3 +89,73 @@ def test_chat_template_prompt(engine):
     ids = engine.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
     out = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=16))[0]
     assert "4" in out.text
+
+
+class _CopyInFlight:
+    """Stands in for the CUDA event of a KV copy still running (the receiver's `ready`)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        self.done = True
+
+
+def _prefilled(engine, make_engine, prompt: str, request_id: str, params: SamplingParams) -> int:
+    """Reserve `request_id` here, write its prompt's KV from another engine; the first token."""
+    prefill = make_engine()
+    rid = prefill.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    first = [d.token_ids[0] for _ in range(4) for d in prefill.step()][0]
+    dst = engine.reserve(request_id, engine.tokenize(prompt), params)
+    engine.pool.kv[:, :, dst] = prefill.pool.kv[:, :, prefill.held_block_ids(rid)]
+    prefill.release(rid)
+    return first
+
+
+def test_a_request_whose_kv_is_still_copying_waits_outside_the_batch(engine, make_engine):
+    """Direct writes resolve while the copy runs: the request must not run (nor be found by a
+    prefix hit) before its event completes, and nobody else may wait for it meanwhile."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = engine.generate([PROMPT], params)[0].token_ids
+    other = engine.add_request("Once upon a time", SamplingParams(temperature=0.0, max_tokens=30))
+    first = _prefilled(engine, make_engine, PROMPT, "copying", params)
+    copy = _CopyInFlight()
+    engine.admit_prefilled("copying", first, copy)
+    for _ in range(3):
+        assert {d.request_id for d in engine.step()} == {other}  # the other one runs, unhindered
+    assert engine.load().num_receiving == 1 and copy.waited == 0
+    copy.done = True
+    got = [first]
+    while engine.has_unfinished:
+        got += [t for d in engine.step() if d.request_id == "copying" for t in d.token_ids]
+    assert got == want
+    assert all_blocks_free(engine)
+
+
+def test_with_nothing_else_to_run_the_engine_waits_for_the_copy(engine, make_engine):
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    first = _prefilled(engine, make_engine, PROMPT, "alone", params)
+    copy = _CopyInFlight()
+    engine.admit_prefilled("alone", first, copy)
+    assert engine.has_unfinished
+    assert [d.request_id for d in engine.step()] == ["alone"] and copy.waited == 1
+    while engine.has_unfinished:
+        engine.step()
+    assert all_blocks_free(engine)
+
+
+def test_aborting_a_request_whose_kv_is_copying_frees_its_blocks_after_the_copy(engine, make_engine):
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    first = _prefilled(engine, make_engine, PROMPT, "gone", params)
+    copy = _CopyInFlight()
+    engine.admit_prefilled("gone", first, copy)
+    with pytest.raises(ValueError, match="not waiting for its KV"):
+        engine.admit_prefilled("gone", first)  # admitted once already
+    assert engine.abort("gone")
+    assert copy.waited == 1  # the blocks went back only once nothing could still write them
+    assert not engine.has_unfinished and all_blocks_free(engine) and engine.load().num_receiving == 0
