@@ -95,15 +95,10 @@ class _Marks:
         self.at.setdefault(request_id or self.current, {})[step] = time.monotonic()
 
     def patch_sender(self) -> None:
-        """Time the copy's launch and its GPU duration, and when `written` has left."""
+        """Time the copy's launch (PoolWriter.write) and its GPU duration, and when `written` has left."""
         from kv_transport import pool_writer, ucx_link
 
-        write, send, launch = pool_writer.PoolWriter.write, ucx_link.Control.send, pool_writer.copy_blocks
-
-        def timed_launch(*args: object, **kwargs: object) -> None:
-            self.mark("kernel launch")
-            launch(*args, **kwargs)
-            self.mark("kernel launched")
+        write, send = pool_writer.PoolWriter.write, ucx_link.Control.send
 
         def timed_write(writer: pool_writer.PoolWriter, *args: object) -> object:
             self.mark("copy called")
@@ -121,7 +116,6 @@ class _Marks:
                 self.mark("written sent", str(msg["id"]))
 
         pool_writer.PoolWriter.write = timed_write  # type: ignore[method-assign]
-        pool_writer.copy_blocks = timed_launch
         ucx_link.Control.send = timed_send  # type: ignore[method-assign]
 
     def read_kernel_time(self) -> None:

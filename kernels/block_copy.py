@@ -16,25 +16,32 @@ import triton.language as tl
 @triton.jit
 def _copy_blocks_kernel(
     src_ptr, dst_ptr,            # [planes, num_blocks, words] (strided over planes and blocks)
-    src_ids_ptr, dst_ids_ptr,    # [n] int32 or int64
+    src_ids_ptr, dst_ids_ptr,    # [>= count] int32 or int64
+    count_ptr,                   # [1] int32: how many id pairs to copy (read on the GPU)
     src_plane_stride, src_block_stride, dst_plane_stride, dst_block_stride,
-    WORDS: tl.constexpr, CHUNK: tl.constexpr,
+    PLANES: tl.constexpr, WORDS: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    pair = tl.program_id(0)
-    plane = tl.program_id(1).to(tl.int64)
-    src = src_ptr + plane * src_plane_stride + tl.load(src_ids_ptr + pair).to(tl.int64) * src_block_stride
-    dst = dst_ptr + plane * dst_plane_stride + tl.load(dst_ids_ptr + pair).to(tl.int64) * dst_block_stride
+    # Persistent: a fixed grid walks (pair, plane) items, so one launch (or one captured
+    # CUDA graph) serves any count up to the id buffers' length.
+    total = tl.load(count_ptr).to(tl.int64) * PLANES
     offs = tl.arange(0, CHUNK)
-    for start in tl.static_range(0, WORDS, CHUNK):
-        mask = start + offs < WORDS
-        tl.store(dst + start + offs, tl.load(src + start + offs, mask=mask), mask=mask)
+    for item in tl.range(tl.program_id(0), total, tl.num_programs(0)):
+        pair, plane = item // PLANES, item % PLANES
+        src = src_ptr + plane * src_plane_stride + tl.load(src_ids_ptr + pair).to(tl.int64) * src_block_stride
+        dst = dst_ptr + plane * dst_plane_stride + tl.load(dst_ids_ptr + pair).to(tl.int64) * dst_block_stride
+        for start in tl.static_range(0, WORDS, CHUNK):
+            mask = start + offs < WORDS
+            tl.store(dst + start + offs, tl.load(src + start + offs, mask=mask), mask=mask)
+
+
+PROGRAMS_PER_SM = 8
 
 
 def copy_blocks(
     src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor,
-    chunk: int = 1024, num_warps: int = 4,
+    count: torch.Tensor | None = None, chunk: int = 1024, num_warps: int = 4,
 ) -> None:
-    """dst[:, dst_ids[i]] = src[:, src_ids[i]] for every i, asynchronously on the current stream.
+    """dst[:, dst_ids[i]] = src[:, src_ids[i]] for i < count, asynchronously on the current stream.
 
     Args:
         src, dst: [planes, num_blocks, words], same dtype and planes/words, last dim
@@ -42,9 +49,11 @@ def copy_blocks(
             `dst` may live on another GPU (peer memory mapped into this process).
         src_ids, dst_ids: [n] int32 or int64 on src's device, same length and dtype; dst_ids
             must not repeat.
+        count: [1] int32 on src's device, the number of pairs to copy (<= n), read by the
+            kernel, so that a captured launch can be replayed for any count; None: all n.
         chunk: words one program moves per step (power of two); num_warps: per program.
 
-    No host sync and no allocation.
+    No host sync; allocates only when `count` is None.
     """
     planes, _, words = src.shape
     assert dst.shape[0] == planes and dst.shape[2] == words, (src.shape, dst.shape)
@@ -54,8 +63,13 @@ def copy_blocks(
     assert src_ids.device == dst_ids.device == src.device, (src_ids.device, dst_ids.device, src.device)
     if src_ids.numel() == 0:
         return
+    if count is None:
+        count = torch.full((1,), src_ids.numel(), dtype=torch.int32, device=src.device)
+    items = src_ids.numel() * planes
+    if src.is_cuda:
+        items = min(items, PROGRAMS_PER_SM * torch.cuda.get_device_properties(src.device).multi_processor_count)
     chunk = min(chunk, triton.next_power_of_2(words))
-    _copy_blocks_kernel[(src_ids.numel(), planes)](
-        src, dst, src_ids, dst_ids, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
-        WORDS=words, CHUNK=chunk, num_warps=num_warps,
+    _copy_blocks_kernel[(items,)](
+        src, dst, src_ids, dst_ids, count, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+        PLANES=planes, WORDS=words, CHUNK=chunk, num_warps=num_warps,
     )

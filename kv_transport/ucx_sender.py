@@ -30,7 +30,7 @@ from kv_transport.config import TransportConfig
 from kv_transport.cuda_ipc import open_pool
 from kv_transport.handshake import data_tag, layout_fields
 from kv_transport.pool_writer import PoolWriter
-from kv_transport.staging import as_bytes, check_block_ids, gather_blocks, staging_num_blocks
+from kv_transport.staging import as_bytes, check_block_ids, gather_blocks, has_repeats, staging_num_blocks
 from kv_transport.transport_info import ep_info, transport_from_ep_info
 from kv_transport.ucx_link import PROBE_BYTES, PROBE_ID, Control, Session, client_handshake, ensure_ucx, spawn
 from kv_transport.wire import error_from_wire
@@ -228,7 +228,7 @@ class _Connection:
         ids = np.frombuffer(base64.b64decode(msg["ids"]), dtype=np.int32)
         if ids.size == 0 or ids.min() < 0 or ids.max() >= self.peer_num_blocks:
             raise ValueError(f"grant for {msg['id']!r} names blocks outside the receiver's pool")
-        if np.unique(ids).size != ids.size:
+        if has_repeats(ids, self.peer_num_blocks):
             raise ValueError(f"grant for {msg['id']!r} repeats a block")
         return ids
 

@@ -53,3 +53,33 @@ def test_copy_blocks_llama_8b_layout_gpu():
     copy_blocks(blocks_view(src), src_ids, blocks_view(dst), dst_ids)
     assert torch.equal(dst.isnan(), expected.isnan())
     assert torch.equal(dst.nan_to_num(), expected.nan_to_num())
+
+
+def test_copy_blocks_copies_only_count_pairs():
+    """The count is read on the GPU (a captured launch replays for any request size)."""
+    src, dst = _pools((2, 2, 16, 1, 16), 6, 6, torch.float32)
+    src_ids, dst_ids = torch.tensor([4, 0, 2, 5], device=DEVICE), torch.tensor([1, 3, 0, 2], device=DEVICE)
+    expected = dst.clone()
+    expected[:, :, dst_ids[:2]] = src[:, :, src_ids[:2]]
+    count = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+    copy_blocks(blocks_view(src), src_ids.int(), blocks_view(dst), dst_ids.int(), count=count)
+    assert torch.equal(dst.isnan(), expected.isnan())
+    assert torch.equal(dst.nan_to_num(), expected.nan_to_num())
+
+
+@pytest.mark.gpu
+def test_pool_writer_replays_one_graph_for_requests_of_any_size_gpu():
+    """The direct path's writer: a captured copy per slot, ids through pinned memory."""
+    import numpy as np
+
+    from kv_transport.pool_writer import PoolWriter
+
+    src, dst = _pools((4, 2, 16, 8, 128), 300, 200, torch.bfloat16)
+    writer = PoolWriter(src, dst)
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 37, 150, 1, 150):
+        src_ids, dst_ids = torch.randperm(300, generator=gen)[:n], torch.randperm(200, generator=gen)[:n]
+        slot = writer.write(src_ids.numpy().astype(np.int32), dst_ids.numpy().astype(np.int32))
+        writer.stream.synchronize()
+        writer.release(slot)
+        assert torch.equal(dst[:, :, dst_ids.to(DEVICE)], src[:, :, src_ids.to(DEVICE)])
