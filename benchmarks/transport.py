@@ -17,6 +17,11 @@ blocks on both sides). Three data paths:
 - "direct+prepare": the same with `prepare()` called 5 ms before `send()`, as the
   prefill worker calls it before computing the prompt: the grant's round trip is off
   the timed path (the sleep stands in for a prefill, which takes longer at any size).
+- "direct+overlap": as the prefill worker sends: prepared, then `send(after=event)` called
+  while the GPU still computes (a ~2 ms stand-in kernel; the event marks its end, as the
+  engine's marks the prompt's forward), so the copy is queued behind it and send()'s host
+  work overlaps the GPU's. Landed is timed from when the stand-in ended (its GPU duration
+  added to the host time it was queued at, the GPU being idle): the transfer's exposed time.
 - "ucx fast": gather, one UCX message over a worker-address endpoint without UCX error
   handling, scatter, acknowledgement.
 - "ucx checked": the same over the listener endpoint, error handling on.
@@ -69,13 +74,15 @@ class Row:
     vs_packed: float  # share of the same copy with the gather/scatter around it
 
 
-PATHS = {  # name: (direct_writes, fast_data_path, prepare ahead)
-    "direct+prepare": (True, True, True),
-    "direct": (True, True, False),
-    "ucx fast": (False, True, False),
-    "ucx checked": (False, False, False),
+PATHS = {  # name: (direct_writes, fast_data_path, prepare ahead, sent while the GPU computes)
+    "direct+overlap": (True, True, True, True),
+    "direct+prepare": (True, True, True, False),
+    "direct": (True, True, False, False),
+    "ucx fast": (False, True, False, False),
+    "ucx checked": (False, False, False, False),
 }
 PREFILL_STANDIN_S = 0.005  # "prefill compute" between prepare() and send(): shorter than any real one
+STANDIN_GPU_CYCLES = 4_000_000  # direct+overlap: ~2 ms of GPU work still running when send() is called
 BREAKDOWN: list[bool] = []  # --breakdown: time the direct path's parts (patches the transport; slower)
 
 
@@ -147,7 +154,7 @@ class _Marks:
 
 
 def _config(path: str) -> TransportConfig:
-    direct, fast, _ = PATHS[path]
+    direct, fast, *_ = PATHS[path]
     return TransportConfig(secret=SECRET, direct_writes=direct, fast_data_path=fast, transfer_timeout_s=60.0,
                            connect_timeout_s=30.0)
 
@@ -206,7 +213,7 @@ def _receiver_process(conn: Connection, device: str, num_blocks: int, path: str,
 
 async def _bench_ucx(
     path: str, device: str, peer_device: str, tokens_list: list[int], iters: int, num_blocks: int
-) -> list[tuple[int, float, float, str]]:
+) -> list[tuple[int, float, float | None, str]]:
     """(tokens, p50 seconds until the receiver knows, p50 seconds of send(), transport) per size."""
     from kv_transport.ucx_sender import UcxKVSender
 
@@ -238,9 +245,19 @@ async def _bench_ucx(
                 if PATHS[path][2]:  # as the prefill worker does: ask for the grant, then compute
                     sender.prepare(request_id, peer)
                     await asyncio.sleep(PREFILL_STANDIN_S)
-                started[request_id] = time.monotonic()
                 marks.current = request_id
-                result = await sender.send(request_id, send_ids, peer)
+                if PATHS[path][3]:  # as the prefill worker does: send behind the forward's event
+                    begin, kv_done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    t0 = time.monotonic()
+                    begin.record()
+                    torch.cuda._sleep(STANDIN_GPU_CYCLES)
+                    kv_done.record()
+                    result = await sender.send(request_id, send_ids, peer, after=kv_done)
+                    # Timed from when the KV was done (the GPU started the stand-in at once: it was idle).
+                    started[request_id] = t0 + begin.elapsed_time(kv_done) / 1e3
+                else:
+                    started[request_id] = time.monotonic()
+                    result = await sender.send(request_id, send_ids, peer)
                 marks.mark("send returned")
                 result.raise_for_error()
                 if marks.at.get(request_id, {}).get("copy launched"):
@@ -259,7 +276,8 @@ async def _bench_ucx(
                 raise RuntimeError(f"{path}, {tokens} tokens: the receiver's blocks differ from the sender's")
             if PATHS[path][0] and device.startswith("cuda") and sender.direct_peers() != [peer]:
                 raise RuntimeError("direct writes were not set up (see the log above for why)")
-            out.append((tokens, statistics.median(recv_times), statistics.median(times), transport))
+            send_time = None if PATHS[path][3] else statistics.median(times)  # overlap: includes the stand-in
+            out.append((tokens, statistics.median(recv_times), send_time, transport))
         if COPY_SWEEP and sender.direct_peers():
             _copy_sweep(pool.kv, sender._conns[peer].peer_kv, tokens_list, num_blocks)
     finally:

@@ -13,7 +13,7 @@ import logging
 
 from decode_node.spec import speculative_engine
 from engine.config import EngineConfig
-from engine.loop import LoopWorker
+from engine.loop import LoopWorker, log_failure
 from engine.messages import KVTransferInfo, WorkerRequest
 from engine.outputs import TokenDelta
 from kv_transport import PeerAddress, TransportConfig
@@ -68,7 +68,10 @@ class DecodeWorker(LoopWorker):
         if not result.ok:
             await self.loop.call(lambda e: e.abort(request_id))
             result.raise_for_error()
-        await self.loop.call(lambda e: e.admit_prefilled(request_id, first_token_id, result.ready))
+        # Not awaited: the engine admits it before its next step; waiting would add the rest of
+        # the current step to the request's first token. A failure here is a bug, logged.
+        self.loop.submit(lambda e: e.admit_prefilled(request_id, first_token_id, result.ready)).add_done_callback(
+            log_failure)
         return KVTransferInfo(result.num_bytes, result.transport, result.elapsed_s, result.direct)
 
     async def abort(self, request_id: str) -> bool:

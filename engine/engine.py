@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import EngineLoad, RequestOutput, TokenDelta
 from engine.sampler import Sampler
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.speculator import Proposal, Speculator
 from engine.weights import load_model, load_tokenizer, resolve_model
@@ -40,6 +40,11 @@ class _Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
     hold_kv: bool = False  # keep the blocks after finishing, until release()
+
+
+# (request_id, block_ids, event): a hold_kv request's prompt KV is computed, or will be once
+# the CUDA event completes (None: now). See Engine.set_kv_computed_callback.
+KVComputed = Callable[[str, tuple[int, ...], "torch.cuda.Event | None"], None]
 
 
 class NoCapacity(RuntimeError):
@@ -83,6 +88,7 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, Sequence] = {}
         self._num_receiving = 0
+        self._on_kv_computed: KVComputed | None = None
         # Admitted, but their KV is still being copied in: (first token, CUDA event of the copy).
         self._kv_landing: dict[Sequence, tuple[int, torch.cuda.Event]] = {}
         self._ids = itertools.count()
@@ -108,7 +114,8 @@ class Engine:
                     hold_kv: bool = False) -> str:
         """Queue a request; raises ValueError (and changes nothing) if it is invalid.
 
-        hold_kv: when the request finishes, keep its blocks (see `held_block_ids`)
+        hold_kv: when the request finishes, keep its blocks (their ids come with the last
+                delta, `TokenDelta.held_block_ids`)
         until `release`: a prefill worker ships them to a decode worker first.
         """
         params = params or SamplingParams()
@@ -151,10 +158,6 @@ class Engine:
 
     # Disaggregation: a prefill worker holds finished KV until it is sent; a
     # decode worker reserves blocks, receives the KV, then admits the sequence.
-
-    def held_block_ids(self, request_id: str) -> list[int]:
-        """Blocks of a finished `hold_kv` request, covering its prompt's KV in order."""
-        return list(self._held[request_id].block_ids)
 
     def release(self, request_id: str) -> bool:
         """Free a held request's blocks (full ones stay in the prefix cache)."""
@@ -247,6 +250,14 @@ class Engine:
         `decode_node.spec.build_speculator` makes one from `config.spec`."""
         self.speculator = speculator
 
+    def set_kv_computed_callback(self, callback: KVComputed | None) -> None:
+        """Call `callback(request_id, block_ids, event)` from the step that computes the last
+        of a `hold_kv` request's prompt, right after its forward is queued and before the
+        sampling waits for it: `event` (CUDA; None on the CPU, where the KV is complete)
+        completes once the KV is in `block_ids`. Lets a prefill worker queue the KV's transfer
+        while the GPU still computes. Runs on the engine's thread: it must return at once."""
+        self._on_kv_computed = callback
+
     def step(self) -> list[TokenDelta]:
         """Run one iteration; returns a delta for every request that got tokens."""
         if self._kv_landing:
@@ -259,6 +270,8 @@ class Engine:
         if not batch.seqs:
             return []
         logits = self.runner.compute_logits(batch)
+        if self._on_kv_computed is not None:
+            self._report_kv_computed(batch, self._on_kv_computed)
         verifying = {seq: logits.pop(seq) for seq in batch.seqs if seq.spec_token_ids}
         sampled = self.runner.sample(logits)
         deltas = []
@@ -271,6 +284,19 @@ class Engine:
             if seq in sampled:
                 deltas.append(self._append_token(seq, *sampled[seq]))
         return deltas
+
+    def _report_kv_computed(self, batch: ScheduledBatch, callback: KVComputed) -> None:
+        done = [seq for seq, num_new in zip(batch.seqs, batch.num_new_tokens)
+                if self._requests[seq.request_id].hold_kv
+                and seq.num_computed_tokens < seq.num_prompt_tokens <= seq.num_computed_tokens + num_new]
+        if not done:
+            return
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        for seq in done:
+            callback(seq.request_id, tuple(seq.block_ids), event)
 
     def _propose(self) -> dict[Sequence, Proposal]:
         """Draft tokens for every running sequence that is decoding (its last token
@@ -334,8 +360,9 @@ class Engine:
         text = req.detokenizer.take_delta(reason is not None) if req.detokenizer else ""
         if reason is not None:
             self._finish(seq, reason)
+        held = tuple(seq.block_ids) if seq.request_id in self._held else ()
         return TokenDelta(seq.request_id, (token_id,), text, reason, (logprobs,) if logprobs else (),
-                          seq.num_prompt_tokens, seq.num_cached_tokens)
+                          seq.num_prompt_tokens, seq.num_cached_tokens, held)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         req = self._requests.pop(seq.request_id)
@@ -402,7 +429,7 @@ def _merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
     last = deltas[-1]
     return TokenDelta(last.request_id, tuple(t for d in deltas for t in d.token_ids), "".join(d.text for d in deltas),
                       last.finish_reason, tuple(lp for d in deltas for lp in d.logprobs),
-                      last.num_prompt_tokens, last.num_cached_tokens)
+                      last.num_prompt_tokens, last.num_cached_tokens, last.held_block_ids)
 
 
 def _blocks_that_fit(config: EngineConfig, layout: KVLayout, device: torch.device) -> int:

@@ -105,6 +105,12 @@ class EngineLoop:
         return [TokenDelta(rid, (), "", FinishReason.ABORT) for rid in ids]
 
 
+def log_failure(done: Future[object]) -> None:
+    """Done-callback for a command whose caller does not wait for it: its failure is a bug."""
+    if not done.cancelled() and done.exception() is not None:
+        logger.error("engine command failed", exc_info=done.exception())
+
+
 class LoopWorker:
     """What both worker roles answer the cluster with about their engine (the Ray actor
     methods they share); each role adds its own way in."""

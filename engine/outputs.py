@@ -20,6 +20,9 @@ class TokenDelta:
     logprobs: tuple[TokenLogprobs, ...] = ()
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # The last delta of a `hold_kv` request: the blocks holding its KV, in position order,
+    # so that whoever sends them needs no call into the engine; free with Engine.release.
+    held_block_ids: tuple[int, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -11,7 +11,8 @@ Modules (only the ucx_* ones and transport_info import ucxx):
     api            protocols, TransferResult, typed errors, release_on_failure
     config         TransportConfig
     handshake      layout fingerprint, HMAC secret proofs, per-request data tags
-    staging        gather/scatter of scattered blocks to one contiguous buffer
+    staging        block id checks; gather/scatter of scattered blocks to one contiguous buffer
+    pool_writer    direct writes: scattered blocks into a peer's mapped pool (one graph replay)
     cuda_ipc       the receiver's pool shared with same-host senders (CUDA IPC handle)
     receive_table  receiver bookkeeping shared by every transport (either arrival order)
     loopback       in-process fake with the same semantics, for tests above
@@ -26,10 +27,12 @@ carries JSON frames: hello/challenge/auth/accept (handshake; accept carries the 
 CUDA IPC handle when the pool is on a GPU), then one of two data paths per connection:
 - direct writes (GPUs of one host that can map the handle): xfer(mode=write, the
   sender's interprocess CUDA event) -> grant (the receiver's block ids) -> the sender
-  copies block to block into the mapped pool (kernels.block_copy, one NVLink pass),
-  records the event and sends written while the copy runs; the receiver orders its
-  stream after the event. Or done(error) instead of a grant. `prepare()` sends the xfer
-  before the KV exists, so the grant travels during the prefill.
+  copies block to block into the mapped pool (pool_writer: one CUDA-graph replay of
+  kernels.block_copy on a stream of its own, one NVLink pass), records the event and
+  sends written while the copy runs; the receiver orders an event of its own after the
+  sender's on a side stream and returns it as TransferResult.ready. Or done(error)
+  instead of a grant. `prepare()` sends the xfer before the KV exists, so the grant
+  travels during the prefill.
 - UCX messages (other hosts, CPU pools): xfer -> one tagged message per request
   (gathered blocks) -> done (receiver, with the error if any).
 Either way the sender may cancel (it gave up); a granted writer that cancels has no copy

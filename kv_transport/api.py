@@ -89,16 +89,20 @@ class TransferResult:
 class KVSender(Protocol):
     """The prefill side: pushes a request's KV blocks to a receiver."""
 
-    async def send(self, request_id: str, block_ids: Sequence[int], peer: PeerAddress) -> TransferResult:
+    async def send(
+        self, request_id: str, block_ids: Sequence[int], peer: PeerAddress, after: torch.cuda.Event | None = None
+    ) -> TransferResult:
         """Copy `block_ids` of the local pool into the blocks the receiver expects.
 
         Args:
             request_id: id the receiver registered with `expect()`.
-            block_ids: local block ids, in sequence order. Their KV must be complete (on a
-                GPU: the caller has synchronized with the work that wrote it; a direct write
-                copies on a stream of its own, not after the caller's). They may be freed or
-                reused as soon as this returns.
+            block_ids: local block ids, in sequence order. They may be freed or reused as
+                soon as this returns.
             peer: the receiver's `address`.
+            after: the KV is complete once this CUDA event has completed (the copy is queued
+                behind it, so that it can be sent while the GPU still computes). None: it is
+                complete now (on a GPU, the caller has synchronized with the work that wrote
+                it: a direct write copies on a stream of its own, not after the caller's).
 
         Returns:
             A result that is ok once the KV has landed in the receiver's pool. Never

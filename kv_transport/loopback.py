@@ -101,8 +101,12 @@ class LoopbackSender:
         self._bytes_per_block = kv[:, :, 0].numel() * kv.element_size()
         self._in_flight: set[str] = set()
 
-    async def send(self, request_id: str, block_ids: Sequence[int], peer: PeerAddress) -> TransferResult:
+    async def send(
+        self, request_id: str, block_ids: Sequence[int], peer: PeerAddress, after: torch.cuda.Event | None = None
+    ) -> TransferResult:
         ids = check_block_ids(block_ids, self._kv.shape[2])
+        if after is not None:
+            after.synchronize()  # in-process test double: plain torch copies follow
         if request_id in self._in_flight:
             raise ValueError(f"request {request_id!r} is already being sent")
         started = time.perf_counter()

@@ -6,8 +6,9 @@ written into pinned buffers reused across requests, and one replay of a CUDA gra
 (captured once per buffer) moves them to the GPU and runs the copy; a plain Triton
 launch costs ~75 us of host time on the H200 machines' CPUs, more than the copy of a
 256-token request. The copy runs on a high-priority stream of its own, so that it
-neither waits for nor queues behind later compute on the caller's stream (the caller's
-KV must be complete when it asks: the prefill worker's sampling waited for it).
+neither waits for nor queues behind later compute on the caller's stream: it waits only
+for the event the caller names as the end of the work that wrote the KV (the prefill
+engine's forward), or for nothing when the caller has synchronized.
 """
 
 from __future__ import annotations
@@ -67,13 +68,16 @@ class PoolWriter:
             self.stream = torch.cuda.Stream(src.device, priority=-1)
             self._free.append(_Slot(self._src, self._dst, _MIN_SLOT_IDS, self.stream))
 
-    def write(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> _Slot | None:
-        """Queue dst blocks `dst_ids` = src blocks `src_ids` (int32 arrays, same length).
+    def write(self, src_ids: np.ndarray, dst_ids: np.ndarray, after: torch.cuda.Event | None = None) -> _Slot | None:
+        """Queue dst blocks `dst_ids` = src blocks `src_ids` (int32 arrays, same length),
+        behind `after` if given (the event of the work that writes the source blocks).
 
         On CUDA the copy is queued on `self.stream`: record an event there to know when it
         is done, then `release()` the returned slot. On the CPU it is done on return (None).
         """
         if self.stream is None:
+            if after is not None:
+                after.synchronize()
             src_t, dst_t = torch.from_numpy(src_ids).long(), torch.from_numpy(dst_ids).long()
             self._dst.index_copy_(1, dst_t, self._src.index_select(1, src_t))
             return None
@@ -84,6 +88,8 @@ class PoolWriter:
         ids[_HEAD:_HEAD + n] = src_ids
         ids[_HEAD + capacity:_HEAD + capacity + n] = dst_ids
         with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
             slot.graph.replay()
         return slot
 

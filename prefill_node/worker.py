@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 
+import torch
+
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.loop import LoopWorker
+from engine.loop import LoopWorker, log_failure
 from engine.messages import KVTransferInfo, PrefillOutput, WorkerRequest
 from engine.outputs import TokenDelta
 from engine.sequence import FinishReason
-from kv_transport import PeerAddress, TransportConfig
+from kv_transport import PeerAddress, TransferResult, TransportConfig
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +30,10 @@ class PrefillWorker(LoopWorker):
         self._prefill_timeout_s = prefill_timeout_s
         self._sender = None
         self._waiters: dict[str, asyncio.Future[TokenDelta]] = {}
+        self._peers: dict[str, PeerAddress] = {}  # where each request in prefill sends its KV
+        self._sends: dict[str, asyncio.Task[TransferResult]] = {}  # started before the first token
         self._pump: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
         from kv_transport.ucx_sender import UcxKVSender
@@ -35,6 +41,19 @@ class PrefillWorker(LoopWorker):
         engine = self.loop.engine
         self._sender = UcxKVSender(engine.pool.kv, engine.pool.layout, self._transport)
         self._pump = asyncio.create_task(self._pump_deltas())
+        self._loop = asyncio.get_running_loop()
+        engine.set_kv_computed_callback(self._kv_computed)
+
+    def _kv_computed(self, rid: str, block_ids: tuple[int, ...], event: torch.cuda.Event | None) -> None:
+        """On the engine's thread, mid-step: hand over to the event loop and return."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: we are shutting down
+            self._loop.call_soon_threadsafe(self._send_early, rid, block_ids, event)
+
+    def _send_early(self, rid: str, block_ids: tuple[int, ...], event: torch.cuda.Event | None) -> None:
+        """The prompt's forward is queued: send its KV behind it, while the GPU computes and samples."""
+        peer = self._peers.get(rid)
+        if peer is not None and rid not in self._sends:
+            self._sends[rid] = asyncio.ensure_future(self._sender.send(rid, block_ids, peer, after=event))
 
     async def _pump_deltas(self) -> None:
         while True:
@@ -45,7 +64,8 @@ class PrefillWorker(LoopWorker):
 
     async def prefill(self, req: WorkerRequest, decode_peer: PeerAddress | None) -> PrefillOutput:
         """Compute the prompt's KV, sample the first token and, unless that ends the
-        request, send the KV to `decode_peer`. The blocks are released (full ones
+        request, send the KV to `decode_peer` (queued behind the prompt's forward, so that
+        it travels while the first token is sampled). The blocks are released (full ones
         stay in the prefix cache) whatever happens; a failed send raises its TransferError."""
         rid = req.request_id
         waiter: asyncio.Future[TokenDelta] = asyncio.get_running_loop().create_future()
@@ -53,30 +73,43 @@ class PrefillWorker(LoopWorker):
         params = dataclasses.replace(req.params, max_tokens=1)
         if decode_peer is not None:
             # The decode worker's grant of its blocks (direct writes) travels while we compute.
+            self._peers[rid] = decode_peer
             self._sender.prepare(rid, decode_peer)
         try:
             await self.loop.call(lambda e: e.add_request(list(req.prompt_token_ids), params, rid, hold_kv=True))
             first = await asyncio.wait_for(waiter, self._prefill_timeout_s)
         except BaseException:
             self._waiters.pop(rid, None)
-            if decode_peer is not None:
-                self._sender.forget(rid)
+            await self._stop_sending(rid)
             await self.loop.call(lambda e: e.abort(rid))
             raise
         needs_decode = first.finish_reason is FinishReason.LENGTH and req.params.max_tokens > 1
         transfer = None
         try:
             if needs_decode and decode_peer is not None:
-                block_ids = await self.loop.call(lambda e: e.held_block_ids(rid))
-                result = await self._sender.send(rid, block_ids, decode_peer)
+                self._peers.pop(rid)
+                sending = self._sends.pop(rid, None)
+                # The ids come with the delta: a call into the engine would wait for its current step.
+                result = await (sending or self._sender.send(rid, first.held_block_ids, decode_peer))
                 result.raise_for_error()
                 transfer = KVTransferInfo(result.num_bytes, result.transport, result.elapsed_s, result.direct)
         finally:
-            if decode_peer is not None:
-                self._sender.forget(rid)  # a no-op once sent
-            await self.loop.call(lambda e: e.release(rid))
-        first = dataclasses.replace(first, finish_reason=None if needs_decode else first.finish_reason)
+            # The first token ended it (its early send is wasted), the send failed or we were cancelled.
+            await self._stop_sending(rid)
+            # Not awaited, for the same reason; the engine runs it before its next step.
+            self.loop.submit(lambda e: e.release(rid)).add_done_callback(log_failure)
+        first = dataclasses.replace(first, finish_reason=None if needs_decode else first.finish_reason,
+                                    held_block_ids=())
         return PrefillOutput(first, needs_decode, transfer)
+
+    async def _stop_sending(self, rid: str) -> None:
+        """Whatever of `rid` is still being sent or prepared stops before its blocks go back."""
+        self._peers.pop(rid, None)
+        sending = self._sends.pop(rid, None)
+        if sending is not None:
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)  # a copy in flight finishes first
+        self._sender.forget(rid)  # a no-op once sent
 
     async def node_id(self) -> str:
         """The Ray node this worker runs on."""

@@ -161,12 +161,13 @@ def test_decode_worker_path_builds_the_draft_kv_from_the_received_prompt(engine,
 
     prefill = make_engine()
     rid = prefill.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
-    first_token = None
+    first_token, held = None, ()
     while prefill.has_unfinished:
         for delta in prefill.step():
-            first_token = delta.token_ids[0]
+            first_token, held = delta.token_ids[0], delta.held_block_ids
+    assert held, "the last delta of a hold_kv request names its blocks"
     dst = engine.reserve("received", prompt, params)
-    engine.pool.kv[:, :, dst] = prefill.pool.kv[:, :, prefill.held_block_ids(rid)]
+    engine.pool.kv[:, :, dst] = prefill.pool.kv[:, :, list(held)]
     prefill.release(rid)
     engine.admit_prefilled("received", first_token)
 

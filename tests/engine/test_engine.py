@@ -110,11 +110,11 @@ def _prefilled(engine, make_engine, prompt: str, request_id: str, params: Sampli
     """Reserve `request_id` here, write its prompt's KV from another engine; the first token."""
     prefill = make_engine()
     rid = prefill.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
-    first = [d.token_ids[0] for _ in range(4) for d in prefill.step()][0]
+    (last,) = [d for _ in range(4) for d in prefill.step()]
     dst = engine.reserve(request_id, engine.tokenize(prompt), params)
-    engine.pool.kv[:, :, dst] = prefill.pool.kv[:, :, prefill.held_block_ids(rid)]
-    prefill.release(rid)
-    return first
+    engine.pool.kv[:, :, dst] = prefill.pool.kv[:, :, list(last.held_block_ids)]
+    assert prefill.release(rid)
+    return last.token_ids[0]
 
 
 def test_a_request_whose_kv_is_still_copying_waits_outside_the_batch(engine, make_engine):
@@ -159,3 +159,20 @@ def test_aborting_a_request_whose_kv_is_copying_frees_its_blocks_after_the_copy(
     assert engine.abort("gone")
     assert copy.waited == 1  # the blocks went back only once nothing could still write them
     assert not engine.has_unfinished and all_blocks_free(engine) and engine.load().num_receiving == 0
+
+
+def test_the_kv_computed_callback_fires_once_per_held_prompt_at_its_last_chunk(make_engine, tokenizer):
+    """A prefill worker sends the KV from this callback, while the first token is sampled."""
+    prefill = make_engine(max_num_batched_tokens=64)  # a 150-token prompt takes three steps
+    calls: list[tuple[str, tuple[int, ...], object, int]] = []
+    prefill.set_kv_computed_callback(lambda rid, ids, event: calls.append((rid, ids, event, step)))
+    held = prefill.add_request(prompt_ids(tokenizer, 150), SamplingParams(temperature=0.0, max_tokens=1),
+                               hold_kv=True)
+    prefill.add_request(prompt_ids(tokenizer, 40, variant=1), SamplingParams(temperature=0.0, max_tokens=3))
+    last = {}
+    for step in range(8):
+        last.update({d.request_id: d for d in prefill.step()})
+    assert [(rid, event) for rid, _, event, _ in calls] == [(held, None)]  # CPU: the KV is complete at once
+    assert calls[0][1] == last[held].held_block_ids  # the blocks the transfer will name
+    assert calls[0][3] == 2  # the third step, which computed the prompt's last chunk
+    assert prefill.release(held)
