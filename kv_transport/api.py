@@ -60,7 +60,8 @@ class TransferResult:
         num_bytes: KV bytes moved (the request's blocks, all layers, K and V).
         transport: transport class used ("cuda_ipc", "rdma", "shm", "tcp",
             "loopback", or "unknown" when it failed before one was chosen).
-        elapsed_s: from `send()`/`expect()` to this result.
+        elapsed_s: from `send()`/`expect()` to this result (a send with `after` counts
+            the wait for the KV's computation too).
         error: None on success, else why it failed.
         direct: the KV was written straight into the receiver's pool (CUDA IPC) rather
             than sent as UCX messages.
