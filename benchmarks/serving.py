@@ -28,6 +28,7 @@ from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
 @dataclass
 class Trace:
     ttft: list[float] = field(default_factory=list)
+    tt2t: list[float] = field(default_factory=list)  # to the second token (disaggregated: the decode side's first)
     itl: list[float] = field(default_factory=list)
     itl_windows: list[tuple[float, float]] = field(default_factory=list)  # (time, gap) for burst analysis
     errors: int = 0
@@ -37,13 +38,16 @@ async def stream(stub, ids: list[int], max_tokens: int, trace: Trace, t0: float)
     req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
                              sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     start = time.perf_counter()
-    last = None
+    last, count = start, 0
     try:
         async for _ in stub.Generate(req, timeout=600):
             now = time.perf_counter()
-            if last is None:
+            count += 1
+            if count == 1:
                 trace.ttft.append(now - start)
             else:
+                if count == 2:
+                    trace.tt2t.append(now - start)
                 trace.itl.append(now - last)
                 trace.itl_windows.append((now - t0, now - last))
             last = now
@@ -138,12 +142,13 @@ async def main_async(args: argparse.Namespace) -> None:
     ray.shutdown()
     print(f"\nmodel {args.model}, prompts {args.prompt_len}, outputs {args.output_len}, "
           f"token budget {args.token_budget}")
-    print(f"| {'run':<44} | {'TTFT p50':>9} | {'TTFT p99':>9} | {'ITL p50':>8} | {'ITL p99':>8} | "
-          f"{'ITL max':>8} | err |")
-    print(f"|{'-' * 46}|{'-' * 11}|{'-' * 11}|{'-' * 10}|{'-' * 10}|{'-' * 10}|-----|")
+    print(f"| {'run':<44} | {'TTFT p50':>9} | {'TTFT p99':>9} | {'TT2T p50':>9} | {'ITL p50':>8} | "
+          f"{'ITL p99':>8} | {'ITL max':>8} | err |")
+    print(f"|{'-' * 46}|{'-' * 11}|{'-' * 11}|{'-' * 11}|{'-' * 10}|{'-' * 10}|{'-' * 10}|-----|")
     for name, t in rows:
-        print(f"| {name:<44} | {pct(t.ttft, .5):9.1f} | {pct(t.ttft, .99):9.1f} | {pct(t.itl, .5):8.1f} | "
-              f"{pct(t.itl, .99):8.1f} | {max(t.itl, default=float('nan')) * 1000:8.1f} | {t.errors:3d} |")
+        print(f"| {name:<44} | {pct(t.ttft, .5):9.1f} | {pct(t.ttft, .99):9.1f} | {pct(t.tt2t, .5):9.1f} | "
+              f"{pct(t.itl, .5):8.1f} | {pct(t.itl, .99):8.1f} | {max(t.itl, default=float('nan')) * 1000:8.1f} | "
+              f"{t.errors:3d} |")
     print("(milliseconds)")
 
 
