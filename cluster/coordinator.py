@@ -121,21 +121,23 @@ class Coordinator:
                 asyncio.ensure_future(self._abort(decode, rid))
 
     async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int]) -> TokenDelta | None:
-        """Reserve on `decode`, prefill elsewhere, hand the KV over; returns the first token's delta."""
-        try:
-            await decode.actor.reserve.remote(req)
-        except NoCapacity as e:
-            raise Overloaded(str(e)) from e
-        except ACTOR_LOST as e:
-            await self.decode.replace(decode)
-            raise WorkerUnavailable(f"decode worker {decode.worker_id} was lost") from e
+        """Reserve on `decode` and prefill elsewhere at once, hand the KV over; returns the
+        first token's delta. The receiver holds KV that arrives before its reservation, so
+        the reservation (a call that waits for the decode engine's current step) is not on
+        the first token's path; a refused one cancels the prefill."""
         prefill = self._pick(self.prefill, hashes, self.policy)
         prefill.state.inflight += 1
         ref = prefill.actor.prefill.remote(req, decode.address)
         try:
+            await self._reserve(req, decode)
+        except BaseException:
+            ray.cancel(ref)  # the worker aborts the request and frees its blocks
+            prefill.state.inflight -= 1
+            raise
+        try:
             out = await ref
         except asyncio.CancelledError:
-            ray.cancel(ref)  # the worker aborts the request and frees its blocks
+            ray.cancel(ref)
             raise
         except ACTOR_LOST as e:
             await self.prefill.replace(prefill)
@@ -157,6 +159,15 @@ class Coordinator:
             await self.decode.replace(decode)
             raise WorkerUnavailable(f"decode worker {decode.worker_id} was lost") from e
         return out.first
+
+    async def _reserve(self, req: WorkerRequest, decode: Worker) -> None:
+        try:
+            await decode.actor.reserve.remote(req)
+        except NoCapacity as e:
+            raise Overloaded(str(e)) from e
+        except ACTOR_LOST as e:
+            await self.decode.replace(decode)
+            raise WorkerUnavailable(f"decode worker {decode.worker_id} was lost") from e
 
     def _pick(self, pool: Pool, hashes: list[int], policy: RoutingPolicy) -> Worker:
         healthy = pool.healthy()

@@ -147,3 +147,21 @@ def test_lost_decode_worker_fails_its_requests_and_is_replaced(disaggregated):
                120, "the pool to replace the lost decode worker")
     assert collect(disaggregated.target, "Hi there", SamplingParams(temperature=0.0, max_tokens=4)).token_ids
     wait_until(lambda: pools_are_full(disaggregated.target), 10, "every block to be free")
+
+
+def test_a_refused_reservation_cancels_the_prefill_it_ran_beside(start):
+    """The prefill starts beside the decode worker's reservation; when the reservation is
+    refused (no seat), the client hears RESOURCE_EXHAUSTED, the prefill is cancelled and
+    every block on both sides comes back, and the server keeps serving."""
+    srv = start(pools={"mode": "disaggregated"}, engine={"scheduler": {"max_num_seqs": 1}})
+    with Client(srv.target) as holder, Client(srv.target) as other:
+        running = holder.generate("Tell me a story.", SamplingParams(max_tokens=2000, ignore_eos=True),
+                                  timeout_s=120)
+        next(running)  # it holds the decode worker's only seat
+        with pytest.raises(grpc.RpcError) as err:
+            list(other.generate("One more", SamplingParams(max_tokens=4), timeout_s=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        running.cancel()
+        wait_until(lambda: pools_are_full(srv.target), 30, "blocks to be freed on both workers")
+        after = collect(srv.target, "One more", SamplingParams(temperature=0.0, max_tokens=4))
+        assert len(after.token_ids) == 4
