@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,10 @@ from engine.speculator import Proposal, Speculator
 from engine.weights import load_model, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
+
+# Bound on waiting for a KV copy into this engine's blocks (its event): one from a process
+# that died may never complete, and the engine thread must keep serving.
+COPY_WAIT_S = 10.0
 
 Prompt = str | list[int]
 
@@ -214,9 +219,9 @@ class Engine:
 
     def _admit_landed(self) -> None:
         """Run the sequences whose KV has landed; with nothing else to run, wait for one
-        (bounded by its copy) rather than spin."""
+        (bounded) rather than spin."""
         if not self.scheduler.has_unfinished:
-            next(iter(self._kv_landing.values()))[1].synchronize()
+            _wait_for_copy(next(iter(self._kv_landing.values()))[1])
         for seq, (first_token_id, ready) in list(self._kv_landing.items()):
             if ready.query():
                 del self._kv_landing[seq]
@@ -367,8 +372,9 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         req = self._requests.pop(seq.request_id)
         landing = self._kv_landing.pop(seq, None)
-        if landing is not None:
-            landing[1].synchronize()  # its blocks are written by a copy in flight: free them after it
+        if landing is not None and not _wait_for_copy(landing[1]):  # free the blocks after the copy into them
+            logger.warning("KV copy into request %s's blocks not done after %.0f s: freeing them anyway",
+                           seq.request_id, COPY_WAIT_S)
         if seq.status is SequenceStatus.RECEIVING:
             self._num_receiving -= 1
         hold = req.hold_kv and reason is not FinishReason.ABORT
@@ -420,6 +426,17 @@ class Engine:
         finally:
             for rid in pending:
                 self.abort(rid)
+
+
+def _wait_for_copy(event: torch.cuda.Event) -> bool:
+    """`event.synchronize()`, bounded by COPY_WAIT_S (CUDA offers no timeout, so a helper
+    thread waits); whether the copy completed."""
+    if event.query():
+        return True
+    waiter = threading.Thread(target=event.synchronize, name="kv-copy-wait", daemon=True)
+    waiter.start()
+    waiter.join(COPY_WAIT_S)
+    return not waiter.is_alive()
 
 
 def _merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:

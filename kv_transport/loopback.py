@@ -105,10 +105,10 @@ class LoopbackSender:
         self, request_id: str, block_ids: Sequence[int], peer: PeerAddress, after: torch.cuda.Event | None = None
     ) -> TransferResult:
         ids = check_block_ids(block_ids, self._kv.shape[2])
-        if after is not None:
-            after.synchronize()  # in-process test double: plain torch copies follow
         if request_id in self._in_flight:
             raise ValueError(f"request {request_id!r} is already being sent")
+        if after is not None:
+            after.synchronize()  # in-process test double: plain torch copies follow
         started = time.perf_counter()
         self._in_flight.add(request_id)
         try:

@@ -88,9 +88,9 @@ class PrefillWorker(LoopWorker):
         try:
             if needs_decode and decode_peer is not None:
                 self._peers.pop(rid)
-                sending = self._sends.pop(rid, None)
                 # The ids come with the delta: a call into the engine would wait for its current step.
-                result = await (sending or self._sender.send(rid, first.held_block_ids, decode_peer))
+                # An early send stays in _sends until _stop_sending has seen it end.
+                result = await (self._sends.get(rid) or self._sender.send(rid, first.held_block_ids, decode_peer))
                 result.raise_for_error()
                 transfer = KVTransferInfo(result.num_bytes, result.transport, result.elapsed_s, result.direct)
         finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -176,3 +178,22 @@ def test_the_kv_computed_callback_fires_once_per_held_prompt_at_its_last_chunk(m
     assert calls[0][1] == last[held].held_block_ids  # the blocks the transfer will name
     assert calls[0][3] == 2  # the third step, which computed the prompt's last chunk
     assert prefill.release(held)
+
+
+class _CopyThatNeverEnds(_CopyInFlight):
+    """A copy from a process that died: its event never completes."""
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        threading.Event().wait()
+
+
+def test_a_copy_that_never_ends_delays_an_abort_by_a_bound_only(engine, make_engine, monkeypatch):
+    monkeypatch.setattr("engine.engine.COPY_WAIT_S", 0.2)
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    first = _prefilled(engine, make_engine, PROMPT, "orphan", params)
+    copy = _CopyThatNeverEnds()
+    engine.admit_prefilled("orphan", first, copy)
+    assert engine.step() == [] and copy.waited == 1  # nothing else runs: a bounded wait, not a hang
+    assert engine.abort("orphan")
+    assert not engine.has_unfinished and all_blocks_free(engine) and engine.load().num_receiving == 0
