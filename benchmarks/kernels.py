@@ -2,7 +2,8 @@
 head dim 128, bf16, KV block 16), with baselines measured in the same run:
 
 - prefill, causal, 1k/4k/8k/16k tokens per sequence (16k tokens per batch): TFLOP/s of
-  flash_prefill beside torch SDPA's flash and cuDNN backends; ours reads the new tokens'
+  flash_prefill_ws (what the engine runs for prompts without context on Hopper) and
+  flash_prefill beside torch SDPA's flash and cuDNN backends; flash_prefill reads the new tokens'
   K/V contiguously (k_new/v_new, as the engine calls it) and, for comparison, all of it
   through the paged cache; plus one chunked-prefill case (new tokens after context
   already in the cache), ours only, the k_new path checked against the paged-only one;
@@ -34,7 +35,14 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from kernels import decode_num_splits, decode_workspace, flash_prefill, paged_decode
+from kernels import (
+    decode_num_splits,
+    decode_workspace,
+    flash_prefill,
+    flash_prefill_ws,
+    flash_prefill_ws_supported,
+    paged_decode,
+)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -136,6 +144,13 @@ def prefill(length: int, configs: list[tuple[int, ...]]) -> list[Row]:
             continue
         ref = res.transpose(1, 2).reshape_as(q) if ref is None else ref
         rows.append(Row("prefill", case, name, ms, flops / ms / 1e9))
+    if flash_prefill_ws_supported(q.device, q.dtype, HEAD_DIM):  # the engine's kernel for fresh prompts
+        fn = lambda: flash_prefill_ws(q, k_new, v_new, cu_seqlens, length, scale, out=out)  # noqa: E731
+        out.fill_(float("nan"))
+        fn()
+        err = _rel_err(out, ref) if ref is not None else None
+        ms = _bench(fn)
+        rows.append(Row("prefill", case, "ours ws (Hopper, no context)", ms, flops / ms / 1e9, err))
     # (name, k_new/v_new given, tuning): defaults first, then the sweep on the engine's path.
     variants = [("ours default", True, {}), ("ours paged-only default", False, {})]
     variants += [(f"ours {c}", True, dict(zip(PREFILL_KEYS, c))) for c in configs]
@@ -292,7 +307,8 @@ def main() -> None:
     # The summary: our default version beside the baselines.
     print(f"\nsummary (rate: TFLOP/s for prefill, TB/s for decode; copy {copy_tbs:.2f} TB/s)")
     print(header)
-    _print([r for r in rows[2:] if not r.impl.startswith("ours") or "default" in r.impl], copy_tbs)
+    _print([r for r in rows[2:] if not r.impl.startswith("ours") or "default" in r.impl or r.impl.startswith("ours ws")],
+           copy_tbs)
 
 
 if __name__ == "__main__":

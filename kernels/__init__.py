@@ -1,5 +1,6 @@
-"""Triton kernels of pdserve: paged KV cache write, FlashAttention prefill, paged decode,
-and the block-to-block copy of the KV transport's direct path.
+"""Triton kernels of pdserve: paged KV cache write, FlashAttention prefill (and a Gluon
+one for Hopper, for prompts without earlier context), paged decode, and the
+block-to-block copy of the KV transport's direct path.
 
 One file per kernel family; each holds private @triton.jit kernels and one public
 launcher that checks shapes, dtypes and strides. Without a GPU, set TRITON_INTERPRET=1
@@ -11,6 +12,8 @@ from __future__ import annotations
 from kernels.block_copy import copy_blocks
 from kernels.cache_write import cache_write
 from kernels.flash_prefill import flash_prefill
+from kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_supported
 from kernels.paged_decode import decode_num_splits, decode_workspace, paged_decode
 
-__all__ = ["cache_write", "copy_blocks", "decode_num_splits", "decode_workspace", "flash_prefill", "paged_decode"]
+__all__ = ["cache_write", "copy_blocks", "decode_num_splits", "decode_workspace", "flash_prefill", "flash_prefill_ws",
+           "flash_prefill_ws_supported", "paged_decode"]

@@ -8,6 +8,7 @@ from engine.attention.base import AttentionMetadata
 from engine.kv_pool import KVPool
 from kernels.cache_write import cache_write
 from kernels.flash_prefill import flash_prefill
+from kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_supported
 from kernels.paged_decode import paged_decode
 
 
@@ -19,6 +20,11 @@ class TritonAttention:
 class _TritonStep:
     def __init__(self, meta: AttentionMetadata, pool: KVPool, scale: float) -> None:
         self.meta, self.pool, self.scale = meta, pool, scale
+        layout = pool.layout
+        # Prompts with no earlier context (no chunk before this one, no prefix hit) attend
+        # only to their own K/V: the warp-specialized Hopper kernel where it runs.
+        self.fresh_prefills = (meta.num_prefills > 0 and meta.prefill_q_lens_host == meta.prefill_seq_lens_host
+                               and flash_prefill_ws_supported(pool.kv.device, layout.dtype, layout.head_dim))
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -29,7 +35,10 @@ class _TritonStep:
         if nd:
             paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                          self.scale, out=out[:nd])
-        if meta.num_prefills:
+        if meta.num_prefills and self.fresh_prefills:
+            flash_prefill_ws(q[nd:], k[nd:], v[nd:], meta.prefill_cu_seqlens_q, meta.prefill_max_seqlen_q, self.scale,
+                             out=out[nd:])
+        elif meta.num_prefills:
             # The chunk's own K/V straight from the projection (contiguous rows, TMA);
             # only earlier context is gathered from the cache.
             flash_prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,

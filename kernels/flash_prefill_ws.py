@@ -1,6 +1,8 @@
-"""FA3-style causal prefill attention for Hopper in Gluon: packed variable-length q/k/v
-(the contiguous `k_new`/`v_new` case of kernels/flash_prefill.py, no paged context), GQA,
-head dim 128, bf16 in and out. DRAFT: compiled offline for sm_90 only, never run.
+"""FA3-style causal prefill attention for Hopper (sm_90), written in Gluon: packed
+variable-length sequences attending only to their own tokens (a fresh prompt: no earlier
+context in the paged cache), GQA, head dim 128, bf16/fp16. The engine uses it for steps
+whose prefills have no context and kernels/flash_prefill.py's Triton kernel otherwise;
+it is ~25% faster than that kernel at 4k-16k on an H200 (benchmarks/RESULTS.md).
 
 One program owns 128 query rows of one (sequence, query head) and runs three roles:
 
@@ -13,7 +15,9 @@ One program owns 128 query rows of one (sequence, query head) and runs three rol
   and with the other ("ping-pong"): a pair of turn barriers lets the warpgroups issue
   their matrix products strictly in turn, so one warpgroup's softmax runs while the
   other's products occupy the tensor cores (FlashAttention-3, Shah et al. 2024).
-  In the SASS the first kind of overlap survives only with PAIRED (see _consumer).
+  In the SASS only the second kind survives: ptxas moves the last wgmma wait of a step
+  above the exp2s (a two-steps-per-iteration variant kept both but spilled and ran 12%
+  slower at 8k, so it was dropped).
 
 Tiles left of the diagonal run unmasked; only the last tile (the diagonal, which is also
 where the sequence ends) and the first (which is the diagonal for the first query tile)
@@ -35,8 +39,9 @@ HEAD_DIM = 128
 BLOCK_M = 128       # query rows per program: two consumer warpgroups of WG_M rows
 WG_M = 64
 BLOCK_N = 128       # key/value rows per tile
-NUM_STAGES = 2      # K/V ring depth: Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB of shared memory
-PAIRED = False      # two loop steps per iteration (see _consumer): to A/B on the GPU
+# K/V ring depth: Q 32 KB + 2 x (K 32 KB + V 32 KB) + the output's layout change = 176 KB of
+# shared memory; a third stage would need 240 KB, past the 227 KB an SM gives one program.
+NUM_STAGES = 2
 # Registers per thread: the consumer worker asks for 240 (the default partition, the other
 # consumer, gets what maxnreg leaves: 168 * 384 - 240 * 128 - 24 * 128 = 240 each).
 CONSUMER_REGS = gl.constexpr(240)
@@ -141,14 +146,13 @@ def _step(smem, q_s, s_zero, p, o, m_i, l_i, j, stage, prev, row0, scale_log2,
     p_new, alpha, m_i, l_i = _softmax(s, m_i, l_i, row0, j * BN, scale_log2, MASKED)
     o = warpgroup_mma_wait(0, deps=(o, ))        # P V_{j-1} done: V_{j-1} and P_{j-1} free
     mbarrier.arrive(smem.v_empty.index(prev))
-    p = gl.convert_layout(p_new.to(gl.bfloat16), p.type.layout)
+    p = gl.convert_layout(p_new.to(p.dtype), p.type.layout)
     o = o * gl.expand_dims(alpha, 1)
     return p, o, m_i, l_i
 
 
 @gluon.jit
-def _consumer(smem, out_ptr, out_row0, stride_ot, q_len, q_first, num_tiles, scale_log2,
-              WG: gl.constexpr, PAIRED: gl.constexpr):
+def _consumer(smem, out_ptr, out_row0, stride_ot, q_len, q_first, num_tiles, scale_log2, WG: gl.constexpr):
     """One warpgroup: 64 query rows (query indices q_first + WG * 64 ..) over every tile."""
     WM: gl.constexpr = smem.q.shape[1]
     D: gl.constexpr = smem.q.shape[2]
@@ -175,31 +179,13 @@ def _consumer(smem, out_ptr, out_row0, stride_ot, q_len, q_first, num_tiles, sca
     m_i = gl.full([WM], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([WM], gl.float32, row_layout)
     p, _, m_i, l_i = _softmax(s, m_i, l_i, row0, 0, scale_log2, True)     # O is still 0: no rescale
-    p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    p = gl.convert_layout(p.to(smem.q.dtype), p_layout)
     o = gl.zeros([WM, D], gl.float32, mma)
 
     # Events 1 .. num_tiles - 1: full tiles unmasked, the last (diagonal) tile masked.
-    num_full = num_tiles - 2
-    if PAIRED:
-        # Two steps per iteration give P_j and P_{j-1} their own registers. With one step
-        # per iteration ptxas reuses P_{j-1}'s registers (still read by the in-flight P V)
-        # for P_j's conversion and so hoists the final wgmma wait above the exp2s: a
-        # warpgroup's softmax then overlaps only the other warpgroup's products. Costs a
-        # 352-byte spill (the 32 constant wgmma descriptors of the two stages outgrow the
-        # uniform registers): see the report; needs NUM_STAGES == 2.
-        gl.static_assert(STAGES == 2, "PAIRED steps alternate two stages")
-        for jj in range(num_full // 2):
-            j = 1 + 2 * jj      # odd: stage 1 (prev 0), then j + 1: stage 0 (prev 1)
-            p, o, m_i, l_i = _step(smem, q_s, s_zero, p, o, m_i, l_i, j, 1, 0, row0, scale_log2, WG, False)
-            p, o, m_i, l_i = _step(smem, q_s, s_zero, p, o, m_i, l_i, j + 1, 0, 1, row0, scale_log2, WG, False)
-        if num_full > 0:  # noqa: SIM102 -- num_full is -1 for a single tile; srem(-1, 2) is -1
-            if num_full % 2 == 1:
-                p, o, m_i, l_i = _step(smem, q_s, s_zero, p, o, m_i, l_i, num_full, 1, 0, row0, scale_log2, WG,
-                                       False)
-    else:
-        for j in range(1, num_tiles - 1):
-            p, o, m_i, l_i = _step(smem, q_s, s_zero, p, o, m_i, l_i, j, j % STAGES, (j - 1) % STAGES, row0,
-                                   scale_log2, WG, False)
+    for j in range(1, num_tiles - 1):
+        p, o, m_i, l_i = _step(smem, q_s, s_zero, p, o, m_i, l_i, j, j % STAGES, (j - 1) % STAGES, row0,
+                               scale_log2, WG, False)
     if num_tiles > 1:
         last = num_tiles - 1
         p, o, m_i, l_i = _step(smem, q_s, s_zero, p, o, m_i, l_i, last, last % STAGES, (last - 1) % STAGES, row0,
@@ -217,7 +203,7 @@ def _consumer(smem, out_ptr, out_row0, stride_ot, q_len, q_first, num_tiles, sca
     o = o / gl.expand_dims(l_i, 1)
     # 16-byte stores: each thread writes 8 consecutive head-dim values of one row.
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    o = gl.convert_layout(o.to(gl.bfloat16), store_layout)
+    o = gl.convert_layout(o.to(out_ptr.dtype.element_ty), store_layout)
     offs_m = q_first + WG * WM + gl.arange(0, WM, layout=gl.SliceLayout(1, store_layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, store_layout))
     ptrs = out_ptr + gl.expand_dims((out_row0 + offs_m).to(gl.int64) * stride_ot, 1) + gl.expand_dims(offs_d, 0)
@@ -229,13 +215,13 @@ def _prefill_ws_kernel(
     q_desc,             # TMA over q as [num_tokens, num_q_heads * D], [WG_M, D] tiles
     k_desc,             # TMA over k as [num_tokens, num_kv_heads * D], [BLOCK_N, D] tiles
     v_desc,             # same over v
-    out_ptr,            # [num_tokens, num_q_heads, D] bf16; head slice at + head * D
+    out_ptr,            # [num_tokens, num_q_heads, D] in q's dtype; head slice at + head * D
     cu_seqlens_ptr,     # [batch + 1] int32
     scale_log2,         # softmax scale * log2(e)
     stride_ot,          # out.stride(0); out.stride(1) == D, out.stride(2) == 1
     num_m_blocks,       # grid size along axis 1
     num_q_heads, queries_per_kv,
-    NUM_STAGES: gl.constexpr, PAIRED: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
 ):
     WM: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -277,10 +263,13 @@ def _prefill_ws_kernel(
     mbarrier.init(smem.turn.index(1), count=1)
 
     gl.warp_specialize([
-        (_consumer, (smem, out_ptr + head * D, q_start, stride_ot, q_len, q_first, num_tiles, scale_log2, 0, PAIRED)),
-        (_consumer, (smem, out_ptr + head * D, q_start, stride_ot, q_len, q_first, num_tiles, scale_log2, 1, PAIRED)),
+        (_consumer, (smem, out_ptr + head * D, q_start, stride_ot, q_len, q_first, num_tiles, scale_log2, 0)),
+        (_consumer, (smem, out_ptr + head * D, q_start, stride_ot, q_len, q_first, num_tiles, scale_log2, 1)),
         (_producer, (smem, q_desc, k_desc, v_desc, q_start + q_first, head * D, q_start, kv_col, num_tiles)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
@@ -289,8 +278,15 @@ def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     num_tokens, num_heads, head_dim = x.shape
     if x.stride(2) != 1 or x.stride(1) != head_dim or x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
         x = x.contiguous()  # TMA needs 16-byte-aligned rows; a fused qkv view normally has them
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], gl.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], _GL_DTYPES[x.dtype])
     return TensorDescriptor(x, [num_tokens, num_heads * head_dim], [x.stride(0), 1], [block_rows, head_dim], layout)
+
+
+def flash_prefill_ws_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether flash_prefill_ws runs for this device, dtype and head dim: a Hopper GPU
+    (its wgmma and TMA), bf16 or fp16, head dim 128."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+            and dtype in _GL_DTYPES and head_dim == HEAD_DIM)
 
 
 def flash_prefill_ws(
@@ -301,21 +297,19 @@ def flash_prefill_ws(
     max_seqlen: int,
     scale: float,
     out: torch.Tensor | None = None,
-    **tuning: int,
 ) -> torch.Tensor:
     """Causal attention of packed sequences over their own keys (no earlier context).
 
     Args:
-        q: [num_tokens, num_q_heads, 128] bf16, sequences packed back to back; last dim
-            contiguous (a strided view of a fused qkv output is fine).
-        k, v: [num_tokens, num_kv_heads, 128] bf16, packed like q; num_kv_heads divides
-            num_q_heads (GQA).
+        q: [num_tokens, num_q_heads, 128] bf16 or fp16, sequences packed back to back;
+            last dim contiguous (a strided view of a fused qkv output is fine).
+        k, v: [num_tokens, num_kv_heads, 128], q's dtype, packed like q; num_kv_heads
+            divides num_q_heads (GQA).
         cu_seqlens: [batch + 1] int32 offsets of each sequence in q/k/v.
         max_seqlen: host int >= every sequence length (sizes the grid; no host sync).
         scale: softmax scale, usually 128 ** -0.5; > 0.
-        out: optional preallocated [num_tokens, num_q_heads, 128] bf16, last two dims
-            contiguous.
-        tuning: num_stages (K/V ring depth, 2), paired (0/1: two loop steps per iteration).
+        out: optional preallocated [num_tokens, num_q_heads, 128] in q's dtype, last two
+            dims contiguous.
 
     Returns:
         out.
@@ -323,9 +317,11 @@ def flash_prefill_ws(
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     batch = cu_seqlens.shape[0] - 1
-    assert head_dim == HEAD_DIM, f"head_dim must be {HEAD_DIM}, got {head_dim}"
+    if not flash_prefill_ws_supported(q.device, q.dtype, head_dim):
+        raise ValueError(f"flash_prefill_ws needs a Hopper GPU, bf16/fp16 and head dim {HEAD_DIM}; "
+                         f"got {q.device}, {q.dtype}, head dim {head_dim}")
     assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), (q.shape, k.shape, v.shape)
-    assert q.dtype == k.dtype == v.dtype == torch.bfloat16, (q.dtype, k.dtype, v.dtype)
+    assert q.dtype == k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
     assert scale > 0, "the kernel folds the scale into a running max"
     assert cu_seqlens.dtype == torch.int32 and cu_seqlens.dim() == 1
@@ -339,7 +335,6 @@ def flash_prefill_ws(
     _prefill_ws_kernel[(batch * num_q_heads, num_m_blocks)](
         _descriptor(q, WG_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, cu_seqlens,
         scale * LOG2E, out.stride(0), num_m_blocks, num_q_heads, num_q_heads // num_kv_heads,
-        NUM_STAGES=tuning.get("num_stages", NUM_STAGES), PAIRED=tuning.get("paired", PAIRED),
-        num_warps=4, maxnreg=MAXNREG,
+        NUM_STAGES=NUM_STAGES, num_warps=4, maxnreg=MAXNREG,
     )
     return out
