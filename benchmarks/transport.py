@@ -97,6 +97,8 @@ class _Marks:
         self.at: dict[str, dict[str, float]] = {}
         self.kernel_ms: dict[str, float] = {}
         self._events: tuple[str, torch.cuda.Event, torch.cuda.Event] | None = None
+        # direct+overlap: the stand-in's start event and its host time, to put GPU times on the clock
+        self.begin: tuple[torch.cuda.Event, float] | None = None
 
     def mark(self, step: str, request_id: str | None = None) -> None:
         self.at.setdefault(request_id or self.current, {})[step] = time.monotonic()
@@ -130,6 +132,9 @@ class _Marks:
         request_id, start, end = self._events
         end.synchronize()
         self.kernel_ms[request_id] = start.elapsed_time(end)
+        if self.begin is not None:  # when the copy ended on the GPU, on the host clock (late by < launch lag)
+            begin, t0 = self.begin
+            self.at[request_id]["copy ended (GPU)"] = t0 + begin.elapsed_time(end) / 1e3
 
     def patch_receiver(self) -> None:
         """Time when `written` arrives and when the table hears of it."""
@@ -250,6 +255,7 @@ async def _bench_ucx(
                     begin, kv_done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     t0 = time.monotonic()
                     begin.record()
+                    marks.begin = (begin, t0)
                     torch.cuda._sleep(STANDIN_GPU_CYCLES)
                     kv_done.record()
                     result = await sender.send(request_id, send_ids, peer, after=kv_done)
@@ -309,17 +315,24 @@ def _print_breakdown(
           ", ".join(f"{k} {statistics.median(steps[k]):.3f}" for k in order))
 
 
-COPY_SWEEP: list[tuple[int, int]] = []  # (chunk, num_warps) of kernels.block_copy, from --copy-sweep
+COPY_SWEEP: list[tuple[int, int, int]] = []  # (chunk, num_warps, programs per SM) of kernels.block_copy
 
 
 def _copy_sweep(src: torch.Tensor, peer_kv: torch.Tensor, tokens_list: list[int], num_blocks: int) -> None:
-    """Time copy_blocks variants into the mapped peer pool, no protocol around them."""
+    """Time copy_blocks variants into the mapped peer pool, no protocol around them: GPU time
+    (CUDA events around the launch, median of 30), beside a peer copy of the same bytes."""
     from kernels.block_copy import copy_blocks
     from kv_transport.staging import blocks_view
 
     rng = random.Random(5)
     print(f"{'copy_blocks into the peer pool':34} " + " ".join(f"{t:>8}" for t in tokens_list) + "  (GB/s)")
-    for chunk, warps in COPY_SWEEP:
+    peer_rates = []
+    for tokens in tokens_list:
+        nbytes = tokens // LAYOUT.block_size * LAYOUT.bytes_per_block
+        a, b = src.view(-1)[:nbytes // src.element_size()], peer_kv.view(-1)[:nbytes // src.element_size()]
+        peer_rates.append(nbytes / _gpu_seconds(lambda: b.copy_(a)) / 1e9)  # noqa: B023
+    print(f"{'peer copy, contiguous':34} " + " ".join(f"{r:>8.1f}" for r in peer_rates))
+    for chunk, warps, per_sm in COPY_SWEEP:
         rates = []
         for tokens in tokens_list:
             n = tokens // LAYOUT.block_size
@@ -327,12 +340,27 @@ def _copy_sweep(src: torch.Tensor, peer_kv: torch.Tensor, tokens_list: list[int]
             dst_ids = torch.tensor(rng.sample(range(num_blocks), n), device=src.device)
 
             def copy() -> None:
-                copy_blocks(blocks_view(src), src_ids, blocks_view(peer_kv), dst_ids, chunk=chunk,
-                            num_warps=warps)  # noqa: B023
+                copy_blocks(blocks_view(src), src_ids, blocks_view(peer_kv), dst_ids, chunk=chunk,  # noqa: B023
+                            num_warps=warps, programs_per_sm=per_sm)  # noqa: B023
 
-            seconds = _p50_seconds(copy, 30, torch.cuda.synchronize)
-            rates.append(n * LAYOUT.bytes_per_block / seconds / 1e9)
-        print(f"{f'chunk {chunk}, {warps} warps':34} " + " ".join(f"{r:>8.1f}" for r in rates))
+            rates.append(n * LAYOUT.bytes_per_block / _gpu_seconds(copy) / 1e9)
+        print(f"{f'chunk {chunk}, {warps} warps, {per_sm}/SM':34} " + " ".join(f"{r:>8.1f}" for r in rates))
+
+
+def _gpu_seconds(fn: Callable[[], object], iters: int = 30) -> float:
+    """Median GPU time of fn between two CUDA events, launched while the GPU is still busy
+    (~0.5 ms of sleep ahead of it), so the host's launch cost is not counted."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
 
 def _p50_seconds(fn: Callable[[], object], iters: int, sync: Callable[[], None]) -> float:
@@ -416,7 +444,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write every row here")
     parser.add_argument("--paths", default=None, help=f"comma-separated subset of {list(PATHS)}")
     parser.add_argument("--breakdown", action="store_true", help="time the direct path's steps (patches it)")
-    parser.add_argument("--copy-sweep", default="", help="chunk:warps,... variants of the direct path's copy kernel")
+    parser.add_argument("--copy-sweep", default="",
+                        help="chunk:warps:programs_per_sm,... variants of the direct path's copy kernel")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     BREAKDOWN.extend([True] if args.breakdown else [])

@@ -39,7 +39,7 @@ PROGRAMS_PER_SM = 8
 
 def copy_blocks(
     src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor,
-    count: torch.Tensor | None = None, chunk: int = 1024, num_warps: int = 4,
+    count: torch.Tensor | None = None, chunk: int = 1024, num_warps: int = 4, programs_per_sm: int = PROGRAMS_PER_SM,
 ) -> None:
     """dst[:, dst_ids[i]] = src[:, src_ids[i]] for i < count, asynchronously on the current stream.
 
@@ -51,7 +51,8 @@ def copy_blocks(
             must not repeat.
         count: [1] int32 on src's device, the number of pairs to copy (<= n), read by the
             kernel, so that a captured launch can be replayed for any count; None: all n.
-        chunk: words one program moves per step (power of two); num_warps: per program.
+        chunk: words one program moves per step (power of two); num_warps: per program;
+        programs_per_sm: the persistent grid's size per SM (on CUDA).
 
     No host sync; allocates only when `count` is None.
     """
@@ -67,7 +68,7 @@ def copy_blocks(
         count = torch.full((1,), src_ids.numel(), dtype=torch.int32, device=src.device)
     items = src_ids.numel() * planes
     if src.is_cuda:
-        items = min(items, PROGRAMS_PER_SM * torch.cuda.get_device_properties(src.device).multi_processor_count)
+        items = min(items, programs_per_sm * torch.cuda.get_device_properties(src.device).multi_processor_count)
     chunk = min(chunk, triton.next_power_of_2(words))
     _copy_blocks_kernel[(items,)](
         src, dst, src_ids, dst_ids, count, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),

@@ -26,11 +26,12 @@ Wire protocol per connection: control endpoint (listener-made, UCX error handlin
 carries JSON frames: hello/challenge/auth/accept (handshake; accept carries the pool's
 CUDA IPC handle when the pool is on a GPU), then one of two data paths per connection:
 - direct writes (GPUs of one host that can map the handle): xfer(mode=write, the
-  sender's interprocess CUDA event) -> grant (the receiver's block ids) -> the sender
+  sender's interprocess CUDA events) -> grant (the receiver's block ids) -> the sender
   copies block to block into the mapped pool (pool_writer: one CUDA-graph replay of
-  kernels.block_copy on a stream of its own, one NVLink pass), records the event and
-  sends written while the copy runs; the receiver orders an event of its own after the
-  sender's on a side stream and returns it as TransferResult.ready. Or done(error)
+  kernels.block_copy on a stream of its own, one NVLink pass), records the next of its
+  events and sends written (naming it) while the copy runs; the receiver returns that
+  event as TransferResult.ready, and its engine uses the KV once its host sees the event
+  complete (a GPU stream's wait on another process's event lags ~85 us). Or done(error)
   instead of a grant. `prepare()` sends the xfer before the KV exists, so the grant
   travels during the prefill.
 - UCX messages (other hosts, CPU pools): xfer -> one tagged message per request

@@ -38,9 +38,8 @@ class _Connection:
         self._table = table
         self._receiving: set[str] = set()  # message-path requests whose data is awaited
         self._writing: set[str] = set()  # direct-write requests not yet written
-        self._copied: torch.cuda.Event | None = None  # the writer's copy event (CUDA IPC), if opened
-        self._landing: torch.cuda.Stream | None = None  # ours, to wait on it (created with it)
-        self._copied_handle = ""
+        self._copied: list[torch.cuda.Event] = []  # the writer's copy events (CUDA IPC), if opened
+        self._copied_handles = ""
         self._tasks: set[asyncio.Task[None]] = set()
         self.closed = False
         self._reader = asyncio.create_task(self._read())
@@ -61,7 +60,7 @@ class _Connection:
             while True:
                 msg = await self._ctl.recv()
                 if msg["t"] == "xfer" and msg.get("mode") == "write":
-                    self._open_copy_event(str(msg.get("event", "")))
+                    self._open_copy_events(str(msg.get("events", "")))
                     self._start_write(str(msg["id"]))
                 elif msg["t"] == "xfer":
                     self._start_receive(str(msg["id"]), int(msg["n"]), str(msg.get("transport", "unknown")))
@@ -69,7 +68,7 @@ class _Connection:
                     request_id = str(msg["id"])
                     if request_id in self._writing:
                         self._writing.discard(request_id)
-                        self._table.written(request_id, "cuda_ipc", self._landed_event())
+                        self._table.written(request_id, "cuda_ipc", self._copy_event(msg.get("event")))
                 elif msg["t"] == "cancel":
                     request_id = str(msg["id"])
                     self._writing.discard(request_id)  # a writer that cancels has no copy in flight
@@ -107,33 +106,30 @@ class _Connection:
             self._ack(request_id, answer)
             return
         ids = base64.b64encode(answer.to(torch.int32).numpy().tobytes()).decode()
-        grant = {"t": "grant", "id": request_id, "ids": ids, "ordered": self._copied is not None}
+        grant = {"t": "grant", "id": request_id, "ids": ids, "ordered": bool(self._copied)}
         spawn(self._ctl.send(grant), self._tasks)
 
-    def _landed_event(self) -> torch.cuda.Event | None:
-        """An event of ours that completes when the writer's copy queued so far is done (None
-        when the writer waited for its copy itself). On a stream that nothing else uses, so
-        that the decode steps never wait for a copy: the engine admits the request once the
-        event has completed."""
-        if self._copied is None:
+    def _copy_event(self, index: object) -> torch.cuda.Event | None:
+        """The writer's event that completes with the copy of a "written" request (None when
+        the writer waited for its copy itself). The decode engine admits the request once its
+        host sees the event complete, so no step waits for a copy on the GPU."""
+        if not self._copied:
             return None
-        assert self._landing is not None
-        self._landing.wait_event(self._copied)
-        ready = torch.cuda.Event()
-        ready.record(self._landing)
-        return ready
+        if not isinstance(index, int) or not 0 <= index < len(self._copied):
+            raise ValueError(f"KV writer named copy event {index!r} of {len(self._copied)}")
+        return self._copied[index]
 
-    def _open_copy_event(self, handle: str) -> None:
-        """Open the writer's copy event once; without it the writer waits for its copy itself."""
-        if not handle or handle == self._copied_handle or not self._kv.is_cuda:
+    def _open_copy_events(self, handles: str) -> None:
+        """Open the writer's copy events once; without them the writer waits for its copies itself."""
+        if not handles or handles == self._copied_handles or not self._kv.is_cuda:
             return
-        self._copied_handle = handle
+        self._copied_handles = handles
         try:
-            self._copied = torch.cuda.Event.from_ipc_handle(self._kv.device, bytes.fromhex(handle))
-            self._landing = torch.cuda.Stream(self._kv.device)
-        except RuntimeError as e:
-            logger.info("cannot open the KV writer's CUDA event (%s): it will wait for its copies", e)
-            self._copied = None
+            self._copied = [torch.cuda.Event.from_ipc_handle(self._kv.device, bytes.fromhex(h))
+                            for h in handles.split(",")]
+        except (RuntimeError, ValueError) as e:
+            logger.info("cannot open the KV writer's CUDA events (%s): it will wait for its copies", e)
+            self._copied = []
 
     def _start_receive(self, request_id: str, num_blocks: int, transport: str) -> None:
         if not self._check_header(request_id, num_blocks):

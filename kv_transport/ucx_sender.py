@@ -37,6 +37,8 @@ from kv_transport.wire import error_from_wire
 
 logger = logging.getLogger(__name__)
 
+COPY_EVENTS = 8  # per receiver: the direct copies' completion events, recorded in turn
+
 
 class _Connection:
     """An authenticated link to one receiver; fails all its transfers when it breaks."""
@@ -49,14 +51,18 @@ class _Connection:
         # The receiver's pool mapped into this process: KV is written straight into it.
         self.peer_kv = peer_kv
         self._writer = PoolWriter(kv, peer_kv) if peer_kv is not None else None
-        # Recorded after each copy; the receiver opens it (CUDA IPC) and orders its stream
-        # after it, so that it may use the KV before our host has seen the copy finish.
-        self._copied: torch.cuda.Event | None = None
-        self._copied_handle = ""
+        # Recorded after each copy, in turn; the receiver opens them (CUDA IPC) and hands the
+        # one named in "written" to its engine, which uses the KV once its host sees it
+        # complete (a stream wait on another process's event lags ~85 us on the H200s; a
+        # host query sees it at once). A later copy that re-records an event before the
+        # receiver looked only delays that look: the copies run in order on one stream.
+        self._copied: list[torch.cuda.Event] = []
+        self._copied_handles = ""
+        self._next_event = 0
         if peer_kv is not None and peer_kv.is_cuda:
-            self._copied = torch.cuda.Event(interprocess=True)
+            self._copied = [torch.cuda.Event(interprocess=True) for _ in range(COPY_EVENTS)]
             with torch.cuda.device(peer_kv.device):  # our GPU (the mapping is opened on it)
-                self._copied_handle = bytes(self._copied.ipc_handle()).hex()  # creates the event here
+                self._copied_handles = ",".join(bytes(e.ipc_handle()).hex() for e in self._copied)  # creates them
         self._receiver_orders = False  # the receiver could open that event (from its grants)
         self._on_close = on_close
         self.transport = transport
@@ -109,8 +115,8 @@ class _Connection:
             grant.set_result(self.error)
             return
         header: dict[str, Any] = {"t": "xfer", "id": request_id, "mode": "write"}
-        if self._copied_handle:
-            header["event"] = self._copied_handle
+        if self._copied_handles:
+            header["events"] = self._copied_handles
         spawn(self._send_or_close(header), self._tasks)
 
     def withdraw(self, request_id: str) -> None:
@@ -141,25 +147,32 @@ class _Connection:
             del self._grants[request_id]
             slot = self._writer.write(ids.numpy().astype(np.int32), answer, after)
             written = True
+            copied = None
             try:
-                if self._copied is not None:
-                    self._copied.record(self._writer.stream)
+                if self._copied:
+                    index = self._next_event
+                    self._next_event = (index + 1) % len(self._copied)
+                    copied = self._copied[index]
+                    copied.record(self._writer.stream)
                     if self._receiver_orders:
-                        # "written" travels while the copy runs: the receiver orders its use after the event.
-                        await self._ctl.send({"t": "written", "id": request_id})
+                        # "written" travels while the copy runs: the receiver uses the KV once
+                        # it sees the event complete.
+                        await self._ctl.send({"t": "written", "id": request_id, "event": index})
                         # Our blocks are free for reuse once the copy is done; the loop keeps
                         # serving meanwhile (a 16k-token copy takes ~6 ms).
-                        await asyncio.to_thread(self._copied.synchronize)
+                        await asyncio.to_thread(copied.synchronize)
+                        copied = None  # done (a later copy may re-record it: no second wait)
                         return None
-                    self._copied.synchronize()
+                    copied.synchronize()
+                    copied = None
                 # Not awaited: the receiver learns it one message later; if that message is lost,
                 # so is the link, and the receiver fails the request (its caller frees the blocks).
                 spawn(self._send_or_close({"t": "written", "id": request_id}), self._tasks)
                 return None
             finally:
-                if self._copied is not None:
-                    # Whatever happened, nothing of ours touches either pool once we return.
-                    self._copied.synchronize()
+                if copied is not None:
+                    # Cancelled or failed mid-way: nothing of ours touches either pool once we return.
+                    copied.synchronize()
                 self._writer.release(slot)
         except asyncio.CancelledError:
             # Before the copy: the grant goes back. After it (done, see above): "written" may

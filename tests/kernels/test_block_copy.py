@@ -83,3 +83,33 @@ def test_pool_writer_replays_one_graph_for_requests_of_any_size_gpu():
         writer.stream.synchronize()
         writer.release(slot)
         assert torch.equal(dst[:, :, dst_ids.to(DEVICE)], src[:, :, src_ids.to(DEVICE)])
+
+
+@pytest.mark.gpu
+def test_pool_writer_past_the_first_slot_and_behind_an_event_gpu():
+    """A request of more ids than the first slot holds gets a slot (and graphs) of its own;
+    a write named `after` an event copies what the work before that event wrote, even when
+    that work is still running on another stream as the write is queued."""
+    import numpy as np
+
+    from kv_transport.pool_writer import _MIN_SLOT_IDS, PoolWriter
+
+    src, dst = _pools((1, 2, 16, 1, 128), 3000, 2600, torch.bfloat16)
+    writer = PoolWriter(src, dst)
+    gen = torch.Generator().manual_seed(1)
+    n = _MIN_SLOT_IDS + 500
+    src_ids, dst_ids = torch.randperm(3000, generator=gen)[:n], torch.randperm(2600, generator=gen)[:n]
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(20_000_000)  # ~10 ms: the write below is queued long before this ends
+        src.fill_(7.0)
+        kv_done = torch.cuda.Event()
+        kv_done.record()
+    slot = writer.write(src_ids.numpy().astype(np.int32), dst_ids.numpy().astype(np.int32), after=kv_done)
+    assert slot.capacity >= n
+    writer.stream.synchronize()
+    writer.release(slot)
+    got = dst[:, :, dst_ids.to(DEVICE)]
+    assert bool((got == 7.0).all())
+    untouched = dst.isnan().transpose(0, 2).reshape(2600, -1).all(1)  # per block: still all NaN
+    assert int(untouched.sum()) == 2600 - n
