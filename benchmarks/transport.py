@@ -242,6 +242,7 @@ async def _bench_ucx(
         for tokens in tokens_list:
             n = tokens // LAYOUT.block_size
             times, started, transport = [], {}, "?"
+            launch_lags = []  # direct+overlap: from the stand-in's launch until its start was seen done
             for i in range(iters + 1):  # the first one connects and warms up
                 request_id = f"{tokens}-{i}"
                 recv_ids, send_ids = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
@@ -259,8 +260,16 @@ async def _bench_ucx(
                     torch.cuda._sleep(STANDIN_GPU_CYCLES)
                     kv_done.record()
                     result = await sender.send(request_id, send_ids, peer, after=kv_done)
-                    # Timed from when the KV was done (the GPU started the stand-in at once: it was idle).
+                    # Timed from when the KV was done, on the host clock: t0 + the stand-in's GPU time.
+                    # t0 is taken before `begin` was launched, so this errs early (landed long) by
+                    # the launch lag, printed below from a second, spun-on start event.
                     started[request_id] = t0 + begin.elapsed_time(kv_done) / 1e3
+                    probe = torch.cuda.Event()
+                    t1 = time.monotonic()
+                    probe.record()
+                    while not probe.query():
+                        pass
+                    launch_lags.append((time.monotonic() - t1) * 1e3)
                 else:
                     started[request_id] = time.monotonic()
                     result = await sender.send(request_id, send_ids, peer)
@@ -283,6 +292,10 @@ async def _bench_ucx(
             if PATHS[path][0] and device.startswith("cuda") and sender.direct_peers() != [peer]:
                 raise RuntimeError("direct writes were not set up (see the log above for why)")
             send_time = None if PATHS[path][3] else statistics.median(times)  # overlap: includes the stand-in
+            if launch_lags:
+                lag = statistics.median(launch_lags)
+                print(f"{path}, {tokens} tokens: an event on the idle GPU is seen done {lag:.3f} ms (p50) after"
+                      " its launch: landed counts up to that much too long")
             out.append((tokens, statistics.median(recv_times), send_time, transport))
         if COPY_SWEEP and sender.direct_peers():
             _copy_sweep(pool.kv, sender._conns[peer].peer_kv, tokens_list, num_blocks)
