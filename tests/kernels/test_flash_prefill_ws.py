@@ -107,3 +107,28 @@ def test_unsupported_input_is_refused_by_name():
     q = torch.zeros(4, 2, 64)
     with pytest.raises(ValueError, match="head dim 128"):
         flash_prefill_ws(q, q[:, :1], q[:, :1], torch.tensor([0, 4], dtype=torch.int32), 4, 0.125)
+
+
+def test_a_triton_without_this_gluon_keeps_the_triton_kernel(monkeypatch):
+    """Gluon is experimental: if this Triton cannot import the kernel, the module still
+    loads, says it is unsupported, and refuses by name (the engine keeps flash_prefill)."""
+    import importlib
+    import sys
+
+    import kernels
+
+    ws = importlib.import_module("kernels.flash_prefill_ws")  # the module (its function shadows it on `kernels`)
+
+    monkeypatch.delattr(kernels, "_gluon_prefill_ws")
+    monkeypatch.setitem(sys.modules, "kernels._gluon_prefill_ws", None)  # importing it fails
+    try:
+        importlib.reload(ws)
+        assert ws._gluon is None
+        assert not ws.flash_prefill_ws_supported(torch.device("cuda"), torch.bfloat16, HEAD_DIM)
+        q = torch.zeros(4, 2, HEAD_DIM, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="Gluon"):
+            ws.flash_prefill_ws(q, q[:, :1], q[:, :1], torch.tensor([0, 4], dtype=torch.int32), 4, 0.1)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(ws)
+    assert ws._gluon is not None
