@@ -67,8 +67,9 @@ class _Connection:
                 elif msg["t"] == "written":
                     request_id = str(msg["id"])
                     if request_id in self._writing:
+                        ready = self._copy_event(msg.get("event"))  # a bad index closes us, failing it too
                         self._writing.discard(request_id)
-                        self._table.written(request_id, "cuda_ipc", self._copy_event(msg.get("event")))
+                        self._table.written(request_id, "cuda_ipc", ready)
                 elif msg["t"] == "cancel":
                     request_id = str(msg["id"])
                     self._writing.discard(request_id)  # a writer that cancels has no copy in flight
