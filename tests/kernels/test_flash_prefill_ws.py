@@ -76,6 +76,15 @@ def test_every_tile_count_and_remainder():
 
 @pytest.mark.gpu
 @needs_hopper
+def test_one_long_sequence_among_many_short_ones():
+    # The persistent kernel deals work items over the SMs: many rounds, items of very
+    # different weights, programs left without work.
+    torch.manual_seed(5)
+    _check([4096] + [128] * 40 + [1, 129, 255], 32, 8, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_views_of_a_fused_qkv_output():
     torch.manual_seed(3)
     _check([300, 129], 32, 8, torch.bfloat16, fused=True)
