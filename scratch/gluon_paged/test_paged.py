@@ -1,7 +1,7 @@
 """launch_paged (the Gluon FA3-style prefill reading every key from the paged KV cache)
 against a float64 torch reference. Hopper only.
 
-Run: pytest -q /tmp/gluon_v4/test_paged.py   (about 10 kernel compilations + a few
+Run: pytest -q scratch/gluon_paged/test_paged.py   (about 10 kernel compilations + a few
 seconds of float64 reference on an H100/H200)
 """
 
