@@ -1,7 +1,8 @@
 """TFLOP/s of launch_paged (every key from the paged cache) vs the contiguous `launch`
 (fresh prompts) and vs kernels.flash_prefill.flash_prefill (chunked prefill with context).
 
-Run from the repository root (so `kernels` imports): python scratch/gluon_paged/bench_paged.py
+Run from the repository root (so `kernels` imports): python <this dir>/bench_paged.py
+(imports _gluon_prefill_ws from its own directory: the persistent kernel with the paged mode)
 """
 
 import os

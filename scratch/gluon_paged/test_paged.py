@@ -1,8 +1,10 @@
-"""launch_paged (the Gluon FA3-style prefill reading every key from the paged KV cache)
-against a float64 torch reference. Hopper only.
+"""launch_paged of the PERSISTENT kernel (v7 + paged mode, _gluon_prefill_ws.py next to
+this file) against a float64 torch reference; also the contiguous `launch` of the same
+module. Hopper only.
 
-Run: pytest -q scratch/gluon_paged/test_paged.py   (about 10 kernel compilations + a few
-seconds of float64 reference on an H100/H200)
+Run (from the repository root, with a time limit: a barrier mistake hangs):
+    timeout 300 python -m pytest -q -o addopts="" -m gpu -x <this dir>/test_paged.py
+(about 12 kernel compilations + a few seconds of float64 reference on an H100/H200)
 """
 
 import os
@@ -17,7 +19,9 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm_90) GPU")]
 
 if HOPPER:
+    import _gluon_prefill_ws as G
     from _gluon_prefill_ws import launch_paged
+    assert os.path.dirname(os.path.abspath(G.__file__)) == os.path.dirname(os.path.abspath(__file__)), G.__file__
 
 D = 128
 DEV = "cuda"   # the float64 reference and the inputs (a CPU emulation of the kernel reuses them)
@@ -83,12 +87,17 @@ def _reference(q, cu, seq_lens, ks, vs, scale):
     return out
 
 
-def _check(pairs, num_q_heads=32, num_kv_heads=8, block_size=16, dtype=torch.bfloat16, extra_tokens=0):
+def _check(pairs, num_q_heads=32, num_kv_heads=8, block_size=16, dtype=torch.bfloat16, extra_tokens=0,
+           max_programs=None):
     q, kc, vc, cu, sl, bt, ks, vs = _build(pairs, num_q_heads, num_kv_heads, block_size, dtype, extra_tokens)
     scale = D ** -0.5
     out = torch.full_like(q, float("nan"))
-    launch_paged(q, kc, vc, cu, sl, bt, scale, max(p[0] for p in pairs), out)
-    torch.cuda.synchronize()
+    saved, G._MAX_PROGRAMS = G._MAX_PROGRAMS, max_programs
+    try:
+        launch_paged(q, kc, vc, cu, sl, bt, scale, max(p[0] for p in pairs), out)
+        torch.cuda.synchronize()
+    finally:
+        G._MAX_PROGRAMS = saved
     ref = _reference(q, cu, sl, ks, vs, scale)
     n = int(cu[-1])
     got, want = out[:n].double(), ref[:n]
@@ -135,3 +144,44 @@ def test_gqa(heads):
 
 def test_gqa_fp16_bs32():
     _check([(300, 1536), (17, 3), (3000, 2047)], num_q_heads=16, num_kv_heads=2, block_size=32, dtype=torch.float16)
+
+
+# Tile-boundary cases of the masking rule (P = ctx + q_first at / around multiples of 128).
+EDGES = [(1, 128), (128, 128), (256, 127), (130, 126), (129, 127), (255, 1), (384, 384), (2, 254)]
+
+
+def test_tile_edges():
+    _check(EDGES, num_q_heads=8, num_kv_heads=2)
+
+
+# The persistent scheduler with few programs: many items per program (carried tile / item /
+# event counters, both Q slots reused many times, ring phases across items).
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_few_programs(programs):
+    _check(RAGGED, num_q_heads=8, num_kv_heads=2, max_programs=programs)
+
+
+def test_few_programs_bs32_fp16():
+    _check(EDGES + [(300, 1536), (17, 3)], num_q_heads=4, num_kv_heads=4, block_size=32, dtype=torch.float16,
+           max_programs=2)
+
+
+@pytest.mark.parametrize("programs", [None, 2])
+def test_contiguous_launch(programs):
+    """The contiguous path of the same module (fresh prompts: ctx 0) against the reference."""
+    pairs = [(1000, 0), (5, 0), (129, 0), (1, 0), (300, 0), (128, 0), (0, 0), (17, 0)]
+    q, kc, vc, cu, sl, bt, ks, vs = _build(pairs, 16, 4, 16, torch.bfloat16)
+    k = torch.cat(ks).contiguous()
+    v = torch.cat(vs).contiguous()
+    scale = D ** -0.5
+    out = torch.full_like(q, float("nan"))
+    saved, G._MAX_PROGRAMS = G._MAX_PROGRAMS, programs
+    try:
+        G.launch(q, k, v, cu, max(p[0] for p in pairs), scale, out)
+        torch.cuda.synchronize()
+    finally:
+        G._MAX_PROGRAMS = saved
+    ref = _reference(q, cu, sl, ks, vs, scale)
+    n = int(cu[-1])
+    err = float((out[:n].double() - ref[:n]).norm() / ref[:n].norm())
+    assert err < TOL[torch.bfloat16], err
