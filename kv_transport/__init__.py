@@ -35,7 +35,9 @@ CUDA IPC handle when the pool is on a GPU), then one of two data paths per conne
   instead of a grant. `prepare()` sends the xfer before the KV exists, so the grant
   travels during the prefill.
 - UCX messages (other hosts, CPU pools): xfer -> one tagged message per request
-  (gathered blocks) -> done (receiver, with the error if any).
+  (gathered blocks) -> done (receiver, with the error if any). On GPUs both ends pack and
+  unpack on CUDA streams of their own and wait for them off the event loop; the receiver's
+  result carries `ready` as on the direct path.
 Either way the sender may cancel (it gave up); a granted writer that cancels has no copy
 in flight, so the receiver may free the blocks.
 """

@@ -145,7 +145,10 @@ class LoopbackSender:
             if not acked.done():
                 acked.set_result(error)
 
-        receiver.deliver(request_id, gather_blocks(self._kv, ids), ack)
+        staging = gather_blocks(self._kv, ids)
+        if staging.is_cuda:
+            torch.cuda.current_stream(staging.device).synchronize()  # in-process test double: plainly in order
+        receiver.deliver(request_id, staging, ack)
         try:
             return await asyncio.wait_for(acked, self._config.transfer_timeout_s)
         except asyncio.TimeoutError:

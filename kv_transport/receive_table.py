@@ -22,7 +22,7 @@ from kv_transport.api import (
     TransferResult,
     TransferTimeout,
 )
-from kv_transport.staging import check_block_ids, scatter_blocks, staging_num_blocks
+from kv_transport.staging import check_block_ids, empty_staging, scatter_blocks, staging_num_blocks
 
 # Tells the sender how its payload ended: None when it landed, else the error.
 Ack = Callable[[TransferError | None], None]
@@ -84,6 +84,7 @@ class ReceiveTable:
         self._early_writes: dict[str, _EarlyWrite] = {}
         # Recently failed ids, so that late data is refused at once instead of parked.
         self._tombstones: dict[str, tuple[TransferError, asyncio.TimerHandle]] = {}
+        self._stream: torch.cuda.Stream | None = None  # payloads' buffers and scatters (GPU pools)
 
     @property
     def num_pending(self) -> int:
@@ -178,7 +179,7 @@ class ReceiveTable:
         self._fail(request_id, error)
 
     def landed(self, request_id: str, staging: torch.Tensor, transport: str, ack: Ack) -> None:
-        """A payload for `request_id` is in `staging` (from `gather_blocks` or `empty_staging`)."""
+        """A payload for `request_id` is in `staging` (from `gather_blocks` or `staging()`)."""
         tomb = self._tombstones.get(request_id)
         if tomb is not None:
             ack(tomb[0])
@@ -211,12 +212,46 @@ class ReceiveTable:
             ack(error)
             self._fail(request_id, error)
             return
-        scatter_blocks(self._kv, entry.ids, staging)
+        ready = self._scatter(entry.ids, staging)
         del self._expected[request_id]
         entry.timer.cancel()
         ack(None)
         if not entry.future.done():
-            entry.future.set_result(self._result(request_id, entry, transport, None))
+            entry.future.set_result(self._result(request_id, entry, transport, None, ready=ready))
+
+    def _scatter(self, ids: torch.Tensor, staging: torch.Tensor) -> torch.cuda.Event | None:
+        """Write a payload into its blocks. On a GPU on a stream of the table's own, so that
+        neither the event loop nor the copy waits for the engine's steps: the result's
+        `ready` completes with it (see TransferResult.ready). On the CPU done on return."""
+        if not self._kv.is_cuda:
+            scatter_blocks(self._kv, ids, staging)
+            return None
+        stream = self._gpu_stream()
+        with torch.cuda.stream(stream):
+            scatter_blocks(self._kv, ids, staging)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return ready
+
+    async def staging(self, num_blocks: int) -> torch.Tensor:
+        """A buffer for a payload that UCX writes outside torch's stream order. On a GPU it
+        comes from the table's stream, once that stream is idle: memory freed there may
+        still be read by a queued scatter (and memory freed on the engine's stream by a
+        queued step, so never from that one)."""
+        if not self._kv.is_cuda:
+            return empty_staging(self._kv, num_blocks)
+        stream = self._gpu_stream()
+        with torch.cuda.stream(stream):
+            staging = empty_staging(self._kv, num_blocks)
+            idle = torch.cuda.Event()
+            idle.record(stream)
+        await asyncio.to_thread(idle.synchronize)
+        return staging
+
+    def _gpu_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._kv.device)
+        return self._stream
 
     def _fail(self, request_id: str, error: TransferError) -> None:
         entry = self._expected.pop(request_id, None)

@@ -61,13 +61,11 @@ def gather_blocks(kv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         ids: [n] int64 block ids
     Returns:
-        [num_layers * 2, n, words_per_block] integer words, contiguous, on kv's device.
+        [num_layers * 2, n, words_per_block] integer words, contiguous, on kv's device,
+        queued on the current stream (on a GPU: synchronize before anything outside
+        torch's stream order, such as UCX, reads it).
     """
-    staging = blocks_view(kv).index_select(1, ids.to(kv.device, non_blocking=True))
-    if staging.is_cuda:
-        # UCX reads the buffer outside torch's stream order: the gather must be done.
-        torch.cuda.current_stream(staging.device).synchronize()
-    return staging
+    return blocks_view(kv).index_select(1, ids.to(kv.device, non_blocking=True))
 
 
 def scatter_blocks(kv: torch.Tensor, ids: torch.Tensor, staging: torch.Tensor) -> None:
@@ -77,11 +75,10 @@ def scatter_blocks(kv: torch.Tensor, ids: torch.Tensor, staging: torch.Tensor) -
         kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         ids: [n] int64 block ids
         staging: [num_layers * 2, n, words_per_block]
+
+    Queued on the current stream (on a GPU: readable by work ordered after it).
     """
     blocks_view(kv).index_copy_(1, ids.to(kv.device, non_blocking=True), staging)
-    if kv.is_cuda:
-        # "Landed" must mean readable by the decode step that the caller schedules next.
-        torch.cuda.current_stream(kv.device).synchronize()
 
 
 def empty_staging(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:

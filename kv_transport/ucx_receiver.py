@@ -17,7 +17,7 @@ from kv_transport.config import TransportConfig
 from kv_transport.cuda_ipc import export_pool
 from kv_transport.handshake import data_tag, layout_fields
 from kv_transport.receive_table import ReceiveTable
-from kv_transport.staging import as_bytes, empty_staging
+from kv_transport.staging import as_bytes
 from kv_transport.ucx_link import PROBE_BYTES, PROBE_ID, Control, Session, ensure_ucx, server_handshake, spawn
 from kv_transport.wire import error_to_wire
 
@@ -141,7 +141,7 @@ class _Connection:
         task.add_done_callback(self._tasks.discard)
 
     async def _receive(self, request_id: str, num_blocks: int, transport: str) -> None:
-        staging = empty_staging(self._kv, num_blocks)
+        staging = await self._table.staging(num_blocks)
         try:
             # Posted on the control endpoint so that closing it cancels the receive.
             await self._ctl.ep.recv(as_bytes(staging), tag=data_tag(self._key, request_id), force_tag=True)

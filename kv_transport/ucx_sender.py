@@ -271,6 +271,7 @@ class UcxKVSender:
         self._in_flight: set[str] = set()
         self._prepared: dict[str, _Connection] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._stream: torch.cuda.Stream | None = None  # message-path gathers (GPU pools)
 
     @property
     def num_connections(self) -> int:
@@ -342,9 +343,24 @@ class UcxKVSender:
             return TransferRejected(f"request {request_id!r}: {ids.numel()} blocks, {peer} has {conn.peer_num_blocks}")
         if conn.peer_kv is not None:
             return await conn.write(request_id, ids, after)
-        if after is not None:
-            torch.cuda.current_stream(self._kv.device).wait_event(after)  # the gather follows on this stream
-        return await conn.transfer(request_id, gather_blocks(self._kv, ids))
+        return await conn.transfer(request_id, await self._gather(ids, after))
+
+    async def _gather(self, ids: torch.Tensor, after: torch.cuda.Event | None) -> torch.Tensor:
+        """The blocks packed for one UCX message. On a GPU on a stream of our own behind
+        `after`, awaited off the loop: UCX reads the buffer outside torch's stream order, and
+        neither the loop nor the gather waits for the engine's later steps."""
+        if not self._kv.is_cuda:
+            return gather_blocks(self._kv, ids)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._kv.device)
+        with torch.cuda.stream(self._stream):
+            if after is not None:
+                self._stream.wait_event(after)
+            staging = gather_blocks(self._kv, ids)
+            gathered = torch.cuda.Event()
+            gathered.record(self._stream)
+        await asyncio.to_thread(gathered.synchronize)
+        return staging
 
     async def _connection(self, peer: PeerAddress) -> _Connection:
         conn = self._conns.get(peer)
