@@ -38,6 +38,7 @@ class PeerSpec:
     # Direct writes: the receiver's pool lives in a shared file that the sender maps, standing
     # in for the CUDA IPC mapping (CPU-only CI); the wire protocol and the copy are the real ones.
     direct: bool = False
+    device: str = "cpu"  # the pool's; on a GPU the real CUDA IPC mapping serves direct writes
 
     def layout(self) -> KVLayout:
         return KVLayout(self.model, torch.float16, num_layers=2, num_kv_heads=2, head_dim=self.head_dim, block_size=4)
@@ -52,7 +53,7 @@ class PeerSpec:
 
 def digest(kv: torch.Tensor, block_ids: list[int]) -> str:
     """sha256 of blocks `block_ids` (all layers, K and V, in order) of a pool."""
-    return hashlib.sha256(kv[:, :, block_ids].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(kv[:, :, block_ids].cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def run_peer(role: str, conn: Connection, spec: PeerSpec) -> None:
@@ -90,7 +91,7 @@ class _Peer:
         self.role = role
         self.conn = conn
         self.spec = spec
-        self.pool = KVPool(spec.layout(), spec.num_blocks, "cpu")
+        self.pool = KVPool(spec.layout(), spec.num_blocks, spec.device)
         self.held: set[int] = set()  # blocks "the caller" holds until a transfer ends
         self.landed: set[int] = set()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -132,6 +133,8 @@ class _Peer:
         task.add_done_callback(self.tasks.discard)
 
     def _report(self, result: TransferResult, block_ids: list[int]) -> None:
+        if result.ready is not None:
+            result.ready.synchronize()  # a GPU copy may still be landing: the caller waits for it
         if result.ok:
             self.held.difference_update(block_ids)  # the test's caller is done with them
             self.landed.update(block_ids)

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import torch
 
 from tests.kv_transport.peers import PeerSpec, run_peer
 
@@ -140,6 +141,33 @@ def test_concurrent_requests_land_byte_exact(request: pytest.FixtureRequest, pat
         assert sent[name]["transport"] == landed[name]["transport"] and sent[name]["transport"] in TRANSPORTS[path]
         assert sent[name]["direct"] == landed[name]["direct"] == (path == "direct_pair")
     assert receiver.stats()["stray_blocks"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("direct_writes", [False, True], ids=["messages", "direct-writes"])
+def test_gpu_pools_land_byte_exact(direct_writes: bool) -> None:
+    """GPU pools in two processes (two GPUs where there are): direct writes through the real
+    CUDA IPC mapping, or UCX messages packed and unpacked on the transport's own streams;
+    the receiver uses its blocks once the result's `ready` event has completed."""
+    devices = ("cuda:1", "cuda:0") if torch.cuda.device_count() > 1 else ("cuda:0", "cuda:0")
+    spec = PeerSpec(num_blocks=256, timeout_s=TIMEOUT_S, extra={"direct_writes": direct_writes})
+    with peers(("receiver", spec.with_(device=devices[0])), ("sender", spec.with_(seed=9, device=devices[1]))) as (
+            receiver, sender):
+        rng = random.Random(11)
+        sizes = [rng.randint(1, 40) for _ in range(8)]
+        names = [f"gpu-{i}" for i in range(len(sizes))]
+        recv_ids = scattered(rng, 256, sizes)
+        receiver.command("expect", requests=list(zip(names, recv_ids)))
+        sender.command("send", requests=[(n, rng.sample(range(256), k)) for n, k in zip(names, sizes)],
+                       peer=receiver.address)
+        sent = sender.wait_results(names, 60)
+        landed = receiver.wait_results(names, 60)
+        for name in names:
+            assert sent[name]["ok"] and landed[name]["ok"], (sent[name], landed[name])
+            assert landed[name]["digest"] == sent[name]["digest"]
+            assert sent[name]["direct"] == landed[name]["direct"] == direct_writes
+        assert receiver.stats()["stray_blocks"] == 0
 
 
 @BOTH_PATHS
