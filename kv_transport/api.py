@@ -65,10 +65,11 @@ class TransferResult:
         error: None on success, else why it failed.
         direct: the KV was written straight into the receiver's pool (CUDA IPC) rather
             than sent as UCX messages.
-        ready: receiver side, direct writes: the sender's copy may still be running; the
-            KV is in the pool once this CUDA event completes. Query it from the host (it is
-            the sender's, shared through CUDA IPC: a stream's wait on it lags ~85 us). None:
-            the KV is there already.
+        ready: receiver side, GPU pools: the copy into the pool may still be running (the
+            sender's direct write, or our scatter of a message); the KV is there once this
+            CUDA event completes. Query it from the host (a direct write's is the sender's,
+            shared through CUDA IPC: a stream's wait on it lags ~85 us). None: the KV is
+            there already.
     """
 
     request_id: str

@@ -229,6 +229,7 @@ class ReceiveTable:
         stream = self._gpu_stream()
         with torch.cuda.stream(stream):
             scatter_blocks(self._kv, ids, staging)
+            staging.record_stream(stream)  # a loopback payload comes from the caller's stream
             ready = torch.cuda.Event()
             ready.record(stream)
         return ready

@@ -35,7 +35,7 @@ class _TritonStep:
         if nd:
             paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                          self.scale, out=out[:nd])
-        if meta.num_prefills and self.fresh_prefills:
+        if self.fresh_prefills:
             flash_prefill_ws(q[nd:], k[nd:], v[nd:], meta.prefill_cu_seqlens_q, meta.prefill_max_seqlen_q, self.scale,
                              out=out[nd:])
         elif meta.num_prefills:
