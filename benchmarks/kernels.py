@@ -2,11 +2,13 @@
 head dim 128, bf16, KV block 16), with baselines measured in the same run:
 
 - prefill, causal, 1k/4k/8k/16k tokens per sequence (16k tokens per batch): TFLOP/s of
-  flash_prefill_ws (what the engine runs for prompts without context on Hopper) and
-  flash_prefill beside torch SDPA's flash and cuDNN backends; flash_prefill reads the new tokens'
-  K/V contiguously (k_new/v_new, as the engine calls it) and, for comparison, all of it
-  through the paged cache; plus one chunked-prefill case (new tokens after context
-  already in the cache), ours only, the k_new path checked against the paged-only one;
+  flash_prefill_ws (what the engine runs for prompts without context on Hopper), its
+  paged entry point and flash_prefill (elsewhere) beside torch SDPA's flash and cuDNN
+  backends; flash_prefill reads the new tokens' K/V contiguously (k_new/v_new, as the
+  engine calls it) and, for comparison, all of it through the paged cache; plus one
+  chunked-prefill case (new tokens after context already in the cache: what
+  flash_prefill_ws_paged serves on Hopper), ours only, checked against the paged-only
+  Triton kernel;
 - decode, batch {1, 8, 64, 256} x context {512, 4k, 32k}: bandwidth (K/V + q + out bytes
   over time) of paged_decode beside a device-to-device copy and torch SDPA on the same
   K/V laid out contiguously.
@@ -40,6 +42,7 @@ from kernels import (
     decode_workspace,
     flash_prefill,
     flash_prefill_ws,
+    flash_prefill_ws_paged,
     flash_prefill_ws_supported,
     paged_decode,
 )
@@ -144,13 +147,20 @@ def prefill(length: int, configs: list[tuple[int, ...]]) -> list[Row]:
             continue
         ref = res.transpose(1, 2).reshape_as(q) if ref is None else ref
         rows.append(Row("prefill", case, name, ms, flops / ms / 1e9))
-    if flash_prefill_ws_supported(q.device, q.dtype, HEAD_DIM):  # the engine's kernel for fresh prompts
-        fn = lambda: flash_prefill_ws(q, k_new, v_new, cu_seqlens, length, scale, out=out)  # noqa: E731
-        out.fill_(float("nan"))
-        fn()
-        err = _rel_err(out, ref) if ref is not None else None
-        ms = _bench(fn)
-        rows.append(Row("prefill", case, "ours ws (Hopper, no context)", ms, flops / ms / 1e9, err))
+    if flash_prefill_ws_supported(q.device, q.dtype, HEAD_DIM, BLOCK_SIZE):
+        # The engine's kernel for fresh prompts, and its paged entry point on the same input.
+        for name, fn in (
+            ("ours ws (Hopper, no context)",
+             lambda: flash_prefill_ws(q, k_new, v_new, cu_seqlens, length, scale, out=out)),
+            ("ours ws paged (Hopper)",
+             lambda: flash_prefill_ws_paged(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, length,
+                                            out=out)),
+        ):
+            out.fill_(float("nan"))
+            fn()
+            err = _rel_err(out, ref) if ref is not None else None
+            ms = _bench(fn)
+            rows.append(Row("prefill", case, name, ms, flops / ms / 1e9, err))
     # (name, k_new/v_new given, tuning): defaults first, then the sweep on the engine's path.
     variants = [("ours default", True, {}), ("ours paged-only default", False, {})]
     variants += [(f"ours {c}", True, dict(zip(PREFILL_KEYS, c))) for c in configs]
@@ -183,14 +193,18 @@ def prefill_chunked(batch: int, context: int, q_len: int) -> list[Row]:
     case = f"{batch}x({context}+{q_len})"
     ref = flash_prefill(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, q_len)
     out = torch.empty_like(q)
+    args = (q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, q_len)
+    variants = [("ours default", lambda: flash_prefill(*args, out=out, k_new=k_new, v_new=v_new)),
+                ("ours paged-only default", lambda: flash_prefill(*args, out=out))]
+    if flash_prefill_ws_supported(q.device, q.dtype, HEAD_DIM, BLOCK_SIZE):  # the engine's kernel here on Hopper
+        variants.append(("ours ws paged (Hopper)", lambda: flash_prefill_ws_paged(*args, out=out)))
     rows = []
-    for name, extra in (("ours default", {"k_new": k_new, "v_new": v_new}), ("ours paged-only default", {})):
-        fn = lambda: flash_prefill(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, q_len,  # noqa: E731
-                                   out=out, **extra)
+    for name, fn in variants:
         out.fill_(float("nan"))
         fn()
-        rows.append(Row("prefill", case, name, _bench(fn), 0.0, _rel_err(out, ref)))
-        rows[-1].rate = flops / rows[-1].ms / 1e9
+        err = _rel_err(out, ref)
+        ms = _bench(fn)
+        rows.append(Row("prefill", case, name, ms, flops / ms / 1e9, err))
     return rows
 
 

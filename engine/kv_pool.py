@@ -48,7 +48,9 @@ class KVPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
-        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]. Zeroed, and only
+        # ever written with K/V: the Hopper prefill kernel reads whole blocks, slots past a
+        # sequence's end included (masked, but 0 x NaN would still reach its output).
         self.kv = torch.zeros(
             layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim,
             dtype=layout.dtype, device=device,

@@ -8,7 +8,7 @@ from engine.attention.base import AttentionMetadata
 from engine.kv_pool import KVPool
 from kernels.cache_write import cache_write
 from kernels.flash_prefill import flash_prefill
-from kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_supported
+from kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
 from kernels.paged_decode import paged_decode
 
 
@@ -21,10 +21,14 @@ class _TritonStep:
     def __init__(self, meta: AttentionMetadata, pool: KVPool, scale: float) -> None:
         self.meta, self.pool, self.scale = meta, pool, scale
         layout = pool.layout
-        # Prompts with no earlier context (no chunk before this one, no prefix hit) attend
-        # only to their own K/V: the warp-specialized Hopper kernel where it runs.
-        self.fresh_prefills = (meta.num_prefills > 0 and meta.prefill_q_lens_host == meta.prefill_seq_lens_host
-                               and flash_prefill_ws_supported(pool.kv.device, layout.dtype, layout.head_dim))
+        # On Hopper, the warp-specialized kernels: prompts with no earlier context (no chunk
+        # before this one, no prefix hit) attend only to their own K/V, read as contiguous
+        # tiles; other prefill steps gather theirs through the block table. Elsewhere the
+        # Triton kernel.
+        hopper = meta.num_prefills > 0 and flash_prefill_ws_supported(pool.kv.device, layout.dtype, layout.head_dim,
+                                                                      layout.block_size)
+        self.fresh_prefills = hopper and meta.prefill_q_lens_host == meta.prefill_seq_lens_host
+        self.paged_prefills = hopper and not self.fresh_prefills
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -38,6 +42,9 @@ class _TritonStep:
         if self.fresh_prefills:
             flash_prefill_ws(q[nd:], k[nd:], v[nd:], meta.prefill_cu_seqlens_q, meta.prefill_max_seqlen_q, self.scale,
                              out=out[nd:])
+        elif self.paged_prefills:
+            flash_prefill_ws_paged(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
+                                   meta.prefill_block_tables, self.scale, meta.prefill_max_seqlen_q, out=out[nd:])
         elif meta.num_prefills:
             # The chunk's own K/V straight from the projection (contiguous rows, TMA);
             # only earlier context is gathered from the cache.

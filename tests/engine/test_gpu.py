@@ -61,8 +61,9 @@ def test_bf16_dummy_llama_runs_and_is_deterministic():
 @pytest.mark.parametrize("context_lens", [[0, 0, 0, 0], [0, 40, 0, 300]])
 def test_bf16_attention_step_matches_the_reference_with_and_without_context(monkeypatch, context_lens):
     """A step of decodes and prefills through the Triton backend against the torch
-    reference on the same pool. Fresh prompts take the Hopper kernel on sm_90; a step with
-    any earlier context (a later chunk, a prefix hit) takes the paged Triton kernel."""
+    reference on the same pool. On sm_90, fresh prompts take the Hopper kernel's contiguous
+    entry point and a step with any earlier context (a later chunk, a prefix hit) its paged
+    one; elsewhere both take the Triton kernel."""
     from engine.attention import AttentionMetadata, triton_backend
     from engine.attention.torch_ref import TorchAttention
     from engine.kv_pool import KVLayout, KVPool
@@ -103,8 +104,10 @@ def test_bf16_attention_step_matches_the_reference_with_and_without_context(monk
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
 
     calls = []
-    ws = triton_backend.flash_prefill_ws
-    monkeypatch.setattr(triton_backend, "flash_prefill_ws", lambda *a, **kw: calls.append(1) or ws(*a, **kw))
+    for name in ("flash_prefill_ws", "flash_prefill_ws_paged", "flash_prefill"):
+        kernel = getattr(triton_backend, name)
+        monkeypatch.setattr(triton_backend, name,
+                            lambda *a, _name=name, _kernel=kernel, **kw: calls.append(_name) or _kernel(*a, **kw))
     ref_pool = KVPool(KVLayout("test", torch.float64, 1, kv_heads, head_dim, bs), 256, "cuda")
     ref_pool.kv.copy_(pool.kv)
     got = triton_backend.TritonAttention().begin_step(meta, pool, head_dim ** -0.5)(0, q, k, v)
@@ -112,5 +115,7 @@ def test_bf16_attention_step_matches_the_reference_with_and_without_context(monk
     torch.testing.assert_close(pool.kv.double(), ref_pool.kv, atol=0, rtol=0)  # the same K/V written
     err = float((got.double() - want).norm() / want.norm())
     assert err < 1e-2, err
-    hopper = torch.cuda.get_device_capability() == (9, 0)
-    assert len(calls) == (1 if hopper and not any(context_lens) else 0)
+    if torch.cuda.get_device_capability() != (9, 0):
+        assert calls == ["flash_prefill"]
+    else:
+        assert calls == ["flash_prefill_ws_paged" if any(context_lens) else "flash_prefill_ws"]
