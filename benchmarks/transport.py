@@ -20,8 +20,10 @@ blocks on both sides). Three data paths:
 - "direct+overlap": as the prefill worker sends: prepared, then `send(after=event)` called
   while the GPU still computes (a ~2 ms stand-in kernel; the event marks its end, as the
   engine's marks the prompt's forward), so the copy is queued behind it and send()'s host
-  work overlaps the GPU's. Landed is timed from when the stand-in ended (its GPU duration
-  added to the host time it was queued at, the GPU being idle): the transfer's exposed time.
+  work overlaps the GPU's. Landed is timed from when the stand-in ended: the transfer's
+  exposed time. That moment is the GPU's own clock, stamped by a one-thread kernel behind
+  the stand-in and put on the host clock by benchmarks.gpu_clock (within ~1 us; a host
+  waiting on a CUDA event sees it tens of microseconds late).
 - "ucx fast": gather, one UCX message over a worker-address endpoint without UCX error
   handling, scatter, acknowledgement.
 - "ucx checked": the same over the listener endpoint, error handling on.
@@ -50,6 +52,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from benchmarks.gpu_clock import GpuClock, stamp
 from engine.kv_pool import KVLayout, KVPool
 from kv_transport import PeerAddress, TransferResult, TransportConfig
 from kv_transport.staging import check_block_ids, gather_blocks, scatter_blocks
@@ -97,8 +100,8 @@ class _Marks:
         self.at: dict[str, dict[str, float]] = {}
         self.kernel_ms: dict[str, float] = {}
         self._events: tuple[str, torch.cuda.Event, torch.cuda.Event] | None = None
-        # direct+overlap: the stand-in's start event and its host time, to put GPU times on the clock
-        self.begin: tuple[torch.cuda.Event, float] | None = None
+        self.kv_done: torch.cuda.Event | None = None  # direct+overlap: the stand-in's end (the KV done)
+        self.kv_done_to_copy_end_ms: dict[str, float] = {}
 
     def mark(self, step: str, request_id: str | None = None) -> None:
         self.at.setdefault(request_id or self.current, {})[step] = time.monotonic()
@@ -132,9 +135,8 @@ class _Marks:
         request_id, start, end = self._events
         end.synchronize()
         self.kernel_ms[request_id] = start.elapsed_time(end)
-        if self.begin is not None:  # when the copy ended on the GPU, on the host clock (late by < launch lag)
-            begin, t0 = self.begin
-            self.at[request_id]["copy ended (GPU)"] = t0 + begin.elapsed_time(end) / 1e3
+        if self.kv_done is not None:  # one GPU's events: from the KV being done to the copy's end
+            self.kv_done_to_copy_end_ms[request_id] = self.kv_done.elapsed_time(end)
 
     def patch_receiver(self) -> None:
         """Time when `written` arrives and when the table hears of it."""
@@ -242,7 +244,9 @@ async def _bench_ucx(
         for tokens in tokens_list:
             n = tokens // LAYOUT.block_size
             times, started, transport = [], {}, "?"
-            launch_lags = []  # direct+overlap: from the stand-in's launch until its start was seen done
+            if PATHS[path][3]:
+                clock = GpuClock.calibrate(device)
+                kv_done_ns = torch.zeros(iters + 1, dtype=torch.int64, device=device)
             for i in range(iters + 1):  # the first one connects and warms up
                 request_id = f"{tokens}-{i}"
                 recv_ids, send_ids = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
@@ -253,23 +257,12 @@ async def _bench_ucx(
                     await asyncio.sleep(PREFILL_STANDIN_S)
                 marks.current = request_id
                 if PATHS[path][3]:  # as the prefill worker does: send behind the forward's event
-                    begin, kv_done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    t0 = time.monotonic()
-                    begin.record()
-                    marks.begin = (begin, t0)
+                    kv_done = torch.cuda.Event(enable_timing=bool(BREAKDOWN))
                     torch.cuda._sleep(STANDIN_GPU_CYCLES)
+                    stamp(kv_done_ns[i:i + 1])  # the GPU's clock as the KV is done (read after the loop)
                     kv_done.record()
+                    marks.kv_done = kv_done
                     result = await sender.send(request_id, send_ids, peer, after=kv_done)
-                    # Timed from when the KV was done, on the host clock: t0 + the stand-in's GPU time.
-                    # t0 is taken before `begin` was launched, so this errs early (landed long) by
-                    # the launch lag, printed below from a second, spun-on start event.
-                    started[request_id] = t0 + begin.elapsed_time(kv_done) / 1e3
-                    probe = torch.cuda.Event()
-                    t1 = time.monotonic()
-                    probe.record()
-                    while not probe.query():
-                        pass
-                    launch_lags.append((time.monotonic() - t1) * 1e3)
                 else:
                     started[request_id] = time.monotonic()
                     result = await sender.send(request_id, send_ids, peer)
@@ -281,6 +274,12 @@ async def _bench_ucx(
                 if i:
                     times.append(result.elapsed_s)
                 await asyncio.sleep(0.002)  # the receiver's side resolves before the next one
+            if PATHS[path][3]:  # landed is timed from when the KV was done, on the GPU's clock
+                drift_us = abs(GpuClock.calibrate(device).offset_ns - clock.offset_ns) / 1e3
+                for i, ns in enumerate(kv_done_ns.tolist()):
+                    started[f"{tokens}-{i}"] = clock.to_host_s(ns)
+                if drift_us > 5:
+                    print(f"{path}, {tokens} tokens: the GPU clock's offset moved {drift_us:.1f} us during the run")
             conn.send(("landed_at",))
             landed_at, recv_marks = conn.recv()
             recv_times = [landed_at[r] - t for r, t in started.items() if not r.endswith("-0")]
@@ -292,10 +291,6 @@ async def _bench_ucx(
             if PATHS[path][0] and device.startswith("cuda") and sender.direct_peers() != [peer]:
                 raise RuntimeError("direct writes were not set up (see the log above for why)")
             send_time = None if PATHS[path][3] else statistics.median(times)  # overlap: includes the stand-in
-            if launch_lags:
-                lag = statistics.median(launch_lags)
-                print(f"{path}, {tokens} tokens: an event on the idle GPU is seen done {lag:.3f} ms (p50) after"
-                      " its launch: landed counts up to that much too long")
             out.append((tokens, statistics.median(recv_times), send_time, transport))
         if COPY_SWEEP and sender.direct_peers():
             _copy_sweep(pool.kv, sender._conns[peer].peer_kv, tokens_list, num_blocks)
@@ -323,6 +318,8 @@ def _print_breakdown(
             steps.setdefault(step, []).append((t - t0) * 1e3)
         if request_id in marks.kernel_ms:
             steps.setdefault("(copy kernel GPU time)", []).append(marks.kernel_ms[request_id])
+        if request_id in marks.kv_done_to_copy_end_ms:  # started is the KV done, on the GPU's clock
+            steps.setdefault("copy ended (GPU)", []).append(marks.kv_done_to_copy_end_ms[request_id])
     order = sorted(steps, key=lambda k: statistics.median(steps[k]) if not k.startswith("(") else 1e9)
     print(f"breakdown {path}, {tokens} tokens (p50 ms since send() started): " +
           ", ".join(f"{k} {statistics.median(steps[k]):.3f}" for k in order))
@@ -441,7 +438,9 @@ def print_table(rows: list[Row], device: str) -> None:
         send = f"{r.send_p50_ms:.3f}" if r.send_p50_ms is not None else "-"
         print(f"{r.path:26} {r.tokens:>6} {r.mib:>6.0f} {r.p50_ms:>13.3f} {send:>13} {r.gbps:>7.2f} "
               f"{r.transport:>9} {r.vs_copy:>13.1%} {r.vs_packed:>19.1%}")
-    print("landed: from send() starting until the receiver's expect() resolved (one clock, two processes)")
+    print("landed: from send() starting (direct+overlap: from the KV being done, on the GPU's clock) until the"
+          " receiver's expect() resolved and the KV is readable there (one clock, two processes); peer copy: host"
+          " time of the copy and both GPUs' sync")
     if device == "cuda":
         print(f"physical limit: NVLink (H200, NV18) {NVLINK_H200_GBPS:.0f} GB/s per direction; "
               "goal >= 85% of peer copy at >= 1k tokens, 4k tokens landed in <= 2 ms p50")
