@@ -4,14 +4,16 @@ two consumer warpgroups taking turns on the tensor cores. Packed variable-length
 sequences, GQA, head dim 128, bf16/fp16. Two entry points over one kernel body:
 
 - flash_prefill_ws: prompts with no earlier context, their K/V straight from the
-  projection (contiguous TMA tiles), ~25% faster than kernels/flash_prefill.py's Triton
-  kernel at 4k-16k on an H200;
+  projection (contiguous TMA tiles), ~1.3x kernels/flash_prefill.py's Triton kernel at
+  4k-16k on an H200 (1.5x at 1k);
 - flash_prefill_ws_paged: flash_prefill's semantics (new tokens after context already in
   the paged cache: chunked prefill, prefix-cache hits), each K/V tile gathered block by
-  block through the block table; ~1.5x that Triton kernel at 2 x (4k context + 4k new).
+  block through the block table; ~1.4x that Triton kernel at 2 x (4k context + 4k new),
+  slower than it for chunks well under one 128-row query tile.
 
 The engine uses the first for steps whose prefills are all fresh, the second for other
-prefill steps, and the Triton kernel where neither runs (benchmarks/RESULTS.md).
+steps with a chunk of >= 128 tokens, and the Triton kernel for the rest
+(benchmarks/RESULTS.md).
 
 Gluon is experimental: where this Triton has no Gluon API the kernel was written for,
 `flash_prefill_ws_supported` says no and the engine keeps the Triton kernel.

@@ -11,6 +11,11 @@ from kernels.flash_prefill import flash_prefill
 from kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
 from kernels.paged_decode import paged_decode
 
+# A step with earlier context runs on the Hopper kernel's paged entry point once its
+# longest chunk fills a query tile (128 rows; the kernel runs one program per SM). Below
+# that the Triton kernel measured 1-65% faster at 5-64 new tokens over 4k of context (H200).
+PAGED_PREFILL_MIN_QUERY_LEN = 128
+
 
 class TritonAttention:
     def begin_step(self, meta: AttentionMetadata, pool: KVPool, scale: float) -> _TritonStep:
@@ -23,12 +28,16 @@ class _TritonStep:
         layout = pool.layout
         # On Hopper, the warp-specialized kernels: prompts with no earlier context (no chunk
         # before this one, no prefix hit) attend only to their own K/V, read as contiguous
-        # tiles; other prefill steps gather theirs through the block table. Elsewhere the
+        # tiles; other prefill steps gather theirs through the block table once some chunk
+        # fills a 128-row query tile. Steps of short chunks after context (speculative
+        # verification: K + 1 tokens) keep the Triton kernel, whose smaller tiles and
+        # several programs per SM suit them (benchmarks/RESULTS.md, "v8"). Elsewhere the
         # Triton kernel.
         hopper = meta.num_prefills > 0 and flash_prefill_ws_supported(pool.kv.device, layout.dtype, layout.head_dim,
                                                                       layout.block_size)
         self.fresh_prefills = hopper and meta.prefill_q_lens_host == meta.prefill_seq_lens_host
-        self.paged_prefills = hopper and not self.fresh_prefills
+        self.paged_prefills = (hopper and not self.fresh_prefills
+                               and meta.prefill_max_seqlen_q >= PAGED_PREFILL_MIN_QUERY_LEN)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta

@@ -58,12 +58,15 @@ def test_bf16_dummy_llama_runs_and_is_deterministic():
     assert all(len(t) == 16 for t in first)
 
 
-@pytest.mark.parametrize("context_lens", [[0, 0, 0, 0], [0, 40, 0, 300]])
-def test_bf16_attention_step_matches_the_reference_with_and_without_context(monkeypatch, context_lens):
+@pytest.mark.parametrize("q_lens,context_lens", [([1, 17, 300, 129], [0, 0, 0, 0]),
+                                                 ([1, 17, 300, 129], [0, 40, 0, 300]),
+                                                 ([5, 9, 5, 2], [20, 40, 0, 300])])
+def test_bf16_attention_step_matches_the_reference_with_and_without_context(monkeypatch, q_lens, context_lens):
     """A step of decodes and prefills through the Triton backend against the torch
     reference on the same pool. On sm_90, fresh prompts take the Hopper kernel's contiguous
-    entry point and a step with any earlier context (a later chunk, a prefix hit) its paged
-    one; elsewhere both take the Triton kernel."""
+    entry point, a step with earlier context (a later chunk, a prefix hit) its paged one
+    once a chunk fills a 128-row tile, and short chunks after context (speculative
+    verification) the Triton kernel; elsewhere every step takes the Triton kernel."""
     from engine.attention import AttentionMetadata, triton_backend
     from engine.attention.torch_ref import TorchAttention
     from engine.kv_pool import KVLayout, KVPool
@@ -73,7 +76,7 @@ def test_bf16_attention_step_matches_the_reference_with_and_without_context(monk
     layout = KVLayout("test", torch.bfloat16, 1, kv_heads, head_dim, bs)
     pool = KVPool(layout, 256, "cuda")
     pool.kv.normal_()
-    q_lens, decode_lens = [1, 17, 300, 129], [33, 500]
+    decode_lens = [33, 500]
     seq_lens = [c + n for c, n in zip(context_lens, q_lens)]
     perm = torch.randperm(256).tolist()  # scattered blocks, none shared
 
@@ -117,5 +120,8 @@ def test_bf16_attention_step_matches_the_reference_with_and_without_context(monk
     assert err < 1e-2, err
     if torch.cuda.get_device_capability() != (9, 0):
         assert calls == ["flash_prefill"]
+    elif not any(context_lens):
+        assert calls == ["flash_prefill_ws"]
     else:
-        assert calls == ["flash_prefill_ws_paged" if any(context_lens) else "flash_prefill_ws"]
+        paged = max(q_lens) >= triton_backend.PAGED_PREFILL_MIN_QUERY_LEN
+        assert calls == ["flash_prefill_ws_paged" if paged else "flash_prefill"]
