@@ -7,9 +7,11 @@ lateness differs between events, so a difference of two such readings is off by 
 microseconds either way. Here the GPU stamps its own clock instead (`stamp`, a one-thread
 kernel queued where the moment is), and `GpuClock.calibrate` measures the offset between
 the two clocks: a kernel writes %globaltimer into pinned host memory over and over while
-the host reads it; a value read at host time h was written no later than h, so h - value
-bounds the offset from above and the smallest of many samples is within the PCIe write
-latency (about a microsecond) of it. Converted stamps therefore err late by at most that.
+the host reads it; a value read by host time h was written no later than h, so h - value
+bounds the offset from above, and the smallest of many samples is within the PCIe write
+latency plus one read of the ring (a few microseconds) of it. Converted stamps err late by
+at most that, plus the clocks' drift since the calibration (~10 us per second measured on
+an H200: calibrate again for long runs).
 """
 
 from __future__ import annotations
