@@ -11,7 +11,10 @@ head dim 128, bf16, KV block 16), with baselines measured in the same run:
   Triton kernel;
 - decode, batch {1, 8, 64, 256} x context {512, 4k, 32k}: bandwidth (K/V + q + out bytes
   over time) of paged_decode beside a device-to-device copy and torch SDPA on the same
-  K/V laid out contiguously.
+  K/V laid out contiguously;
+- verify (a speculative verification step: 5 new tokens after the context), 1 x 32k,
+  8 x 4k, 64 x 4k: bandwidth of paged_verify beside flash_prefill and the Hopper kernel's
+  paged entry point on the same cache.
 
     python -m benchmarks.kernels [--sweep] [--json PATH] [--only prefill|decode]
                                  [--prefill-configs "M,N,W,S,A;..."]
@@ -45,6 +48,7 @@ from kernels import (
     flash_prefill_ws_paged,
     flash_prefill_ws_supported,
     paged_decode,
+    paged_verify,
 )
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -61,6 +65,8 @@ PREFILL_CHUNKED = (2, 4096, 4096)  # batch, context already in the cache, new to
 DECODE_SWEEP = [(32, 4, 3), (64, 4, 3), (128, 4, 2)]  # block_n, num_warps, num_stages
 DECODE_SWEEP_CASES = [(1, 4096), (1, 32768), (8, 4096), (8, 32768)]
 DECODE_ROTATE_BYTES = 1 << 30
+VERIFY_TOKENS = 5  # K = 4 drafted tokens + the last sampled one
+VERIFY_CASES = [(1, 32768), (8, 4096), (64, 4096)]  # batch, keys per sequence (new tokens included)
 
 
 @dataclass(slots=True)
@@ -177,35 +183,69 @@ def prefill(length: int, configs: list[tuple[int, ...]]) -> list[Row]:
     return rows
 
 
-def prefill_chunked(batch: int, context: int, q_len: int) -> list[Row]:
-    """New tokens after `context` positions already in the cache: the k_new path reads the
-    context through the block table and the new tokens contiguously."""
+@dataclass(frozen=True)
+class _Chunks:
+    """q_len new tokens for each of `batch` sequences after `context` cached positions, the
+    arguments flash_prefill / flash_prefill_ws_paged / paged_verify share, and the
+    paged-only flash_prefill's output as the reference."""
+
+    args: tuple
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+    kv_bytes: int
+    ref: torch.Tensor
+
+
+def _chunks(batch: int, context: int, q_len: int) -> _Chunks:
     seq_len = context + q_len
     q = torch.randn(batch * q_len, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     k = torch.randn(batch, seq_len, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     v = torch.randn_like(k)
     k_cache, v_cache, block_tables = _paged(k, v)
-    k_new, v_new = k[:, context:].flatten(0, 1), v[:, context:].flatten(0, 1)
     cu_seqlens = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * q_len
     seq_lens = torch.full((batch,), seq_len, device="cuda", dtype=torch.int32)
-    scale = HEAD_DIM ** -0.5
-    flops = 4 * batch * NUM_Q_HEADS * HEAD_DIM * (q_len * context + q_len * q_len / 2)
-    case = f"{batch}x({context}+{q_len})"
-    ref = flash_prefill(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, q_len)
-    out = torch.empty_like(q)
-    args = (q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, q_len)
-    variants = [("ours default", lambda: flash_prefill(*args, out=out, k_new=k_new, v_new=v_new)),
-                ("ours paged-only default", lambda: flash_prefill(*args, out=out))]
-    if flash_prefill_ws_supported(q.device, q.dtype, HEAD_DIM, BLOCK_SIZE):  # the engine's kernel here on Hopper
-        variants.append(("ours ws paged (Hopper)", lambda: flash_prefill_ws_paged(*args, out=out)))
+    args = (q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, HEAD_DIM ** -0.5, q_len)
+    return _Chunks(args, k[:, context:].flatten(0, 1), v[:, context:].flatten(0, 1), k.nbytes + v.nbytes,
+                   flash_prefill(*args))
+
+
+def _time(kind: str, case: str, variants: list[tuple[str, Callable[[], object]]], out: torch.Tensor,
+          ref: torch.Tensor, rate: Callable[[float], float]) -> list[Row]:
+    """Each variant once into a NaN-poisoned out (checked against ref), then timed."""
     rows = []
     for name, fn in variants:
         out.fill_(float("nan"))
         fn()
         err = _rel_err(out, ref)
         ms = _bench(fn)
-        rows.append(Row("prefill", case, name, ms, flops / ms / 1e9, err))
+        rows.append(Row(kind, case, name, ms, rate(ms), err))
     return rows
+
+
+def prefill_chunked(batch: int, context: int, q_len: int) -> list[Row]:
+    """New tokens after `context` positions already in the cache: the k_new path reads the
+    context through the block table and the new tokens contiguously."""
+    c = _chunks(batch, context, q_len)
+    out = torch.empty_like(c.args[0])
+    variants = [("ours default", lambda: flash_prefill(*c.args, out=out, k_new=c.k_new, v_new=c.v_new)),
+                ("ours paged-only default", lambda: flash_prefill(*c.args, out=out))]
+    if flash_prefill_ws_supported(out.device, out.dtype, HEAD_DIM, BLOCK_SIZE):  # the engine's kernel on Hopper
+        variants.append(("ours ws paged (Hopper)", lambda: flash_prefill_ws_paged(*c.args, out=out)))
+    flops = 4 * batch * NUM_Q_HEADS * HEAD_DIM * (q_len * context + q_len * q_len / 2)
+    return _time("prefill", f"{batch}x({context}+{q_len})", variants, out, c.ref, lambda ms: flops / ms / 1e9)
+
+
+def verify(batch: int, context: int, q_len: int) -> list[Row]:
+    """A speculative verification step's attention: q_len new tokens per sequence after
+    `context` cached ones. Memory-bound like decode: rate is K/V (+ q, out) bytes over time."""
+    c = _chunks(batch, context, q_len)
+    out = torch.empty_like(c.args[0])
+    variants = [("flash_prefill (k_new)", lambda: flash_prefill(*c.args, out=out, k_new=c.k_new, v_new=c.v_new))]
+    if flash_prefill_ws_supported(out.device, out.dtype, HEAD_DIM, BLOCK_SIZE):
+        variants.append(("ours ws paged (Hopper)", lambda: flash_prefill_ws_paged(*c.args, out=out)))
+    variants.append(("ours paged_verify", lambda: paged_verify(*c.args, out=out)))
+    nbytes = c.kv_bytes + 2 * out.nbytes
+    return _time("verify", f"{batch}x({context}+{q_len})", variants, out, c.ref, lambda ms: nbytes / ms / 1e9)
 
 
 def _bench_graph(fns: list[Callable[[], object]], replays: int = 20) -> float:
@@ -282,7 +322,7 @@ def decode(batch: int, context: int, sweep: bool) -> list[Row]:
 
 def _print(rows: list[Row], copy_tbs: float) -> None:
     for r in rows:
-        pct = f"{100 * r.rate / copy_tbs:6.1f}%" if r.kind == "decode" else ""
+        pct = f"{100 * r.rate / copy_tbs:6.1f}%" if r.kind in ("decode", "verify") else ""
         err = f"{r.rel_err:.1e}" if r.rel_err is not None else ""
         print(f"{r.kind:8} {r.case:10} {r.impl:34} {r.ms:9.4f} {r.rate:8.2f} {pct:>7} {err:>8}", flush=True)
 
@@ -310,6 +350,7 @@ def main() -> None:
         cases.append(lambda: prefill_chunked(*PREFILL_CHUNKED))
     if args.only != "prefill":
         cases += [lambda b=b, c=c: decode(b, c, args.sweep) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
+        cases += [lambda b=b, c=c: verify(b, c - VERIFY_TOKENS, VERIFY_TOKENS) for b, c in VERIFY_CASES]
     for run_case in cases:  # rows print as they come, so a run cut short still reports
         new = run_case()
         _print(new, copy_tbs)
@@ -319,9 +360,10 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": [asdict(r) for r in rows]}, f, indent=1)
     # The summary: our default version beside the baselines.
-    print(f"\nsummary (rate: TFLOP/s for prefill, TB/s for decode; copy {copy_tbs:.2f} TB/s)")
+    print(f"\nsummary (rate: TFLOP/s for prefill, TB/s for decode and verify; copy {copy_tbs:.2f} TB/s)")
     print(header)
-    _print([r for r in rows[2:] if not r.impl.startswith("ours") or "default" in r.impl or "ws" in r.impl], copy_tbs)
+    _print([r for r in rows[2:] if not r.impl.startswith("ours") or "default" in r.impl or "ws" in r.impl
+            or "verify" in r.impl], copy_tbs)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from kernels.block_copy import copy_blocks
 from kernels.cache_write import cache_write
 from kernels.flash_prefill import flash_prefill
 from kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
-from kernels.paged_decode import decode_num_splits, decode_workspace, paged_decode
+from kernels.paged_decode import decode_num_splits, decode_workspace, paged_decode, paged_verify, paged_verify_fits
 
 __all__ = ["cache_write", "copy_blocks", "decode_num_splits", "decode_workspace", "flash_prefill", "flash_prefill_ws",
-           "flash_prefill_ws_paged", "flash_prefill_ws_supported", "paged_decode"]
+           "flash_prefill_ws_paged", "flash_prefill_ws_supported", "paged_decode", "paged_verify", "paged_verify_fits"]

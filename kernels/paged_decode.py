@@ -1,10 +1,12 @@
-"""Paged-attention decode: one query token per sequence, split-K over the context.
+"""Paged-attention decode: one query token per sequence (`paged_decode`), or a few
+(`paged_verify`: speculative verification's K + 1 tokens), split-K over the context.
 
-Each program takes one (sequence, KV head, split): the query heads of that KV group
-share every K/V tile it loads (GQA), and a long context is cut into `num_splits`
-slices run by separate programs so that batch 1 still fills the GPU (flash-decoding).
-With several splits, each writes its unnormalised partial output plus its running
-max and sum into a float32 workspace and a second kernel merges them.
+Each program takes one (sequence, KV head, split): the query heads of that KV group (and,
+in `paged_verify`, the sequence's new tokens too) share every K/V tile it loads, and a
+long context is cut into `num_splits` slices run by separate programs so that batch 1
+still fills the GPU (flash-decoding). With several splits, each writes its unnormalised
+partial output plus its running max and sum into a float32 workspace and a second kernel
+merges them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,72 @@ _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 128
 # Past this many tokens per split, fewer and longer splits did better (8 x 32k on the H200).
 _LONG_SPLIT_TOKENS = 2048
+
+
+@triton.jit
+def _split_range(seq_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Keys [start, end) of this program's split: equal whole tiles per split, so that no
+    split waits on a longer one."""
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    start = tl.program_id(2) * tiles_per_split * BLOCK_N
+    return start, tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+
+@triton.jit
+def _attend(q, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, last_key, scale_log2, row_stride,
+            HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            CAUSAL: tl.constexpr):
+    """Online softmax of q's rows [R, D] over keys start .. end - 1 of one sequence's paged
+    K/V (one KV head, block table row bt_row). CAUSAL: row r sees keys <= last_key[r] only
+    (else every key: one query token at the sequence's end). Returns the running max (base
+    2), the sum and the unnormalised output [R, D]."""
+    BLOCK_R: tl.constexpr = q.shape[0]
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        valid = pos < end
+        block_ids = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        rows = (block_ids * PAGE_SIZE + pos % PAGE_SIZE) * row_stride + kv_head * HEAD_DIM
+        kv_offs = rows[:, None] + offs_d[None, :]                          # [BLOCK_N, D]
+        k = tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if CAUSAL:
+            s = tl.where(valid[None, :] & (pos[None, :] <= last_key[:, None]), s, float("-inf"))
+        else:
+            s = tl.where(valid[None, :], s, float("-inf"))                 # [BLOCK_R, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+        if CAUSAL:
+            # A row may see no key of a tile (a split past its position): keep it at 0, not NaN.
+            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+        else:
+            m_ref = m_new
+        alpha = tl.math.exp2(m_i - m_ref)
+        p = tl.math.exp2(s * scale_log2 - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _write_rows(out_rows, ws_rows, m_i, l_i, acc, mask, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """One split: the normalised rows into out (out_rows: each row's pointer), or with
+    several, the partial output, max and sum into the workspace (ws_rows) for the merge."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    if NUM_SPLITS == 1:
+        # A row that saw no key (seq_len 0: a padded CUDA-graph row) has l_i = 0: zeros, not NaN.
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_rows[:, None] + offs_d[None, :], o.to(out_rows.dtype.element_ty), mask=mask[:, None])
+    else:
+        tl.store(ws_rows[:, None] + offs_d[None, :], acc, mask=mask[:, None])
+        tl.store(ws_rows + HEAD_DIM, m_i, mask=mask)
+        tl.store(ws_rows + HEAD_DIM + 1, l_i, mask=mask)
 
 
 # stride_bt (blocks per row of this batch's table) changes from step to step in eager
@@ -46,52 +114,65 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-
-    # Equal whole tiles per split so that no split waits on a longer one.
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    start, end = _split_range(seq_len, BLOCK_N, NUM_SPLITS)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * QUERIES_PER_KV + offs_g
     mask_g = offs_g < QUERIES_PER_KV
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None], other=0.0)                          # [BLOCK_G, D]
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        valid = pos < end
-        block_ids = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        rows = (block_ids * PAGE_SIZE + pos % PAGE_SIZE) * row_stride + kv_head * HEAD_DIM
-        kv_offs = rows[:, None] + offs_d[None, :]                          # [BLOCK_N, D]
-        k = tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s = tl.where(valid[None, :], s, float("-inf"))                     # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s * scale_log2 - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = _attend(q, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, end, scale_log2, row_stride,
+                            HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False)
+    _write_rows(out_ptr + seq * stride_ob + heads * stride_oh,
+                ws_ptr + seq.to(tl.int64) * stride_wb + heads * stride_wh + split * stride_ws,
+                m_i, l_i, acc, mask_g, HEAD_DIM, NUM_SPLITS)
 
-    if NUM_SPLITS == 1:
-        # seq_len 0 (a padded CUDA-graph row) leaves l_i = 0: write zeros, not NaN.
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
-    else:
-        ws = ws_ptr + seq.to(tl.int64) * stride_wb + heads * stride_wh + split * stride_ws
-        tl.store(ws[:, None] + offs_d[None, :], acc, mask=mask_g[:, None])
-        tl.store(ws + HEAD_DIM, m_i, mask=mask_g)
-        tl.store(ws + HEAD_DIM + 1, l_i, mask=mask_g)
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _verify_split_kernel(
+    q_ptr,              # [num_tokens, num_q_heads, head_dim], sequences' new tokens packed
+    k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,        # same as k_cache
+    block_tables_ptr,   # [batch, max_blocks_per_seq] int32
+    cu_seqlens_ptr,     # [batch + 1] int32: sequence b's tokens are q[cu[b]:cu[b + 1]]
+    seq_lens_ptr,       # [batch] int32, new tokens included
+    out_ptr,            # [num_tokens, num_q_heads, head_dim], written when NUM_SPLITS == 1
+    ws_ptr,             # [>=num_tokens, num_q_heads, num_splits, head_dim + 2] fp32, else
+    scale_log2,         # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+    stride_wt, stride_wh, stride_ws,
+    row_stride,         # num_kv_heads * head_dim
+    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """_decode_split_kernel with rows (new token t, query head g of the KV group): row r is
+    token r // QUERIES_PER_KV, head r % QUERIES_PER_KV; token t sits at position
+    seq_len - q_len + t and sees keys up to it."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start, end = _split_range(seq_len, BLOCK_N, NUM_SPLITS)
+
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = offs_r // QUERIES_PER_KV
+    heads = kv_head * QUERIES_PER_KV + offs_r % QUERIES_PER_KV
+    mask_r = tok < q_len
+    token_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + token_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_r[:, None], other=0.0)                            # [BLOCK_R, D]
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    m_i, l_i, acc = _attend(q, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, seq_len - q_len + tok,
+                            scale_log2, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, True)
+    _write_rows(out_ptr + token_rows * stride_ot + heads * stride_oh,
+                ws_ptr + token_rows * stride_wt + heads * stride_wh + split * stride_ws,
+                m_i, l_i, acc, mask_r, HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit
@@ -153,6 +234,39 @@ def decode_workspace(
     return torch.empty(batch, num_q_heads, num_splits, head_dim + 2, dtype=torch.float32, device=device)
 
 
+def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> None:
+    """What both launchers need of q [rows, num_q_heads, head_dim] and the paged cache."""
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (k_cache.shape, q.shape)
+    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
+    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
+    assert scale > 0, "the kernel folds the scale into a running max"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 16, got {head_dim}"
+
+
+def _default_block_n(q: torch.Tensor) -> int:
+    """Tokens per K/V tile: fp32 tiles are twice the bytes, halved to stay inside shared memory."""
+    return (64 if q.element_size() <= 2 else 32) if q.is_cuda else 16
+
+
+def _workspace_args(workspace: torch.Tensor | None, out: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """The split kernel's workspace argument and strides (out and zeros when unused: one split)."""
+    if workspace is None:
+        return out, (0, 0, 0)
+    return workspace, (workspace.stride(0), workspace.stride(1), workspace.stride(2))
+
+
+def _merge(workspace: torch.Tensor, out: torch.Tensor, rows: int, ws_strides: tuple[int, int, int]) -> None:
+    """The splits' partial results of out's first `rows` rows, merged into out."""
+    num_splits, head_dim = workspace.shape[2], out.shape[2]
+    _decode_merge_kernel[(rows, out.shape[1])](
+        workspace, out, *ws_strides, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+    )
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -192,12 +306,7 @@ def paged_decode(
     """
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (k_cache.shape, q.shape)
-    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
-    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
-    assert scale > 0, "the kernel folds the scale into a running max"
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 16, got {head_dim}"
+    _check_cache(q, k_cache, v_cache, scale)
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == batch
     assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,)
     if out is None:
@@ -213,12 +322,9 @@ def paged_decode(
         workspace = decode_workspace(batch, num_q_heads, head_dim, num_splits, q.device)
     if batch == 0:
         return out
-    if block_n is None:
-        # fp32 tiles are twice the bytes: halve them to stay inside shared memory.
-        block_n = (64 if q.element_size() <= 2 else 32) if q.is_cuda else 16
+    block_n = block_n or _default_block_n(q)
     queries_per_kv = num_q_heads // num_kv_heads
-    ws = workspace if workspace is not None else out  # unused when num_splits == 1
-    ws_strides = (ws.stride(0), ws.stride(1), ws.stride(2)) if workspace is not None else (0, 0, 0)
+    ws, ws_strides = _workspace_args(workspace, out)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, ws, scale * LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), *ws_strides,
@@ -230,9 +336,88 @@ def paged_decode(
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
-        _decode_merge_kernel[(batch, num_q_heads)](
-            workspace, out, *ws_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4,
-        )
+        _merge(workspace, out, batch, ws_strides)
+    return out
+
+
+# Rows (new tokens x query heads of a KV group) one paged_verify program holds: 64 keeps
+# its [rows, head_dim] fp32 accumulator at 64 registers a thread (4 warps, head dim 128).
+VERIFY_MAX_ROWS = 64
+
+
+def paged_verify_fits(max_seqlen_q: int, queries_per_kv: int) -> bool:
+    """Whether paged_verify takes chunks of up to max_seqlen_q new tokens (host ints)."""
+    return 0 < max_seqlen_q * queries_per_kv <= VERIFY_MAX_ROWS
+
+
+def paged_verify(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """Causal attention of a few new query tokens per sequence over its paged K/V: what a
+    speculative verification step asks (K + 1 tokens after the context). kernels.flash_prefill's
+    semantics without k_new/v_new, but decode's work split: every K/V tile is loaded once
+    for all of a sequence's new tokens and the query heads of its KV group, split-K over
+    the context.
+
+    Args:
+        q: [num_tokens, num_q_heads, head_dim], sequences packed back to back, every row
+            some sequence's (num_tokens == cu_seqlens_q[-1]); last dim contiguous.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous,
+            q's dtype (fp16, bf16 or fp32); every position of each sequence there, its new
+            tokens' too (cache_write runs first).
+        cu_seqlens_q: [batch + 1] int32 offsets of each sequence's tokens in q.
+        seq_lens: [batch] int32 keys per sequence, its new tokens included; token i of
+            sequence b sits at position seq_lens[b] - q_len_b + i.
+        block_tables: [batch, max_blocks_per_seq] int32.
+        scale: softmax scale, usually head_dim ** -0.5; > 0.
+        max_seqlen_q: host int >= every q_len; paged_verify_fits(max_seqlen_q, group).
+        out: optional preallocated [num_tokens, num_q_heads, head_dim] in q's dtype.
+        num_splits: default decode_num_splits over the context block_tables can hold.
+        block_n, num_warps, num_stages: tuning, as paged_decode's.
+
+    Returns:
+        out. Allocates its split-K workspace (not for CUDA graphs).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    _check_cache(q, k_cache, v_cache, scale)
+    assert cu_seqlens_q.dtype == seq_lens.dtype == block_tables.dtype == torch.int32
+    batch = cu_seqlens_q.shape[0] - 1
+    assert seq_lens.shape == (batch,) and block_tables.shape[0] == batch and block_tables.stride(1) == 1
+    queries_per_kv = num_q_heads // num_kv_heads
+    if not paged_verify_fits(max(max_seqlen_q, 1), queries_per_kv):
+        raise ValueError(f"paged_verify holds at most {VERIFY_MAX_ROWS} rows of new tokens x query heads per KV "
+                         f"head; got {max_seqlen_q} tokens x {queries_per_kv} heads")
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
+        return out
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, q.device)
+    workspace = decode_workspace(num_tokens, num_q_heads, head_dim, num_splits, q.device) if num_splits > 1 else None
+    block_n = block_n or _default_block_n(q)
+    ws, ws_strides = _workspace_args(workspace, out)
+    _verify_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, ws, scale * LOG2E,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), *ws_strides,
+        num_kv_heads * head_dim, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_R=max(16, triton.next_power_of_2(max_seqlen_q * queries_per_kv)), BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge(workspace, out, num_tokens, ws_strides)
     return out

@@ -9,11 +9,11 @@ from engine.kv_pool import KVPool
 from kernels.cache_write import cache_write
 from kernels.flash_prefill import flash_prefill
 from kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
-from kernels.paged_decode import paged_decode
+from kernels.paged_decode import paged_decode, paged_verify, paged_verify_fits
 
 # A step with earlier context runs on the Hopper kernel's paged entry point once its
 # longest chunk fills a query tile (128 rows; the kernel runs one program per SM). Below
-# that the Triton kernel measured 1-65% faster at 5-64 new tokens over 4k of context (H200).
+# that flash_prefill measured 1-65% faster at 5-64 new tokens over 4k of context (H200).
 PAGED_PREFILL_MIN_QUERY_LEN = 128
 
 
@@ -29,10 +29,9 @@ class _TritonStep:
         # On Hopper, the warp-specialized kernels: prompts with no earlier context (no chunk
         # before this one, no prefix hit) attend only to their own K/V, read as contiguous
         # tiles; other prefill steps gather theirs through the block table once some chunk
-        # fills a 128-row query tile. Steps of short chunks after context (speculative
-        # verification: K + 1 tokens) keep the Triton kernel, whose smaller tiles and
-        # several programs per SM suit them (benchmarks/RESULTS.md, "v8"). Elsewhere the
-        # Triton kernel.
+        # fills a 128-row query tile. Steps of only a few new tokens per sequence
+        # (speculative verification: K + 1) take paged_verify, on any GPU; the rest
+        # flash_prefill (benchmarks/RESULTS.md, "v8" and "verify").
         hopper = meta.num_prefills > 0 and flash_prefill_ws_supported(pool.kv.device, layout.dtype, layout.head_dim,
                                                                       layout.block_size)
         self.fresh_prefills = hopper and meta.prefill_q_lens_host == meta.prefill_seq_lens_host
@@ -51,13 +50,17 @@ class _TritonStep:
         if self.fresh_prefills:
             flash_prefill_ws(q[nd:], k[nd:], v[nd:], meta.prefill_cu_seqlens_q, meta.prefill_max_seqlen_q, self.scale,
                              out=out[nd:])
-        elif self.paged_prefills:
-            flash_prefill_ws_paged(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
-                                   meta.prefill_block_tables, self.scale, meta.prefill_max_seqlen_q, out=out[nd:])
         elif meta.num_prefills:
-            # The chunk's own K/V straight from the projection (contiguous rows, TMA);
-            # only earlier context is gathered from the cache.
-            flash_prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
-                          meta.prefill_block_tables, self.scale, meta.prefill_max_seqlen_q, out=out[nd:],
-                          k_new=k[nd:], v_new=v[nd:])
+            args = (q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
+                    meta.prefill_block_tables, self.scale, meta.prefill_max_seqlen_q)
+            if paged_verify_fits(meta.prefill_max_seqlen_q, q.shape[1] // k_cache.shape[2]):
+                # A few new tokens per sequence (speculative verification: K + 1): decode's
+                # work split, every K/V tile read once for all its tokens and query heads.
+                paged_verify(*args, out=out[nd:])
+            elif self.paged_prefills:
+                flash_prefill_ws_paged(*args, out=out[nd:])
+            else:
+                # The chunk's own K/V straight from the projection (contiguous rows, TMA);
+                # only earlier context is gathered from the cache.
+                flash_prefill(*args, out=out[nd:], k_new=k[nd:], v_new=v[nd:])
         return out

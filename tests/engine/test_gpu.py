@@ -60,13 +60,14 @@ def test_bf16_dummy_llama_runs_and_is_deterministic():
 
 @pytest.mark.parametrize("q_lens,context_lens", [([1, 17, 300, 129], [0, 0, 0, 0]),
                                                  ([1, 17, 300, 129], [0, 40, 0, 300]),
-                                                 ([5, 9, 5, 2], [20, 40, 0, 300])])
+                                                 ([5, 9, 5, 2], [20, 40, 0, 300]),
+                                                 ([5, 40, 17, 2], [20, 40, 0, 300])])
 def test_bf16_attention_step_matches_the_reference_with_and_without_context(monkeypatch, q_lens, context_lens):
     """A step of decodes and prefills through the Triton backend against the torch
     reference on the same pool. On sm_90, fresh prompts take the Hopper kernel's contiguous
-    entry point, a step with earlier context (a later chunk, a prefix hit) its paged one
-    once a chunk fills a 128-row tile, and short chunks after context (speculative
-    verification) the Triton kernel; elsewhere every step takes the Triton kernel."""
+    entry point and a step with earlier context (a later chunk, a prefix hit) its paged one
+    once a chunk fills a 128-row tile; on any GPU, a step of a few new tokens per sequence
+    (speculative verification) takes paged_verify, and the rest flash_prefill."""
     from engine.attention import AttentionMetadata, triton_backend
     from engine.attention.torch_ref import TorchAttention
     from engine.kv_pool import KVLayout, KVPool
@@ -107,7 +108,7 @@ def test_bf16_attention_step_matches_the_reference_with_and_without_context(monk
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
 
     calls = []
-    for name in ("flash_prefill_ws", "flash_prefill_ws_paged", "flash_prefill"):
+    for name in ("flash_prefill_ws", "flash_prefill_ws_paged", "flash_prefill", "paged_verify"):
         kernel = getattr(triton_backend, name)
         monkeypatch.setattr(triton_backend, name,
                             lambda *a, _name=name, _kernel=kernel, **kw: calls.append(_name) or _kernel(*a, **kw))
@@ -118,10 +119,13 @@ def test_bf16_attention_step_matches_the_reference_with_and_without_context(monk
     torch.testing.assert_close(pool.kv.double(), ref_pool.kv, atol=0, rtol=0)  # the same K/V written
     err = float((got.double() - want).norm() / want.norm())
     assert err < 1e-2, err
-    if torch.cuda.get_device_capability() != (9, 0):
-        assert calls == ["flash_prefill"]
-    elif not any(context_lens):
-        assert calls == ["flash_prefill_ws"]
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if hopper and not any(context_lens):
+        want = "flash_prefill_ws"
+    elif triton_backend.paged_verify_fits(max(q_lens), heads // kv_heads):
+        want = "paged_verify"
+    elif hopper and max(q_lens) >= triton_backend.PAGED_PREFILL_MIN_QUERY_LEN:
+        want = "flash_prefill_ws_paged"
     else:
-        paged = max(q_lens) >= triton_backend.PAGED_PREFILL_MIN_QUERY_LEN
-        assert calls == ["flash_prefill_ws_paged" if paged else "flash_prefill"]
+        want = "flash_prefill"
+    assert calls == [want]
