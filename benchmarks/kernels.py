@@ -155,18 +155,13 @@ def prefill(length: int, configs: list[tuple[int, ...]]) -> list[Row]:
         rows.append(Row("prefill", case, name, ms, flops / ms / 1e9))
     if flash_prefill_ws_supported(q.device, q.dtype, HEAD_DIM, BLOCK_SIZE):
         # The engine's kernel for fresh prompts, and its paged entry point on the same input.
-        for name, fn in (
+        rows += _time("prefill", case, [
             ("ours ws (Hopper, no context)",
              lambda: flash_prefill_ws(q, k_new, v_new, cu_seqlens, length, scale, out=out)),
             ("ours ws paged (Hopper)",
              lambda: flash_prefill_ws_paged(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, length,
                                             out=out)),
-        ):
-            out.fill_(float("nan"))
-            fn()
-            err = _rel_err(out, ref) if ref is not None else None
-            ms = _bench(fn)
-            rows.append(Row("prefill", case, name, ms, flops / ms / 1e9, err))
+        ], out, ref, lambda ms: flops / ms / 1e9)
     # (name, k_new/v_new given, tuning): defaults first, then the sweep on the engine's path.
     variants = [("ours default", True, {}), ("ours paged-only default", False, {})]
     variants += [(f"ours {c}", True, dict(zip(PREFILL_KEYS, c))) for c in configs]
@@ -210,13 +205,13 @@ def _chunks(batch: int, context: int, q_len: int) -> _Chunks:
 
 
 def _time(kind: str, case: str, variants: list[tuple[str, Callable[[], object]]], out: torch.Tensor,
-          ref: torch.Tensor, rate: Callable[[float], float]) -> list[Row]:
-    """Each variant once into a NaN-poisoned out (checked against ref), then timed."""
+          ref: torch.Tensor | None, rate: Callable[[float], float]) -> list[Row]:
+    """Each variant once into a NaN-poisoned out (checked against ref, if any), then timed."""
     rows = []
     for name, fn in variants:
         out.fill_(float("nan"))
         fn()
-        err = _rel_err(out, ref)
+        err = _rel_err(out, ref) if ref is not None else None
         ms = _bench(fn)
         rows.append(Row(kind, case, name, ms, rate(ms), err))
     return rows
