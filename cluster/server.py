@@ -19,8 +19,8 @@ from cluster.metrics import Metrics
 from cluster.pools import ActorSpec, Pool
 from cluster.router import make_policy
 from cluster.service import GenerationService
-from cluster.validation import ModelLimits
 from decode_node.worker import DecodeWorker
+from engine.request_processor import RequestProcessor
 from engine.weights import load_tokenizer, resolve_model
 from kv_transport import TransportConfig
 from prefill_node.worker import PrefillWorker
@@ -94,10 +94,10 @@ async def start_server(config: ServeConfig) -> Server:
     await coordinator.start(config.pools.health_interval_s)
     # Workers may cap the context below the model's (KV pool size): take the smallest.
     lens = [await w.actor.max_model_len.remote() for p in coordinator.pools() for w in p.workers]
-    limits = ModelLimits(files.name, files.arch.vocab_size, min(lens))
+    processor = RequestProcessor(tokenizer, files.name, files.arch.vocab_size, min(lens))
 
     server = grpc.aio.server()
-    service = GenerationService(coordinator, limits, tokenizer, metrics, config.server.max_inflight_requests,
+    service = GenerationService(coordinator, processor, metrics, config.server.max_inflight_requests,
                                 config.server.default_timeout_s)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
-from typing import Any
 
 import grpc
 
 from cluster.coordinator import Coordinator, Overloaded, WorkerUnavailable
 from cluster.metrics import Metrics
-from cluster.validation import ModelLimits, parse_request
-from engine.detokenizer import IncrementalDetokenizer
+from cluster.validation import parse_request
 from engine.messages import WorkerRequest
-from engine.outputs import TokenDelta
+from engine.outputs import TextDelta
+from engine.request_processor import OutputStream, RequestProcessor
 from engine.sequence import FinishReason
 from proto.pdserve.v1 import generation_pb2 as pb
 from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -28,11 +26,10 @@ VERSION = "0.1.0"
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, coordinator: Coordinator, limits: ModelLimits, tokenizer: Any, metrics: Metrics,
+    def __init__(self, coordinator: Coordinator, processor: RequestProcessor, metrics: Metrics,
                  max_inflight: int, default_timeout_s: float) -> None:
         self.coordinator = coordinator
-        self.limits = limits
-        self.tokenizer = tokenizer
+        self.processor = processor
         self.metrics = metrics
         self.max_inflight = max_inflight
         self.default_timeout_s = default_timeout_s
@@ -41,7 +38,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         start = time.perf_counter()
         try:
-            parsed = parse_request(request, self.limits, self.tokenizer)
+            parsed = parse_request(request, self.processor)
         except ValueError as e:
             self.metrics.requests.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -50,16 +47,15 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"server is at its limit of {self.max_inflight} concurrent requests; retry later")
         client_id = request.request_id
-        worker_req = WorkerRequest(uuid.uuid4().hex, parsed.prompt_token_ids,
-                                   dataclasses.replace(parsed.params, stop=()))  # stop strings are checked here
+        worker_req = WorkerRequest(uuid.uuid4().hex, parsed.prompt_token_ids, parsed.params)  # no stop strings
         remaining = context.time_remaining()
         timeout = self.default_timeout_s if remaining is None else max(0.0, remaining)
         self.inflight += 1
         status = "OK"
         try:
             async with asyncio.timeout(timeout):
-                async for response in self._stream(worker_req, parsed.stop, client_id or worker_req.request_id,
-                                                   start):
+                async for response in self._stream(worker_req, self.processor.output_stream(parsed),
+                                                   client_id or worker_req.request_id, start):
                     yield response
         except TimeoutError:
             status = "DEADLINE_EXCEEDED"
@@ -83,8 +79,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.inflight -= 1
             self.metrics.requests.labels(status).inc()
 
-    async def _stream(self, req: WorkerRequest, stop: tuple[str, ...], client_id: str, start: float):
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, stop) if self.tokenizer else None
+    async def _stream(self, req: WorkerRequest, stream: OutputStream, client_id: str, start: float):
         num_generated = 0
         last = None
         deltas = self.coordinator.generate(req)
@@ -96,15 +91,12 @@ class GenerationService(pb_grpc.GenerationServicer):
                 else:
                     self.metrics.itl.observe(now - last)
                 last = now
-                num_generated += len(delta.token_ids)
-                reason = delta.finish_reason
-                if reason is FinishReason.ABORT:
+                if delta.finish_reason is FinishReason.ABORT:
                     raise WorkerUnavailable("the worker aborted the request")
-                if detok is not None and any(detok.add(token) for token in delta.token_ids):
-                    reason = FinishReason.STOP  # a stop string: the workers are aborted when we return
-                text = detok.take_delta(reason is not None) if detok is not None else ""
-                yield self._response(client_id, delta, text, reason, len(req.prompt_token_ids), num_generated)
-                if reason is not None:
+                out = stream.add(delta)
+                num_generated += len(out.token_ids)
+                yield self._response(client_id, out, len(req.prompt_token_ids), num_generated)
+                if out.finished:  # a stop string too: the coordinator aborts the workers when we return
                     self.metrics.e2e.observe(now - start)
                     self.metrics.tokens.inc(num_generated)
                     return
@@ -112,25 +104,25 @@ class GenerationService(pb_grpc.GenerationServicer):
             await deltas.aclose()
 
     @staticmethod
-    def _response(client_id: str, delta: TokenDelta, text: str, reason: FinishReason | None,
-                  num_prompt: int, num_generated: int) -> pb.GenerateResponse:
-        resp = pb.GenerateResponse(request_id=client_id, token_ids=list(delta.token_ids), text=text)
+    def _response(client_id: str, delta: TextDelta, num_prompt: int, num_generated: int) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(request_id=client_id, token_ids=list(delta.token_ids), text=delta.text)
         for lp in delta.logprobs:
             resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=list(lp.top_token_ids),
                               top_logprobs=list(lp.top_logprobs))
-        if reason is not None:
-            resp.finish_reason = _FINISH[reason]
+        if delta.finish_reason is not None:
+            resp.finish_reason = _FINISH[delta.finish_reason]
             resp.usage.prompt_tokens = num_prompt
             resp.usage.completion_tokens = num_generated
             resp.usage.cached_prompt_tokens = delta.num_cached_tokens
         return resp
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        return pb.ListModelsResponse(models=[pb.ModelInfo(id=self.limits.name, max_model_len=self.limits.max_model_len,
-                                                          vocab_size=self.limits.vocab_size)])
+        p = self.processor
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=p.model_name, max_model_len=p.max_model_len,
+                                                          vocab_size=p.vocab_size)])
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        info = pb.ServerInfo(version=VERSION, mode=self.coordinator.mode, model=self.limits.name)
+        info = pb.ServerInfo(version=VERSION, mode=self.coordinator.mode, model=self.processor.model_name)
         for pool in self.coordinator.pools():
             for w in pool.workers:
                 load = w.state.load

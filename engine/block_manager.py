@@ -62,14 +62,20 @@ class BlockManager:
         return hits
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Publish the hashes of `seq`'s full blocks whose KV has been computed."""
+        """Publish the hashes of `seq`'s full blocks whose KV has been computed (or queued:
+        the step computing it precedes every step that could read it) and whose tokens are known."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
-        for block_id, h in zip(seq.block_ids[:num_full], seq.block_hashes(num_full)):
+        num_full = min(min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size, len(seq.block_ids))
+        first = seq.num_published_blocks
+        if num_full <= first:
+            return
+        hashes = seq.block_hashes(num_full)
+        for block_id, h in zip(seq.block_ids[first:num_full], hashes[first:]):
             if self._hash_of_block[block_id] is None and h not in self._block_of_hash:
                 self._hash_of_block[block_id] = h
                 self._block_of_hash[h] = block_id
+        seq.num_published_blocks = num_full
 
     # Allocation ----------------------------------------------------------
 
@@ -101,6 +107,8 @@ class BlockManager:
         for block_id in reversed(seq.block_ids):
             self._drop_ref(block_id)
         seq.block_ids.clear()
+        seq.block_table_version += 1
+        seq.num_published_blocks = 0
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Free `seq`'s blocks past those holding its first `num_tokens` tokens.
@@ -109,8 +117,12 @@ class BlockManager:
         KV is garbage, and blocks holding only such slots go back to the pool.
         """
         num_keep = -(-num_tokens // self.block_size)
+        if len(seq.block_ids) <= num_keep:
+            return
         while len(seq.block_ids) > num_keep:
             self._drop_ref(seq.block_ids.pop())
+        seq.block_table_version += 1
+        seq.num_published_blocks = min(seq.num_published_blocks, num_keep)
 
     def _drop_ref(self, block_id: int) -> None:
         count = self._ref_counts[block_id] - 1

@@ -97,11 +97,14 @@ class SchedulerConfig:
     max_num_batched_tokens: token budget of one step (prompt chunks + decodes).
     max_num_seqs: sequences running at once.
     enable_chunked_prefill: split prompts longer than the remaining budget.
+    async_scheduling: overlap steps: step N+1 is scheduled and queued on the device before
+        step N's tokens are read back (they feed N+1 on the device). Off while speculating.
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

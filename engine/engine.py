@@ -11,7 +11,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,15 +20,16 @@ from engine.attention import backend_for
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_pool import KVLayout, KVPool
 from engine.model_runner import ModelRunner
-from engine.outputs import EngineLoad, RequestOutput, TokenDelta
-from engine.sampler import Sampler
+from engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
+from engine.request_processor import ProcessedRequest, RequestProcessor
+from engine.sampler import PendingSample, Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence, SequenceStatus
 from engine.speculator import Proposal, Speculator
+from engine.step_inputs import InFlightTokens, StepInputBuilder
 from engine.weights import load_model, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -43,13 +44,36 @@ Prompt = str | list[int]
 @dataclass(slots=True)
 class _Request:
     seq: Sequence
-    detokenizer: IncrementalDetokenizer | None
     hold_kv: bool = False  # keep the blocks after finishing, until release()
 
 
 # (request_id, block_ids, event): a hold_kv request's prompt KV is computed, or will be once
 # the CUDA event completes (None: now). See Engine.set_kv_computed_callback.
 KVComputed = Callable[[str, tuple[int, ...], "torch.cuda.Event | None"], None]
+
+
+@dataclass(slots=True)
+class _LaunchedStep:
+    """A step whose forward and sampling are queued on the device."""
+
+    batch: ScheduledBatch
+    seqs: list[Sequence]  # the sampled sequences, in the rows of `sample`
+    rows: dict[Sequence, int]
+    sample: PendingSample | None
+    verifying: dict[Sequence, tuple[torch.Tensor, Proposal]]  # logits [1 + K, vocab] and the proposal
+    free_after: list[Sequence] = field(default_factory=list)  # finished meanwhile: free once resolved
+    batch_seqs: set[Sequence] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.batch_seqs = set(self.batch.seqs)
+
+
+def _first_placeholder(token_ids: list[int]) -> int | None:
+    """Index of the first placeholder among the last two tokens (there are never more)."""
+    for i in range(max(0, len(token_ids) - 2), len(token_ids)):
+        if token_ids[i] == PLACEHOLDER_TOKEN_ID:
+            return i
+    return None
 
 
 class NoCapacity(RuntimeError):
@@ -79,16 +103,21 @@ class Engine:
         if config.model.max_model_len is not None and capacity < limit:
             raise ValueError(f"max_model_len {limit} needs {limit} KV slots; the pool has {capacity}")
         self.max_model_len = min(limit, capacity)
+        self.processor = RequestProcessor(self.tokenizer, self.model_name, arch.vocab_size, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, layout.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.sampler = Sampler(config.model.seed, device)
         backend = backend_for(device)
+        sched_config = config.scheduler
+        inputs = StepInputBuilder(layout.block_size, -(-self.max_model_len // layout.block_size),
+                                  max(sched_config.max_num_batched_tokens, sched_config.max_num_seqs),
+                                  sched_config.max_num_seqs, device)
         graphs = None
         if device.type == "cuda" and not config.model.enforce_eager:
-            graphs = DecodeGraphs(self.model, self.pool, backend, arch.head_dim ** -0.5,
-                                  config.scheduler.max_num_seqs, self.max_model_len)
+            graphs = DecodeGraphs(self.model, self.pool, backend, inputs, arch.head_dim ** -0.5,
+                                  sched_config.max_num_seqs)
             graphs.capture()
-        self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, graphs)
+        self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, inputs, graphs)
         self.speculator: Speculator | None = None
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, Sequence] = {}
@@ -96,6 +125,7 @@ class Engine:
         self._on_kv_computed: KVComputed | None = None
         # Admitted, but their KV is still being copied in: (first token, CUDA event of the copy).
         self._kv_landing: dict[Sequence, tuple[int, torch.cuda.Event]] = {}
+        self._in_flight: _LaunchedStep | None = None  # the step queued last, not yet resolved
         self._ids = itertools.count()
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
                     self.model_name, device, dtype, num_blocks, layout.block_size, self.max_model_len)
@@ -103,53 +133,35 @@ class Engine:
     # Requests ------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.model_name} has no tokenizer: pass token ids")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+        return self.processor.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.model_name} has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.processor.apply_chat_template(messages)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     hold_kv: bool = False) -> str:
         """Queue a request; raises ValueError (and changes nothing) if it is invalid.
 
+        The engine emits token ids only, so it refuses stop strings (ValueError): text and
+        stop strings are the request processor's, which `generate`/`generate_stream` and the
+        frontends put in front (`self.processor`).
         hold_kv: when the request finishes, keep its blocks (their ids come with the last
                 delta, `TokenDelta.held_block_ids`)
         until `release`: a prefill worker ships them to a decode worker first.
         """
-        params = params or SamplingParams()
-        token_ids = self.tokenize(prompt)
-        self._validate(token_ids, params)
+        if params is not None and params.stop:
+            raise ValueError("stop strings are checked on text, which the engine does not make: use generate() or "
+                             "generate_stream(), or engine.processor.output_stream() over the deltas")
+        return self._add(self.processor.process(prompt, params=params), request_id, hold_kv)
+
+    def _add(self, request: ProcessedRequest, request_id: str | None, hold_kv: bool = False) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, tuple(token_ids), params, self.pool.layout.block_size)
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop) if self.tokenizer else None
-        self._requests[request_id] = _Request(seq, detok, hold_kv)
+        seq = Sequence(request_id, request.prompt_token_ids, request.params, self.pool.layout.block_size)
+        self._requests[request_id] = _Request(seq, hold_kv)
         self.scheduler.add(seq)
         return request_id
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the context is {self.max_model_len} "
-                             f"(prompt plus at least one new token)")
-        vocab = self.arch.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:4]} are outside the vocabulary [0, {vocab})")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"unknown stop token ids {bad} (vocabulary size {vocab})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings need a tokenizer; model {self.model_name} has none")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request at once and free its blocks (held ones too); False if it is unknown or done."""
@@ -178,20 +190,20 @@ class Engine:
         Returns the block ids (in position order). Raises ValueError for an
         invalid request and NoCapacity when seats or blocks are short.
         """
-        self._validate(prompt_token_ids, params)
+        request = self.processor.process(prompt_token_ids, params=params)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         sched = self.scheduler
         if len(sched.running) + self._num_receiving >= self.config.scheduler.max_num_seqs:
             raise NoCapacity(f"all {self.config.scheduler.max_num_seqs} sequence slots are taken")
-        seq = Sequence(request_id, tuple(prompt_token_ids), params, self.pool.layout.block_size)
+        seq = Sequence(request_id, request.prompt_token_ids, request.params, self.pool.layout.block_size)
         # One block of headroom per running sequence keeps admissions from
         # forcing preemptions on the very next step.
         if self.block_manager.num_blocks_needed(seq, seq.num_tokens) + len(sched.running) > \
                 self.block_manager.num_free_blocks or not self.block_manager.allocate(seq, seq.num_tokens):
             raise NoCapacity(f"not enough free KV blocks for {seq.num_tokens} tokens")
         seq.status = SequenceStatus.RECEIVING
-        self._requests[request_id] = _Request(seq, None)
+        self._requests[request_id] = _Request(seq)
         self._num_receiving += 1
         return list(seq.block_ids)
 
@@ -246,7 +258,7 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._kv_landing)
+        return self.scheduler.has_unfinished or bool(self._kv_landing) or self._in_flight is not None
 
     # Stepping ------------------------------------------------------------
 
@@ -264,7 +276,17 @@ class Engine:
         self._on_kv_computed = callback
 
     def step(self) -> list[TokenDelta]:
-        """Run one iteration; returns a delta for every request that got tokens."""
+        """Run one iteration; returns a delta for every request that got tokens.
+
+        With `SchedulerConfig.async_scheduling` (and no speculator) steps overlap: this call
+        queues the next step on the GPU first, and only then waits for the previous one's
+        tokens and returns their deltas, so the host's work runs while the GPU computes.
+        """
+        deltas: list[TokenDelta] = []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and not self._can_overlap():  # a speculator was just set
+            deltas += self._resolve(previous)
+            previous = None
         if self._kv_landing:
             self._admit_landed()
         proposals = self._propose() if self.speculator is not None else {}
@@ -272,22 +294,61 @@ class Engine:
         if self.speculator is not None:
             for seq in batch.preempted:
                 self.speculator.release(seq)
-        if not batch.seqs:
-            return []
-        logits = self.runner.compute_logits(batch)
+        launched = self._launch(batch, proposals, previous) if batch.seqs else None
+        overlap = launched is not None and self._can_overlap() and not launched.verifying
+        if overlap:
+            self._in_flight = launched  # before resolving the previous step: see _finish
+        if previous is not None:
+            deltas += self._resolve(previous)
+        if launched is not None and not overlap:
+            deltas += self._resolve(launched)
+        return deltas
+
+    def _can_overlap(self) -> bool:
+        return self.config.scheduler.async_scheduling and self.speculator is None
+
+    def _launch(self, batch: ScheduledBatch, proposals: dict[Sequence, Proposal],
+                previous: _LaunchedStep | None) -> _LaunchedStep:
+        """Queue the batch's forward and sampling; advance each sequence as if the step had
+        run, its sampled token a placeholder until the step resolves. `previous`: the step
+        before, still unresolved, whose tokens this one reads on the device."""
+        in_flight = None
+        if previous is not None and previous.sample is not None:
+            in_flight = InFlightTokens(previous.sample.token_ids, previous.rows)
+        logits = self.runner.compute_logits(batch, in_flight)
         if self._on_kv_computed is not None:
             self._report_kv_computed(batch, self._on_kv_computed)
-        verifying = {seq: logits.pop(seq) for seq in batch.seqs if seq.spec_token_ids}
-        sampled = self.runner.sample(logits)
-        deltas = []
+        verifying = {seq: (logits.pop(seq), proposals[seq]) for seq in batch.seqs if seq.spec_token_ids}
+        seqs, sample = self.runner.sample_async(logits)
+        rows = {seq: i for i, seq in enumerate(seqs)}
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             if seq in verifying:
-                deltas.append(self._verify(seq, verifying[seq], proposals[seq]))
                 continue
             seq.num_computed_tokens += num_new
+            if seq in rows:
+                seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
+                seq.finishing = (seq.num_output_tokens >= seq.params.max_tokens
+                                 or seq.num_tokens >= self.max_model_len)
+            # Now, not at resolve: the next step's admissions must find this one's prefix.
             self.block_manager.cache_full_blocks(seq)
-            if seq in sampled:
-                deltas.append(self._append_token(seq, *sampled[seq]))
+        return _LaunchedStep(batch, seqs, rows, sample, verifying)
+
+    def _resolve(self, launched: _LaunchedStep) -> list[TokenDelta]:
+        """Wait for a launched step's tokens and turn them into deltas."""
+        out = launched.sample.resolve() if launched.sample is not None else None
+        self._free_deferred(launched)
+        deltas = []
+        for seq in launched.batch.seqs:
+            if seq.is_finished:  # finished or aborted while the step ran
+                continue
+            if seq in launched.verifying:
+                deltas.append(self._verify(seq, *launched.verifying[seq]))
+                continue
+            row = launched.rows.get(seq)
+            if row is not None:
+                assert out is not None
+                deltas.append(self._accept_token(seq, out.token_ids[row], out.logprobs[row]))
+            self.block_manager.cache_full_blocks(seq)
         return deltas
 
     def _report_kv_computed(self, batch: ScheduledBatch, callback: KVComputed) -> None:
@@ -341,7 +402,7 @@ class Engine:
                                if params.logprobs is not None else [None] * len(token_ids))
         deltas = []
         for token_id, lp in zip(token_ids, logprobs):
-            deltas.append(self._append_token(seq, token_id, lp))
+            deltas.append(self._accept_token(seq, token_id, lp))
             if seq.is_finished:  # a stop token among the accepted ones: drop the rest
                 break
         if not seq.is_finished:
@@ -349,24 +410,26 @@ class Engine:
             self.block_manager.cache_full_blocks(seq)
         return _merge_deltas(deltas)
 
-    def _append_token(self, seq: Sequence, token_id: int, logprobs: Any) -> TokenDelta:
-        req = self._requests[seq.request_id]
-        seq.token_ids.append(token_id)
+    def _accept_token(self, seq: Sequence, token_id: int, logprobs: Any) -> TokenDelta:
+        """Put a sampled token in place of the oldest placeholder, or after the last token."""
+        pos = _first_placeholder(seq.token_ids)
+        if pos is None:
+            seq.token_ids.append(token_id)
+            pos = seq.num_tokens - 1
+        else:
+            seq.token_ids[pos] = token_id
         params = seq.params
         reason = None
         if (token_id in params.stop_token_ids
                 or (not params.ignore_eos and token_id in self.arch.eos_token_ids)):
             reason = FinishReason.STOP
-        hit_stop_string = req.detokenizer.add(token_id) if req.detokenizer else False
-        if hit_stop_string:
-            reason = FinishReason.STOP
-        elif reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+        elif pos + 1 - seq.num_prompt_tokens >= params.max_tokens or pos + 1 >= self.max_model_len:
             reason = FinishReason.LENGTH
-        text = req.detokenizer.take_delta(reason is not None) if req.detokenizer else ""
         if reason is not None:
+            del seq.token_ids[pos + 1:]  # a token sampled after the last one is dropped
             self._finish(seq, reason)
         held = tuple(seq.block_ids) if seq.request_id in self._held else ()
-        return TokenDelta(seq.request_id, (token_id,), text, reason, (logprobs,) if logprobs else (),
+        return TokenDelta(seq.request_id, (token_id,), reason, (logprobs,) if logprobs else (),
                           seq.num_prompt_tokens, seq.num_cached_tokens, held)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -378,18 +441,31 @@ class Engine:
         if seq.status is SequenceStatus.RECEIVING:
             self._num_receiving -= 1
         hold = req.hold_kv and reason is not FinishReason.ABORT
-        self.scheduler.finish(seq, reason, free_blocks=not hold)
+        # A step still running writes this sequence's KV: its blocks go back to the pool
+        # once that step has resolved, so that no other writer (a KV transfer) gets them first.
+        in_flight = self._in_flight is not None and seq in self._in_flight.batch_seqs
+        self.scheduler.finish(seq, reason, free_blocks=not hold and not in_flight)
+        if in_flight and not hold:
+            self._in_flight.free_after.append(seq)
         if hold:
             self._held[seq.request_id] = seq
+        seq.finishing = False
+        if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            del seq.token_ids[_first_placeholder(seq.token_ids):]
         self.sampler.release(seq.request_id)
         if self.speculator is not None:
             self.speculator.release(seq)
 
+    def _free_deferred(self, launched: _LaunchedStep) -> None:
+        for seq in launched.free_after:
+            self.block_manager.free(seq)
+        launched.free_after.clear()
+
     # Offline batch API ---------------------------------------------------
 
     def generate_stream(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
-                        ) -> Iterator[TokenDelta]:
-        """Run `prompts` to completion, yielding deltas as they come.
+                        ) -> Iterator[TextDelta]:
+        """Run `prompts` to completion, yielding text deltas as they come.
 
         Every prompt is validated (ValueError) before any is queued. Closing
         the iterator early aborts what is still running.
@@ -399,32 +475,37 @@ class Engine:
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Run `prompts` to completion; one output per prompt, in order."""
-        ids = self._submit(prompts, params)
-        outputs = {rid: RequestOutput(rid, self._requests[rid].seq.prompt_token_ids) for rid in ids}
-        for delta in self._stream(ids):
+        submitted = self._submit(prompts, params)
+        outputs = {rid: RequestOutput(rid, request.prompt_token_ids) for rid, request in submitted}
+        for delta in self._stream(submitted):
             outputs[delta.request_id].add(delta)
-        return [outputs[rid] for rid in ids]
+        return list(outputs.values())
 
-    def _submit(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None) -> list[str]:
+    def _submit(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None
+                ) -> list[tuple[str, ProcessedRequest]]:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        token_lists = [self.tokenize(p) for p in prompts]
-        for ids, p in zip(token_lists, params_list):
-            self._validate(ids, p)
-        return [self.add_request(t, p) for t, p in zip(token_lists, params_list)]
+        requests = [self.processor.process(p, params=sp) for p, sp in zip(prompts, params_list)]
+        return [(self._add(request, None), request) for request in requests]
 
-    def _stream(self, request_ids: list[str]) -> Iterator[TokenDelta]:
-        pending = set(request_ids)
+    def _stream(self, submitted: list[tuple[str, ProcessedRequest]]) -> Iterator[TextDelta]:
+        """Step until every submitted request is done, their token deltas turned into text."""
+        streams = {rid: self.processor.output_stream(request) for rid, request in submitted}
         try:
-            while pending:
+            while streams:
                 for delta in self.step():
-                    if delta.request_id in pending:
-                        yield delta
-                        if delta.finished:
-                            pending.discard(delta.request_id)
+                    stream = streams.get(delta.request_id)
+                    if stream is None:
+                        continue
+                    out = stream.add(delta)
+                    if out.finished:
+                        del streams[delta.request_id]
+                        if not delta.finished:  # a stop string: the engine would go on
+                            self.abort(delta.request_id)
+                    yield out
         finally:
-            for rid in pending:
+            for rid in streams:
                 self.abort(rid)
 
 
@@ -444,9 +525,9 @@ def _merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
     if len(deltas) == 1:
         return deltas[0]
     last = deltas[-1]
-    return TokenDelta(last.request_id, tuple(t for d in deltas for t in d.token_ids), "".join(d.text for d in deltas),
-                      last.finish_reason, tuple(lp for d in deltas for lp in d.logprobs),
-                      last.num_prompt_tokens, last.num_cached_tokens, last.held_block_ids)
+    return TokenDelta(last.request_id, tuple(t for d in deltas for t in d.token_ids), last.finish_reason,
+                      tuple(lp for d in deltas for lp in d.logprobs), last.num_prompt_tokens, last.num_cached_tokens,
+                      last.held_block_ids)
 
 
 def _blocks_that_fit(config: EngineConfig, layout: KVLayout, device: torch.device) -> int:

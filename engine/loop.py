@@ -102,7 +102,7 @@ class EngineLoop:
         ids = [s.request_id for s in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)]
         for rid in ids:
             self.engine.abort(rid)
-        return [TokenDelta(rid, (), "", FinishReason.ABORT) for rid in ids]
+        return [TokenDelta(rid, (), FinishReason.ABORT) for rid in ids]
 
 
 def log_failure(done: Future[object]) -> None:

@@ -1,21 +1,27 @@
-"""What the engine hands back: per-step token deltas and whole-request outputs."""
+"""What the engine hands back: per-step token deltas and whole-request outputs.
+
+Light on purpose (no torch at import): frontends import it, and Ray ships its classes.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.sampler import TokenLogprobs
 from engine.sequence import FinishReason
-from engine.speculator import SpecMetrics
+
+if TYPE_CHECKING:
+    from engine.sampler import TokenLogprobs
+    from engine.speculator import SpecMetrics
 
 
 @dataclass(frozen=True, slots=True)
 class TokenDelta:
-    """New tokens of one request since its last delta."""
+    """New tokens of one request since its last delta (ids only: text is the request
+    processor's, `engine.request_processor.OutputStream`)."""
 
     request_id: str
     token_ids: tuple[int, ...]
-    text: str
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()
     num_prompt_tokens: int = 0
@@ -23,6 +29,26 @@ class TokenDelta:
     # The last delta of a `hold_kv` request: the blocks holding its KV, in position order,
     # so that whoever sends them needs no call into the engine; free with Engine.release.
     held_block_ids: tuple[int, ...] = ()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """A token delta with its text, as the offline API and the frontends stream it.
+
+    A stop string ends it early: `token_ids` up to the one that completed it, `text` up to
+    the stop string, finish_reason STOP.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -41,7 +67,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
 
-    def add(self, delta: TokenDelta) -> None:
+    def add(self, delta: TextDelta) -> None:
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
         self.logprobs.extend(delta.logprobs)

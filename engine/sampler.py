@@ -25,6 +25,41 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+@dataclass(slots=True)
+class PendingSample:
+    """Sampled ids still on their way from the GPU: `token_ids` stays on the device (a next
+    step can read it there), the host copies land in pinned memory behind `ready`."""
+
+    token_ids: torch.Tensor  # [N] int64, on the sampler's device
+    _host_ids: torch.Tensor
+    _logprobs: _PendingLogprobs | None
+    _ready: torch.cuda.Event | None
+
+    def resolve(self) -> SamplerOutput:
+        """Wait for the copies (the step's GPU work before them) and read them."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        ids = self._host_ids.tolist()
+        lp = self._logprobs.resolve(ids) if self._logprobs is not None else [None] * len(ids)
+        return SamplerOutput(ids, lp)
+
+
+@dataclass(slots=True)
+class _PendingLogprobs:
+    rows: list[int]  # batch rows that asked for logprobs
+    num_top: list[int]  # how many alternatives each of them wants
+    chosen: torch.Tensor  # [len(rows)] float32: logprob of the sampled token
+    top_ids: torch.Tensor  # [len(rows), max num_top]
+    top_vals: torch.Tensor
+
+    def resolve(self, token_ids: list[int]) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(token_ids)
+        chosen, top_ids, top_vals = self.chosen.tolist(), self.top_ids.tolist(), self.top_vals.tolist()
+        for j, (i, n) in enumerate(zip(self.rows, self.num_top)):
+            out[i] = TokenLogprobs(token_ids[i], chosen[j], tuple(top_ids[j][:n]), tuple(top_vals[j][:n]))
+        return out
+
+
 class Sampler:
     """Samples one token per row. Each seeded request owns a generator, so its
     draws do not depend on which other requests share the batch."""
@@ -39,6 +74,11 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> SamplerOutput:
         """logits: [N, vocab] float32, one row per request -> N token ids."""
+        return self.sample_async(logits, request_ids, params).resolve()
+
+    def sample_async(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+                     ) -> PendingSample:
+        """`sample` without waiting for the GPU: everything is queued on the current stream."""
         greedy_ids = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
             token_ids = greedy_ids
@@ -47,10 +87,17 @@ class Sampler:
             noise = self._exponential_noise(probs.shape, request_ids, params)
             # argmax(p / E) with E ~ Exp(1) is a draw from p (the exponential race).
             sampled = (probs / noise).argmax(dim=-1)
-            is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+            is_greedy = _on_device([p.greedy for p in params], torch.bool, logits.device)
             token_ids = torch.where(is_greedy, greedy_ids, sampled)
-        ids = token_ids.tolist()
-        return SamplerOutput(ids, _logprobs(logits, ids, params))
+        pending_lp = _logprobs_async(logits, token_ids, params)
+        on_gpu = logits.device.type == "cuda"
+        host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=on_gpu)
+        host_ids.copy_(token_ids, non_blocking=on_gpu)
+        ready = None
+        if on_gpu:
+            ready = torch.cuda.Event()
+            ready.record()
+        return PendingSample(token_ids, host_ids, pending_lp, ready)
 
     def probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """The distribution `sample` draws from, for each row of one request's
@@ -77,7 +124,7 @@ class Sampler:
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         device = logits.device
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        temps = _on_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device)
         logits = logits / temps[:, None]
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             logits = _apply_top_k_top_p_min_p(logits, params)
@@ -94,9 +141,9 @@ class Sampler:
 
 def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
+    top_k = _on_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, device)
+    top_p = _on_device([p.top_p for p in params], torch.float32, device)
+    min_p = _on_device([p.min_p for p in params], torch.float32, device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)[None, :]
     drop = ranks >= top_k[:, None]
@@ -108,20 +155,37 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams])
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without waiting for the GPU (a plain `torch.tensor(...,
+    device=cuda)` synchronizes the stream: the step's whole forward)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _logprobs(logits: torch.Tensor, token_ids: list[int], params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+    ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+    pending = _logprobs_async(logits, ids, params)
+    return pending.resolve(token_ids) if pending is not None else [None] * len(token_ids)
+
+
+def _logprobs_async(logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
+                    ) -> _PendingLogprobs | None:
+    """Logprobs of the rows that asked for them, computed on the device; read at resolve."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    out: list[TokenLogprobs | None] = [None] * len(params)
     if not rows:
-        return out
-    logp = torch.log_softmax(logits[rows], dim=-1)
-    k = max(params[i].logprobs or 0 for i in rows)
+        return None
+    on_gpu = logits.device.type == "cuda"
+    index = _on_device(rows, torch.int64, logits.device)
+    logp = torch.log_softmax(logits.index_select(0, index), dim=-1)
+    num_top = [params[i].logprobs or 0 for i in rows]
+    k = max(num_top)
     top_vals, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-    for j, i in enumerate(rows):
-        n = params[i].logprobs or 0
-        out[i] = TokenLogprobs(
-            token_id=token_ids[i],
-            logprob=logp[j, token_ids[i]].item(),
-            top_token_ids=tuple(top_ids[j, :n].tolist()),
-            top_logprobs=tuple(top_vals[j, :n].tolist()),
-        )
-    return out
+    chosen = logp.gather(1, token_ids.index_select(0, index)[:, None])[:, 0]
+
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu)
+        return host.copy_(t, non_blocking=on_gpu)
+
+    return _PendingLogprobs(rows, num_top, to_host(chosen), to_host(top_ids), to_host(top_vals))

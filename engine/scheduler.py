@@ -67,6 +67,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.finishing:
+                i += 1
+                continue
             num_new = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
                 if seq.spec_token_ids:  # never preempt anyone to verify guesses: drop them instead

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from engine.block_hash import hash_block_tokens
 from engine.sampling import SamplingParams
 
+# A token sampled by a step whose result has not reached the host yet (overlapped steps):
+# it sits at the end of `token_ids` until the step resolves; the next step reads it on the device.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -22,7 +26,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # cancelled by the caller
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class Sequence:
     """One request as this node sees it.
 
@@ -41,11 +45,17 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Owned by the block manager: block_ids only grow until this is bumped (they were
+    # freed or trimmed), so a mirror of them can be kept up to date by appending.
+    block_table_version: int = 0
+    num_published_blocks: int = 0  # leading blocks whose hashes are in the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     # Draft tokens to verify after the last token this step (speculative decoding);
     # never part of token_ids, so hashes, stop checks and counts ignore them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Its last token is still in flight and it ends after it (length): not scheduled again.
+    finishing: bool = False
     _block_hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -55,6 +65,14 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has: all but trailing placeholders (see PLACEHOLDER_TOKEN_ID)."""
+        n = len(self.token_ids)
+        while n and self.token_ids[n - 1] == PLACEHOLDER_TOKEN_ID:
+            n -= 1
+        return n
 
     @property
     def num_prompt_tokens(self) -> int:

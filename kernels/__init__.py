@@ -1,6 +1,8 @@
 """Triton kernels of pdserve: paged KV cache write, FlashAttention prefill (and a Gluon
-one for Hopper, for prompts without earlier context), paged decode, and the
-block-to-block copy of the KV transport's direct path.
+one for Hopper, for prompts without earlier context), paged decode, the
+block-to-block copy of the KV transport's direct path, and the decoder layer's
+elementwise steps (RMSNorm fused with the residual add, rotary embedding in place,
+SwiGLU's silu-and-mul).
 
 One file per kernel family; each holds private @triton.jit kernels and one public
 launcher that checks shapes, dtypes and strides. Without a GPU, set TRITON_INTERPRET=1
@@ -9,11 +11,15 @@ before importing (tests do) to run them in Triton's interpreter.
 
 from __future__ import annotations
 
+from kernels.activation import silu_and_mul
 from kernels.block_copy import copy_blocks
 from kernels.cache_write import cache_write
 from kernels.flash_prefill import flash_prefill
 from kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
 from kernels.paged_decode import decode_num_splits, decode_workspace, paged_decode, paged_verify, paged_verify_fits
+from kernels.rms_norm import rms_norm
+from kernels.rotary import apply_rotary
 
-__all__ = ["cache_write", "copy_blocks", "decode_num_splits", "decode_workspace", "flash_prefill", "flash_prefill_ws",
-           "flash_prefill_ws_paged", "flash_prefill_ws_supported", "paged_decode", "paged_verify", "paged_verify_fits"]
+__all__ = ["apply_rotary", "cache_write", "copy_blocks", "decode_num_splits", "decode_workspace", "flash_prefill",
+           "flash_prefill_ws", "flash_prefill_ws_paged", "flash_prefill_ws_supported", "paged_decode",
+           "paged_verify", "paged_verify_fits", "rms_norm", "silu_and_mul"]

@@ -28,6 +28,7 @@ from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.speculator import Proposal
+from engine.step_inputs import StepInputBuilder
 from engine.weights import load_model, load_tokenizer, resolve_model
 
 
@@ -47,7 +48,10 @@ class ModelDrafter:
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         # The target's sampler: the same filtering (temperature, top-k/p) and the request's own random stream.
         self.sampler: Sampler = target.sampler
-        self.runner = ModelRunner(model, self.pool, backend_for(target.device), target.sampler)
+        sched = target.config.scheduler
+        inputs = StepInputBuilder(bs, -(-target.max_model_len // bs) + 1, sched.max_num_batched_tokens,
+                                  sched.max_num_seqs, target.device, growable=True)
+        self.runner = ModelRunner(model, self.pool, backend_for(target.device), target.sampler, inputs)
         self._shadows: dict[Sequence, Sequence] = {}
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:

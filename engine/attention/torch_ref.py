@@ -1,4 +1,13 @@
-"""Reference attention in plain torch over the paged pool: the CPU path and the kernels' oracle."""
+"""Reference attention in plain torch over the paged pool: the CPU path and the kernels' oracle.
+
+Attention runs on 4-D [batch, heads, tokens, head_dim] tensors: on the CPU only those reach
+torch's fused flash kernel (3-D ones fall back to SDPA's math path, which materializes the
+scores and runs 3-6x slower at 1-4k tokens). A prefill chunk with no earlier context (a
+fresh prompt's first chunk) attends over its own new k, v with `is_causal=True`: no gather,
+no mask, the masked half of the square skipped. A chunk after context (a later chunk, a
+prefix hit, a speculative verification) needs its diagonal bottom-right, where
+`is_causal` puts it top-left: see `_attend_after_context`.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +19,10 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionMetadata
 from engine.kv_pool import KVPool
 
+# torch's CPU flash-attention kernel, which also returns the log-sum-exp of each query's
+# scores (natural log, scaled) and broadcasts grouped KV heads as `enable_gqa` does.
+_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
 
 @dataclass(slots=True)
 class _Plan:
@@ -17,8 +30,9 @@ class _Plan:
 
     decode_slots: torch.Tensor  # [num_decodes, max_len] int64 (padding points at slot 0)
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_len] bool, True = attend
-    prefill_slots: list[torch.Tensor]  # per prefill: [seq_len] int64
-    prefill_masks: list[torch.Tensor]  # per prefill: [q_len, seq_len] bool
+    # Per prefill chunk, the slots [seq_len - q_len] int64 of its earlier context; None
+    # when it has none (the chunk's own k, v are all it attends to).
+    prefill_context_slots: list[torch.Tensor | None]
 
 
 class TorchAttention:
@@ -40,12 +54,38 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
     for i, n in enumerate(lens):
         decode_slots[i, :n] = _slots(meta.decode_block_tables[i], n, block_size)
         decode_mask[i, ..., :n] = True
-    prefill_slots, prefill_masks = [], []
-    for i, (q_len, n) in enumerate(zip(meta.prefill_q_lens_host, meta.prefill_seq_lens_host)):
-        prefill_slots.append(_slots(meta.prefill_block_tables[i], n, block_size))
-        q_pos = torch.arange(n - q_len, n, device=device)
-        prefill_masks.append(torch.arange(n, device=device)[None, :] <= q_pos[:, None])
-    return _Plan(decode_slots, decode_mask, prefill_slots, prefill_masks)
+    context_slots = [_slots(meta.prefill_block_tables[i], n - q_len, block_size) if n > q_len else None
+                     for i, (q_len, n) in enumerate(zip(meta.prefill_q_lens_host, meta.prefill_seq_lens_host))]
+    return _Plan(decode_slots, decode_mask, context_slots)
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[tokens, heads, D] -> a [1, heads, tokens, D] view."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _attend_after_context(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_new: torch.Tensor,
+                          v_new: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a chunk's queries [1, H, q_len, D] over `context` earlier tokens'
+    k_ctx, v_ctx [1, Hkv, context, D], then the chunk's own k_new, v_new [1, Hkv, q_len, D]:
+    query i sees the context and the chunk's keys 0..i. -> [1, H, q_len, D]
+
+    On the CPU, two flash calls: the whole context (no mask) and the chunk over itself
+    (`is_causal`, its square's masked half skipped), each normalized by its own softmax
+    sum; merged by their log-sum-exps into the softmax over both. That is the least work
+    (the kernels split the keys the same way) and builds no mask. Elsewhere (on CUDA,
+    where this is the kernels' float64 oracle) one call with an explicit mask.
+    """
+    if _cpu_flash is not None and q.device.type == "cpu":
+        o_ctx, lse_ctx = _cpu_flash(q, k_ctx, v_ctx, 0.0, False, scale=scale)
+        o_new, lse_new = _cpu_flash(q, k_new, v_new, 0.0, True, scale=scale)
+        lse = torch.logaddexp(lse_ctx, lse_new)  # [1, H, q_len] float32 (float64 for float64)
+        out = o_ctx * (lse_ctx - lse).exp().unsqueeze(-1) + o_new * (lse_new - lse).exp().unsqueeze(-1)
+        return out.to(q.dtype)
+    context, q_len = k_ctx.shape[2], q.shape[2]
+    mask = torch.ones(q_len, context + q_len, dtype=torch.bool, device=q.device).tril(context)
+    return F.scaled_dot_product_attention(q, torch.cat([k_ctx, k_new], 2), torch.cat([v_ctx, v_new], 2),
+                                          attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 class _TorchStep:
@@ -57,8 +97,10 @@ class _TorchStep:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, self.meta.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, self.meta.slot_mapping, v.to(v_flat.dtype))
+        # Attention reads the new k, v as the pool holds them (its dtype may differ from the model's).
+        k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
+        k_flat.index_copy_(0, self.meta.slot_mapping, k)
+        v_flat.index_copy_(0, self.meta.slot_mapping, v)
 
         out = torch.empty_like(q)
         nd = self.meta.num_decodes
@@ -71,12 +113,14 @@ class _TorchStep:
                 scale=self.scale, enable_gqa=True,
             ).squeeze(2)
         start = nd
-        for slots, mask, q_len in zip(self.plan.prefill_slots, self.plan.prefill_masks, self.meta.prefill_q_lens_host):
-            qs = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
-            keys = k_flat[slots].transpose(0, 1)  # [Hkv, seq_len, D]
-            values = v_flat[slots].transpose(0, 1)
-            out[start:start + q_len] = F.scaled_dot_product_attention(
-                qs, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True,
-            ).transpose(0, 1)
-            start += q_len
+        for context_slots, q_len in zip(self.plan.prefill_context_slots, self.meta.prefill_q_lens_host):
+            end = start + q_len
+            qs, ks, vs = _heads_first(q[start:end]), _heads_first(k[start:end]), _heads_first(v[start:end])
+            if context_slots is None:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                o = _attend_after_context(qs, _heads_first(k_flat[context_slots]), _heads_first(v_flat[context_slots]),
+                                          ks, vs, self.scale)
+            out[start:end] = o.squeeze(0).transpose(0, 1)
+            start = end
         return out

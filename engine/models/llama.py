@@ -2,6 +2,12 @@
 
 The model never sees the cache layout: each layer hands q, k, v to the
 step's attention callable, which writes k, v into the pool and attends.
+
+As in vLLM, each layer's residual add is fused into the next norm: a layer takes and
+returns (x, residual), x being the output of its last block not yet added. On CUDA the
+norms (with that add), the rotary embedding and SwiGLU's activation are one Triton
+kernel each, working in place where they can; on the CPU they keep transformers' torch
+arithmetic, which the HF parity tests compare greedy tokens against.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from torch import nn
 
 from engine.models.arch import ModelArch
 from engine.models.rope import RotaryEmbedding
+from kernels.activation import silu_and_mul
+from kernels.rms_norm import rms_norm
 
 
 class AttentionStep(Protocol):
@@ -29,6 +37,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> a new normalized [T, hidden]."""
+        if x.is_cuda:
+            return rms_norm(x, self.weight, self.eps)
+        return self._torch_norm(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x). On CUDA one kernel that overwrites residual
+        with the sum and x with its norm."""
+        if x.is_cuda:
+            return rms_norm(x, self.weight, self.eps, residual), residual
+        residual = residual + x
+        return self._torch_norm(residual), residual
+
+    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
         # Accumulate in fp32 whatever the model dtype, as transformers does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -66,7 +88,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -78,10 +103,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                attn: AttentionStep) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rotary: RotaryEmbedding, attn: AttentionStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp output, residual), the mlp output not yet added to it.
+
+        The first layer gets the embedding as x and no residual: the embedding becomes it.
+        """
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, positions, rotary, attn)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -102,10 +136,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, attn)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""

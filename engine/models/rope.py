@@ -7,6 +7,7 @@ import math
 import torch
 
 from engine.models.arch import RopeConfig
+from kernels.rotary import apply_rotary
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -46,7 +47,15 @@ class RotaryEmbedding:
         self.sin = emb.sin()
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k (same dtypes)."""
+        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k (same dtypes).
+
+        On CUDA one Triton kernel rotates q and k in place (in fp32, rounded once) and
+        returns them; elsewhere new tensors, in transformers' own arithmetic (the CPU
+        parity tests compare against it).
+        """
+        if q.is_cuda:
+            apply_rotary(q, k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -128,8 +128,8 @@ def test_a_request_whose_kv_is_still_copying_waits_outside_the_batch(engine, mak
     first = _prefilled(engine, make_engine, PROMPT, "copying", params)
     copy = _CopyInFlight()
     engine.admit_prefilled("copying", first, copy)
-    for _ in range(3):
-        assert {d.request_id for d in engine.step()} == {other}  # the other one runs, unhindered
+    ran = [d.request_id for _ in range(4) for d in engine.step()]
+    assert set(ran) == {other} and len(ran) >= 3  # the other one runs, unhindered (one step late when overlapped)
     assert engine.load().num_receiving == 1 and copy.waited == 0
     copy.done = True
     got = [first]
@@ -145,7 +145,8 @@ def test_with_nothing_else_to_run_the_engine_waits_for_the_copy(engine, make_eng
     copy = _CopyInFlight()
     engine.admit_prefilled("alone", first, copy)
     assert engine.has_unfinished
-    assert [d.request_id for d in engine.step()] == ["alone"] and copy.waited == 1
+    ran = [d.request_id for _ in range(2) for d in engine.step()]  # overlapped: the tokens come one call late
+    assert ran[0] == "alone" and copy.waited == 1
     while engine.has_unfinished:
         engine.step()
     assert all_blocks_free(engine)

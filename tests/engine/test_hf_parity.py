@@ -76,3 +76,13 @@ def test_shared_prefixes_hit_cache_and_match_hf(make_engine, tokenizer, hf_model
     assert hits >= 3 * (200 // 16) * 16, f"expected the 200-token prefix to be reused 3 times, hit {hits} tokens"
     for i, (g, (want, logits)) in enumerate(zip(got, reference)):
         assert_matches_reference(g, want, logits, f"shared-prefix prompt {i}")
+
+
+def test_a_prompt_chunked_over_steps_that_sample_nothing_matches_hf(make_engine, prompts, reference):
+    """Every step but the last computes a part of the prompt alone (nothing to sample): its KV must
+    be written all the same."""
+    engine = make_engine(max_num_batched_tokens=64)
+    i = PROMPT_LENGTHS.index(455)
+    got = engine.generate([prompts[i]], GREEDY)[0].token_ids
+    want, logits = reference[i]
+    assert_matches_reference(got, want, logits, "a 455-token prompt in chunks of 64")

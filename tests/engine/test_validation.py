@@ -72,6 +72,8 @@ def test_bad_requests_are_refused_while_others_keep_running(engine):
         engine.add_request("hi", SamplingParams(stop_token_ids=(10**9,)))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([5, -1], SamplingParams())
+    with pytest.raises(ValueError, match="stop strings are checked on text"):
+        engine.add_request("hi", SamplingParams(stop=("x",)))  # the engine makes no text: generate() does
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("hi", SamplingParams(), request_id=good)
     with pytest.raises(ValueError, match="prompt is empty"):

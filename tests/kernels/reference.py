@@ -100,3 +100,46 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def tolerance(dtype: torch.dtype) -> float:
     """Relative-error bound per dtype (fp32 arithmetic lands far below its bound)."""
     return {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}[dtype]
+
+
+def rounding_tolerance(dtype: torch.dtype, roundings: int = 1) -> dict[str, float]:
+    """`torch.testing.assert_close` bounds for a result `roundings` roundings to `dtype` away
+    from the reference (a few ulps for fp32, whose arithmetic order differs)."""
+    if dtype == torch.float32:
+        return {"rtol": 1e-5, "atol": 1e-5}
+    return {"rtol": roundings * torch.finfo(dtype).eps, "atol": 1e-5}
+
+
+def ref_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * normalize(s), s) with s = x (+ residual), in x's dtype: the torch model's
+    math (fp32 normalisation rounded to the dtype, then the weight)."""
+    s = x if residual is None else x + residual
+    sf = s.float()
+    sf = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * sf.to(s.dtype), s
+
+
+def ref_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in float64; gate_up: [num_tokens, 2 * inter]."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_positions, head_dim] float32, both halves equal (as engine/models/rope.py)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def ref_rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in float64; x: [num_tokens, num_heads, head_dim]."""
+    x = x.double()
+    cos = cos[positions.long()].double().unsqueeze(1)
+    sin = sin[positions.long()].double().unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

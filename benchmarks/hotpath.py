@@ -1,0 +1,243 @@
+"""The engine's hot path on one GPU: this tree against a baseline tree, same run, same device.
+
+    python -m benchmarks.hotpath [--baseline PATH] [--model dummy:llama-3.1-8b] [--offline-requests 512] [--json PATH]
+
+Each tree is measured in a subprocess of its own (its `engine` package on PYTHONPATH),
+so `--baseline` can name any checkout, e.g. `git worktree add /tmp/base main`; this
+script relies only on the public Engine API (plus the graph of the decode bucket, to time
+its replay alone). Figures, random token ids throughout:
+- decode: one stream, 1k-token prompt, greedy, 512 tokens; tokens/s after the first token.
+- prefill: one fresh 4k-token prompt alone, time to its first token (best and median of 3).
+- step: 256 sequences at ~1.5k context, all decoding: a step's wall time back to back
+  (engine.step()), one call from an idle GPU (overlapped: the host's own work), and the
+  decode graph's replay alone on the GPU's clock.
+- mixed: the same 256 decodes plus a fresh 512-token prompt in one step, against the
+  decode step plus that chunk alone.
+- offline: N requests of 1k random ids, 1k output tokens each (ignore_eos, temperature 1),
+  `Engine.generate`: output tokens/s.
+Limits printed beside them: the weight-read bound for decode (bytes / 4.3 TB/s), the
+compute bound for prefill (~700 TFLOP/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+COPY_BW = 4.3e12  # bytes/s, measured device copy on the H200 (read + write)
+PEAK_FLOPS = 700e12  # bf16 dense matmul, attainable
+
+
+def _prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
+    return [rng.randrange(10, vocab - 10) for _ in range(n)]
+
+
+def _sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def measure(model: str, offline_requests: int, profile: bool = False) -> dict[str, float]:
+    """Every figure for the `engine` package on sys.path (runs in the worker process)."""
+
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    engine = Engine(EngineConfig(model=ModelConfig(source=model, device="cuda"),
+                                 cache=CacheConfig(enable_prefix_caching=False),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=512)))
+    arch = engine.arch
+    vocab = arch.vocab_size
+    rng = random.Random(0)
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    out: dict[str, float] = {"weight_bytes": float(weight_bytes), "num_params": float(arch.num_params)}
+
+    def run_alone(prompt: list[int], params: SamplingParams) -> list[float]:
+        """Times (s, from submission) of each delta of one request run alone."""
+        rid = engine.add_request(prompt, params)
+        t0, times = time.perf_counter(), []
+        while engine.has_unfinished:
+            for d in engine.step():
+                if d.request_id == rid:
+                    times.append(time.perf_counter() - t0)
+        return times
+
+    # Warm-up: compile every kernel variant the parts below touch.
+    run_alone(_prompt(rng, vocab, 4096), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    run_alone(_prompt(rng, vocab, 512), SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
+
+    times = run_alone(_prompt(rng, vocab, 1024), SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True))
+    out["decode_tok_s"] = (len(times) - 1) / (times[-1] - times[0])
+
+    out.update(_graph_ms(engine, 1, "step_1_graph_ms", profile))
+
+    firsts = [run_alone(_prompt(rng, vocab, 4096), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))[0]
+              for _ in range(3)]
+    out["prefill_4k_ms_min"], out["prefill_4k_ms_med"] = min(firsts) * 1e3, statistics.median(firsts) * 1e3
+    chunk = [run_alone(_prompt(rng, vocab, 512), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))[0]
+             for _ in range(5)]
+    out["chunk_512_ms"] = min(chunk) * 1e3
+
+    # 256 sequences at ~1.5k context, decoding.
+    params = SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True)
+    ids = [engine.add_request(_prompt(rng, vocab, 1536), params) for _ in range(256)]
+    while any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    # One call after the GPU went idle: an overlapped engine returns once the step is queued
+    # (its host work alone), a synchronous one once it has run.
+    calls = []
+    for _ in range(30):
+        _sync()
+        t = time.perf_counter()
+        engine.step()
+        calls.append(time.perf_counter() - t)
+    # Back to back, as a serving loop runs them (the step's sync on its tokens included).
+    t = time.perf_counter()
+    for _ in range(30):
+        engine.step()
+    _sync()
+    out["step_256_wall_ms"] = (time.perf_counter() - t) / 30 * 1e3
+    out["step_256_call_ms"] = statistics.median(calls) * 1e3
+    out.update(_graph_ms(engine, 256, "step_256_graph_ms", profile))
+    mixed = []
+    for _ in range(5):
+        engine.add_request(_prompt(rng, vocab, 512), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        _sync()
+        t = time.perf_counter()
+        engine.step()
+        _sync()
+        mixed.append(time.perf_counter() - t)
+        engine.step()
+    out["mixed_256_512_ms"] = min(mixed) * 1e3
+    for rid in ids:
+        engine.abort(rid)
+
+    # Offline 1k/1k at 256 running (all of it fits the KV pool: no preemption).
+    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_num_seqs=256)
+    prompts = [_prompt(rng, vocab, 1024) for _ in range(offline_requests)]
+    _sync()
+    t = time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=1024, ignore_eos=True))
+    _sync()
+    wall = time.perf_counter() - t
+    out["offline_tok_s"] = sum(len(o.token_ids) for o in outs) / wall
+    out["offline_s"] = wall
+    out["num_preemptions"] = float(engine.scheduler.num_preemptions)
+    return out
+
+
+def _graph_ms(engine, bucket: int, key: str, profile: bool) -> dict[str, float]:
+    """The decode graph of `bucket` replayed alone (on the inputs of the last step), on the
+    GPU's clock; with `profile`, its kernels by total time too."""
+    import torch
+
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return {}
+    if hasattr(graphs, "tiers"):  # graphs per context tier: the one the last step used
+        blocks = max((len(seq.block_ids) for seq in engine.scheduler.running), default=1024 // 16 + 1)
+        graph = graphs._graphs[bucket, next(w for w in graphs.tiers[bucket] if w >= blocks)].graph
+    else:
+        graph = graphs._graphs[bucket].graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(30):
+        graph.replay()
+    end.record()
+    _sync()
+    if profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                graph.replay()
+            _sync()
+        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        events.sort(key=lambda e: -e.device_time_total)
+        print(f"--- bucket {bucket}: kernels of one replay (us, count) ---")
+        for e in events[:14]:
+            print(f"{e.device_time_total / 10:9.1f} {e.count // 10:5d}  {e.key[:100]}")
+        print(f"{sum(e.device_time_total for e in events) / 10:9.1f} {sum(e.count for e in events) // 10:5d}  total")
+    return {key: start.elapsed_time(end) / 30}
+
+
+def _run_tree(tree: Path, args: argparse.Namespace) -> dict[str, float]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        env = dict(os.environ, PYTHONPATH=str(tree), PYTHONUNBUFFERED="1")
+        argv = [__file__, "--worker", f.name, "--model", args.model, "--offline-requests", str(args.offline_requests)]
+        argv += ["--profile"] if args.profile else []
+        # Run by path without its folder on sys.path (benchmarks/kernels.py would shadow `kernels`).
+        code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
+        subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True)
+        return json.loads(Path(f.name).read_text())
+
+
+ROWS = [  # key, label, better
+    ("decode_tok_s", "single-stream decode, tok/s", "higher"),
+    ("prefill_4k_ms_min", "one 4k prompt, first token, ms (best of 3)", "lower"),
+    ("prefill_4k_ms_med", "one 4k prompt, first token, ms (median)", "lower"),
+    ("step_1_graph_ms", "decode step 1 x 1k: graph replay (GPU), ms", "lower"),
+    ("step_256_graph_ms", "decode step 256 x 1.5k: graph replay (GPU), ms", "lower"),
+    ("step_256_wall_ms", "decode step 256 x 1.5k: wall, back to back, ms", "lower"),
+    ("step_256_call_ms", "decode step 256 x 1.5k: one step() from idle, ms", "lower"),
+    ("mixed_256_512_ms", "256 decodes + 512-token chunk, one step, ms", "lower"),
+    ("chunk_512_ms", "512-token chunk alone, first token, ms", "lower"),
+    ("offline_tok_s", "offline 1k/1k, output tok/s", "higher"),
+]
+
+
+def _limits(r: dict[str, float]) -> dict[str, str]:
+    w = r["weight_bytes"]
+    return {
+        "decode_tok_s": f"{COPY_BW / w:.0f}",
+        "prefill_4k_ms_min": f"{2 * r['num_params'] * 4096 / PEAK_FLOPS * 1e3:.0f} (GEMMs only)",
+        "mixed_256_512_ms": f"{r.get('step_256_wall_ms', 0) + r.get('chunk_512_ms', 0):.1f} (step + chunk)",
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", type=Path, help="another checkout to measure in the same run")
+    parser.add_argument("--model", default="dummy:llama-3.1-8b")
+    parser.add_argument("--offline-requests", type=int, default=512)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", action="store_true", help="print the decode graphs' kernels (torch.profiler)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        Path(args.worker).write_text(json.dumps(measure(args.model, args.offline_requests, args.profile)))
+        return
+    here = Path(__file__).resolve().parents[1]
+    trees = ([("baseline", args.baseline.resolve())] if args.baseline else []) + [("this tree", here)]
+    results = {name: _run_tree(tree, args) for name, tree in trees}
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    names = list(results)
+    limits = _limits(results[names[-1]])
+    print(f"\n{args.model}, one GPU; limits from weights {results[names[-1]]['weight_bytes'] / 1e9:.1f} GB")
+    print("| figure | " + " | ".join(names) + (" | change" if len(names) == 2 else "") + " | limit |")
+    print("|---|" + "---:|" * (len(names) + (1 if len(names) == 2 else 0)) + "---:|")
+    for key, label, _ in ROWS:
+        vals = [results[n].get(key) for n in names]
+        cells = [f"{v:,.1f}" if v is not None else "-" for v in vals]
+        change = ""
+        if len(names) == 2:
+            change = f" | {vals[1] / vals[0]:.2f}x" if vals[0] and vals[1] else " | -"
+        print(f"| {label} | " + " | ".join(cells) + change + f" | {limits.get(key, '')} |")
+    for n in names:
+        print(f"{n}: offline {results[n]['offline_s']:.1f} s, {results[n]['num_preemptions']:.0f} preemptions")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The request processor: the one place where text becomes token ids and token ids text.
+
+Every way in (the offline `Engine` API, the gRPC frontend) validates, applies the chat
+template and tokenizes a request here, and turns its token deltas into text through an
+`OutputStream`. The engine core gets token ids and sampling params without stop strings,
+and hands back token ids only; workers never detokenize.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import TextDelta, TokenDelta
+from engine.sampling import SamplingParams
+from engine.sequence import FinishReason
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedRequest:
+    """A valid, tokenized request: what the engine runs, and the stop strings it never sees."""
+
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams  # for the engine: stop strings removed
+    stop: tuple[str, ...] = ()  # for the OutputStream
+
+
+class RequestProcessor:
+    """Validation, chat template and tokenization in; incremental text and stop strings out.
+
+    tokenizer: a transformers tokenizer, or None (dummy weights: token ids in and out, no text).
+    max_model_len: the context; a prompt must leave room in it for one new token.
+    Every bad request raises ValueError with a message that names what is wrong.
+    """
+
+    def __init__(self, tokenizer: Any | None, model_name: str, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def process(self, prompt: str | Sequence[int] | None = None, messages: list[dict[str, str]] | None = None,
+                params: SamplingParams | None = None, *, token_ids_field: str = "prompt") -> ProcessedRequest:
+        """Validate and tokenize one request: a `prompt` (text or token ids) or chat `messages`.
+
+        token_ids_field: what errors call a prompt given as token ids (gRPC: prompt_token_ids).
+        """
+        params = params or SamplingParams()
+        if (prompt is None) == (messages is None):
+            raise ValueError("give one of prompt or messages")
+        if messages is not None:
+            field, token_ids = "messages", self.apply_chat_template(messages)
+        elif isinstance(prompt, str):
+            field, token_ids = "prompt", self.encode(prompt)
+        else:
+            field, token_ids = token_ids_field, list(prompt)
+        if not token_ids:
+            raise ValueError(f"{field} is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"{field} has {len(token_ids)} tokens; the context is {self.max_model_len} tokens "
+                             f"(prompt plus at least one new token)")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{field} has token ids {bad[:4]} outside the vocabulary [0, {self.vocab_size})")
+        self.check_params(params)
+        return ProcessedRequest(tuple(token_ids), dataclasses.replace(params, stop=()), params.stop)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: stop token ids and stop strings for this model."""
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: unknown stop token ids {bad} (vocabulary size {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer; model {self.model_name!r} has none")
+
+    def encode(self, prompt: str) -> list[int]:
+        tokenizer = self._tokenizer()
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return tokenizer.encode(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """The token ids of `messages` in the model's chat template, ready for the assistant's turn."""
+        if not messages:
+            raise ValueError("messages is empty")
+        roles = {m.get("role", "") for m in messages} - set(CHAT_ROLES)
+        if roles:
+            raise ValueError(f"messages has unknown roles {sorted(roles)}; use system, user or assistant")
+        tokenizer = self._tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.model_name!r} has no chat template")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def output_stream(self, request: ProcessedRequest) -> OutputStream:
+        return OutputStream(self.tokenizer, request.prompt_token_ids, request.stop)
+
+    def _tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.model_name!r} has no tokenizer: send token ids")
+        return self.tokenizer
+
+
+class OutputStream:
+    """One request's text as its token deltas arrive: incremental detokenization, stop strings.
+
+    Text that could still begin a stop string is held back until it cannot (or the request
+    ends). A delta that completes a stop string comes back cut (see `TextDelta`) with
+    finish_reason STOP while the engine still runs the request: the caller aborts it.
+    """
+
+    def __init__(self, tokenizer: Any | None, prompt_token_ids: Sequence[int], stop: tuple[str, ...]) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, stop) if tokenizer is not None else None
+
+    def add(self, delta: TokenDelta) -> TextDelta:
+        token_ids, reason = delta.token_ids, delta.finish_reason
+        text = ""
+        if self._detokenizer is not None:
+            for i, token_id in enumerate(token_ids):
+                if self._detokenizer.add(token_id):
+                    token_ids, reason = token_ids[:i + 1], FinishReason.STOP
+                    break
+            text = self._detokenizer.take_delta(reason is not None)
+        return TextDelta(delta.request_id, token_ids, text, reason, delta.logprobs[:len(token_ids)],
+                         delta.num_cached_tokens)

@@ -1,0 +1,292 @@
+"""One builder of step inputs: a scheduled batch -> the tensors the model and the
+attention backend read, for eager steps and CUDA-graph replays alike.
+
+The tensors are views of persistent buffers, so a graph captured over them replays any
+later batch of its size. On CUDA a step costs two host-to-device copies (every int64
+input in one, every int32 one in the other) from pinned staging, plus, for a graph, one
+device copy of the block table into the graph's fixed-stride table. Each sequence's block
+table is mirrored on the host and only blocks added since its last step are written: a
+sequence's `block_ids` only grow between bumps of `Sequence.block_table_version` (the
+block manager bumps it when it frees or trims them), so a 256 x 1.5k decode step writes
+~16 block ids, not 24,000.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's inputs: decodes (one token after context) first, then prefill chunks."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64 (graph steps: padded to the bucket)
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_logits] int64: rows of the hidden states to compute logits for
+    # (seq, first logits row, rows): after its last token, then after each proposed token.
+    spans: list[tuple[Sequence, int, int]]
+
+
+@dataclass(slots=True)
+class InFlightTokens:
+    """Tokens sampled by a step that may still be running: a sequence whose last token is
+    one of them (still `PLACEHOLDER_TOKEN_ID` on the host) reads it on the device."""
+
+    token_ids: torch.Tensor  # [N] int64, on the device
+    rows: dict[Sequence, int]  # each sequence's row of token_ids
+
+
+@dataclass(slots=True)
+class _Gathered:
+    """What the per-sequence pass of `StepInputBuilder.build` collects."""
+
+    rows: np.ndarray  # [n] each sequence's block-table row
+    starts: np.ndarray  # [n] its first new token's position
+    counts: np.ndarray  # [n] its new tokens
+    ids: list[int] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)
+    spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    carried_to: list[int] = field(default_factory=list)  # token indices whose id is in flight
+    carried_from: list[int] = field(default_factory=list)  # ... and its row of InFlightTokens.token_ids
+    num_decodes: int = 0
+    width: int = 1  # blocks of the longest block table
+
+
+class StepInputBuilder:
+    """Builds `StepInputs` into fixed buffers sized for `max_num_tokens` tokens of at most
+    `max_num_seqs` sequences (a larger batch raises: the scheduler's budget bounds it),
+    each of at most `max_blocks_per_seq` blocks."""
+
+    def __init__(self, block_size: int, max_blocks_per_seq: int, max_num_tokens: int, max_num_seqs: int,
+                 device: torch.device, growable: bool = False) -> None:
+        """growable: a larger batch reallocates the buffers instead of raising (for a runner
+        without graphs whose batches the scheduler does not bound, such as a draft model's)."""
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_seq
+        self.device = device
+        self.growable = growable
+        self._rows = _BlockTableRows(max_blocks_per_seq)
+        self._allocate(max_num_tokens, max_num_seqs)
+
+    def _allocate(self, max_num_tokens: int, max_num_seqs: int) -> None:
+        self.max_tokens, self.max_seqs = max_num_tokens, max_num_seqs
+        on_gpu = self.device.type == "cuda"
+        # int64: input ids | positions | slots | logits indices, each max_num_tokens long |
+        # in-flight tokens' destinations and sources (max_seqs each).
+        # int32: seq lens (max_seqs) | cu_seqlens of the prefills (max_seqs + 1) | block table
+        # [n, width] packed (max_seqs * max_blocks).
+        n64, n32 = 4 * max_num_tokens + 2 * max_num_seqs, 2 * max_num_seqs + 1 + max_num_seqs * self.max_blocks
+        # Two staging sets, alternated, so that a step's host writes never race the copies
+        # of the step before, which may still be in flight.
+        self._staging = [(torch.zeros(n64, dtype=torch.int64, pin_memory=on_gpu),
+                          torch.zeros(n32, dtype=torch.int32, pin_memory=on_gpu)) for _ in range(2 if on_gpu else 1)]
+        self._copied: list[torch.cuda.Event | None] = [None] * len(self._staging)
+        self._turn = 0
+        if on_gpu:
+            self._dev64 = torch.zeros(n64, dtype=torch.int64, device=self.device)
+            self._dev32 = torch.zeros(n32, dtype=torch.int32, device=self.device)
+        else:  # the CPU reads the staging directly
+            self._dev64, self._dev32 = self._staging[0]
+        # The fixed-stride table CUDA graphs read: [max_seqs, max_blocks].
+        self.graph_block_tables = torch.zeros(max_num_seqs, self.max_blocks, dtype=torch.int32, device=self.device)
+
+    # Graphs -------------------------------------------------------------
+
+    def graph_inputs(self, bucket: int, width: int) -> StepInputs:
+        """The views a CUDA graph of `bucket` decodes is captured over, its block table
+        `width` blocks wide (of the fixed table's `max_blocks`); `build(..., pad_to=bucket)`
+        fills them before each replay. Starts as padding (no slot written, nothing attended)."""
+        self._dev64[2 * self.max_tokens:2 * self.max_tokens + bucket].fill_(-1)
+        self._dev32[:bucket].zero_()
+        return self._graph_views(bucket, width, [])
+
+    # Building -----------------------------------------------------------
+
+    def build(self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: int | None = None,
+              in_flight: InFlightTokens | None = None) -> StepInputs:
+        """Inputs for `seqs[i]` advancing by `num_new_tokens[i]` (decodes first; a sequence's
+        tokens past `num_tokens` are its proposals, `spec_token_ids`).
+
+        in_flight: where the last tokens still unknown on the host are (see InFlightTokens).
+        pad_to: a decode-only batch replayed by the graph of this bucket: inputs go into the
+            views of `graph_inputs(pad_to)`, padded rows write and attend to nothing.
+        """
+        n, num_tokens = len(seqs), sum(num_new_tokens)
+        if (num_tokens > self.max_tokens or n > self.max_seqs) and self.growable:
+            self._allocate(max(num_tokens, 2 * self.max_tokens), max(n, 2 * self.max_seqs))
+        if num_tokens > self.max_tokens or n > self.max_seqs:
+            raise ValueError(f"a step of {num_tokens} tokens over {n} sequences exceeds the input buffers "
+                             f"({self.max_tokens} tokens, {self.max_seqs} sequences)")
+        g = self._gather(seqs, num_new_tokens, in_flight)
+        bs, t, s = self.block_size, self.max_tokens, self.max_seqs
+        seq_lens = g.starts + g.counts
+        # Token j of sequence i sits at position starts[i] + j.
+        token_seq = np.repeat(np.arange(n), g.counts)
+        first_token = np.cumsum(g.counts) - g.counts
+        positions = g.starts[token_seq] + (np.arange(num_tokens) - first_token[token_seq])
+        slots = self._rows.table[g.rows[token_seq], positions // bs].astype(np.int64) * bs + positions % bs
+        prefill_q_lens = g.counts[g.num_decodes:]
+        width = g.width
+
+        # Stage: int64 [ids | positions | slots | logits rows | carried to | carried from],
+        # int32 [seq lens | prefill cu_seqlens | block table n x width].
+        host64, host32 = self._next_staging()
+        h64, h32 = host64.numpy(), host32.numpy()
+        padded = num_tokens if pad_to is None else pad_to
+        h64[:num_tokens] = g.ids
+        h64[t:t + num_tokens] = positions
+        h64[2 * t:2 * t + num_tokens] = slots
+        h64[num_tokens:padded] = 0
+        h64[t + num_tokens:t + padded] = 0
+        h64[2 * t + num_tokens:2 * t + padded] = -1
+        num_logits = len(g.logits_rows) if pad_to is None else pad_to  # a graph computes every row's logits
+        h64[3 * t:3 * t + len(g.logits_rows)] = g.logits_rows
+        num_carried, carry_at = len(g.carried_to), 4 * t
+        h64[carry_at:carry_at + num_carried] = g.carried_to
+        h64[carry_at + s:carry_at + s + num_carried] = g.carried_from
+        h32[:n] = seq_lens
+        h32[n:padded] = 0
+        h32[s] = 0
+        h32[s + 1:s + 1 + n - g.num_decodes] = np.cumsum(prefill_q_lens)
+        table_at = 2 * s + 1
+        h32[table_at:table_at + n * width].reshape(n, width)[:] = self._rows.table[g.rows, :width]
+        self._upload(host64, host32, carry_at + s + num_carried if num_carried else 3 * t + num_logits,
+                     table_at + n * width)
+
+        d64, d32 = self._dev64, self._dev32
+        if num_carried:
+            assert in_flight is not None
+            d64[:padded].index_copy_(0, d64[carry_at:carry_at + num_carried],
+                                     in_flight.token_ids.index_select(0, d64[carry_at + s:carry_at + s + num_carried]))
+        tables = d32[table_at:table_at + n * width].view(n, width)
+        if pad_to is not None:
+            self.graph_block_tables[:n, :width].copy_(tables)
+            return self._graph_views(pad_to, width, g.spans)
+        nd = g.num_decodes
+        return StepInputs(
+            input_ids=d64[:num_tokens],
+            positions=d64[t:t + num_tokens],
+            meta=AttentionMetadata(
+                slot_mapping=d64[2 * t:2 * t + num_tokens],
+                num_decodes=nd,
+                decode_block_tables=tables[:nd],
+                decode_seq_lens=d32[:nd],
+                prefill_cu_seqlens_q=d32[s:s + n - nd + 1],
+                prefill_seq_lens=d32[nd:n],
+                prefill_block_tables=tables[nd:],
+                prefill_max_seqlen_q=int(prefill_q_lens.max(initial=0)),
+                decode_seq_lens_host=seq_lens[:nd].tolist(),
+                prefill_q_lens_host=prefill_q_lens.tolist(),
+                prefill_seq_lens_host=seq_lens[nd:].tolist(),
+            ),
+            logits_indices=d64[3 * t:3 * t + num_logits],
+            spans=g.spans,
+        )
+
+    def _gather(self, seqs: list[Sequence], num_new_tokens: list[int], in_flight: InFlightTokens | None) -> _Gathered:
+        """The per-sequence pass: block-table rows brought up to date, token ids, logits rows."""
+        g = _Gathered(rows=np.empty(len(seqs), dtype=np.int64), starts=np.empty(len(seqs), dtype=np.int64),
+                      counts=np.asarray(num_new_tokens, dtype=np.int64))
+        ids, logits_rows = g.ids, g.logits_rows
+        for i, (seq, k) in enumerate(zip(seqs, num_new_tokens)):
+            g.rows[i] = self._rows.update(seq)
+            start = seq.num_computed_tokens
+            g.starts[i] = start
+            end = start + k
+            last = len(seq.token_ids)
+            if seq.token_ids[last - 1] == PLACEHOLDER_TOKEN_ID:
+                assert in_flight is not None and start == last - 1, "an unknown token can only be a decode's input"
+                g.carried_to.append(len(ids))
+                g.carried_from.append(in_flight.rows[seq])
+            ids.extend(seq.token_ids[start:end])
+            if end >= last:  # reaches the end: logits after the last token and each proposal kept
+                num_proposed = end - last
+                ids.extend(seq.spec_token_ids[:num_proposed])
+                g.spans.append((seq, len(logits_rows), 1 + num_proposed))
+                logits_rows.extend(range(len(ids) - 1 - num_proposed, len(ids)))
+            if k == 1 and start > 0:
+                g.num_decodes += 1
+            g.width = max(g.width, len(seq.block_ids))
+        return g
+
+    def _graph_views(self, bucket: int, width: int, spans: list[tuple[Sequence, int, int]]) -> StepInputs:
+        t, s = self.max_tokens, self.max_seqs
+        d64, d32 = self._dev64, self._dev32
+        empty = d32[:0]
+        meta = AttentionMetadata(
+            slot_mapping=d64[2 * t:2 * t + bucket],
+            num_decodes=bucket,
+            decode_block_tables=self.graph_block_tables[:bucket, :width],
+            decode_seq_lens=d32[:bucket],
+            prefill_cu_seqlens_q=d32[s:s + 1],
+            prefill_seq_lens=empty,
+            prefill_block_tables=self.graph_block_tables[:0],
+            prefill_max_seqlen_q=0,
+            decode_seq_lens_host=[],
+            prefill_q_lens_host=[],
+            prefill_seq_lens_host=[],
+        )
+        return StepInputs(d64[:bucket], d64[t:t + bucket], meta, d64[3 * t:3 * t + bucket], spans)
+
+    def _next_staging(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._turn = (self._turn + 1) % len(self._staging)
+        done = self._copied[self._turn]
+        if done is not None:
+            done.synchronize()  # normally long complete: the copy was queued two steps ago
+        return self._staging[self._turn]
+
+    def _upload(self, host64: torch.Tensor, host32: torch.Tensor, used64: int, used32: int) -> None:
+        if self.device.type != "cuda":
+            return
+        self._dev64[:used64].copy_(host64[:used64], non_blocking=True)
+        self._dev32[:used32].copy_(host32[:used32], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[self._turn] = event
+
+
+class _BlockTableRows:
+    """Each live sequence's block ids mirrored in a row of a host table, written
+    incrementally. A row is recycled when its sequence is garbage collected."""
+
+    def __init__(self, max_blocks: int) -> None:
+        self.table = np.zeros((64, max_blocks), dtype=np.int32)
+        self._row_of: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
+        self._written = np.zeros(64, dtype=np.int64)
+        self._version = np.zeros(64, dtype=np.int64)
+        self._free = list(range(63, -1, -1))
+
+    def update(self, seq: Sequence) -> int:
+        """`seq`'s row, brought up to date with `seq.block_ids`."""
+        row = self._row_of.get(seq)
+        if row is None:
+            row = self._new_row()
+            self._row_of[seq] = row
+            weakref.finalize(seq, self._free.append, row)
+            self._written[row] = 0
+            self._version[row] = seq.block_table_version
+        elif self._version[row] != seq.block_table_version:
+            self._written[row] = 0
+            self._version[row] = seq.block_table_version
+        written, blocks = int(self._written[row]), seq.block_ids
+        if len(blocks) > written:
+            self.table[row, written:len(blocks)] = blocks[written:]
+            self._written[row] = len(blocks)
+        return row
+
+    def _new_row(self) -> int:
+        if not self._free:
+            old = len(self._written)
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self._written = np.concatenate([self._written, np.zeros(old, dtype=np.int64)])
+            self._version = np.concatenate([self._version, np.zeros(old, dtype=np.int64)])
+            self._free.extend(range(2 * old - 1, old - 1, -1))
+        return self._free.pop()
