@@ -1,6 +1,6 @@
 """The chart renders, lints, and every manifest validates against its schema:
 Kubernetes core kinds against kubernetes-validate's bundled schemas (offline),
-KubeRay kinds against the CRDs in ../shared/k8s-schemas/; bad values are
+KubeRay kinds against KubeRay's CRDs vendored in deploy/kuberay-crds/; bad values are
 refused by values.schema.json with a message naming the value."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import yaml
 from tests.deploy.conftest import CHART, GPU_VALUES, ROOT, Render, one, run_helm, template_args
 
 K8S_VERSION = "1.30"  # the kubectl the helm package ships beside it; gRPC probes are GA since 1.27
-CRD_DIR = ROOT.parent / "shared" / "k8s-schemas"
+CRD_DIR = ROOT / "deploy" / "kuberay-crds"
 VALUES = {"default": (), "gpu-2node": (GPU_VALUES,)}
 
 
