@@ -10,8 +10,10 @@ both. For each prompt length:
   prompt is two steps, the second attending over 4k of context);
 - hf: `model(input_ids)`, one transformers forward under torch.inference_mode
   (SDPA attention, logits for every position), on a fresh prompt each run.
-Each is run once untimed first (warm-up), then --runs times. Prints one table:
-min and median seconds of each, and the ratio of the medians (engine / hf).
+Each is run once untimed first (warm-up), then --runs times, the two taking turns
+(engine, hf, engine, hf, ...) so that a machine whose speed drifts (other work on
+its cores) slows both alike. Prints one table: min and median seconds of each, and
+the ratio of the medians (engine / hf).
 """
 
 from __future__ import annotations
@@ -74,12 +76,15 @@ def main() -> None:
 
     rows = []
     for length in args.lengths:
-        time_engine(engine, fresh_prompt(rng, vocab, length))
-        eng = [time_engine(engine, fresh_prompt(rng, vocab, length)) for _ in range(args.runs)]
-        ref = []
-        if hf is not None:
-            time_hf(hf, fresh_prompt(rng, vocab, length))
-            ref = [time_hf(hf, fresh_prompt(rng, vocab, length)) for _ in range(args.runs)]
+        eng: list[float] = []
+        ref: list[float] = []
+        for run in range(1 + args.runs):  # run 0 is the warm-up
+            e = time_engine(engine, fresh_prompt(rng, vocab, length))
+            h = time_hf(hf, fresh_prompt(rng, vocab, length)) if hf is not None else None
+            if run:
+                eng.append(e)
+                if h is not None:
+                    ref.append(h)
         rows.append((length, eng, ref))
 
     print(f"CPU prefill, {engine.model_name} fp32, torch {torch.__version__}, {torch.get_num_threads()} threads, "

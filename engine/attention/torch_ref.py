@@ -71,17 +71,18 @@ def _attend_after_context(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Ten
     query i sees the context and the chunk's keys 0..i. -> [1, H, q_len, D]
 
     On the CPU, two flash calls: the whole context (no mask) and the chunk over itself
-    (`is_causal`, its square's masked half skipped), each normalized by its own softmax
-    sum; merged by their log-sum-exps into the softmax over both. That is the least work
-    (the kernels split the keys the same way) and builds no mask. Elsewhere (on CUDA,
-    where this is the kernels' float64 oracle) one call with an explicit mask.
+    (`is_causal`, its square's masked half skipped). Each output is normalized by its own
+    softmax sum Z; the softmax over both key sets is their mix weighted by those sums,
+    o_ctx * Z_ctx / (Z_ctx + Z_new) + o_new * Z_new / (Z_ctx + Z_new), i.e. a lerp by
+    sigmoid(lse_ctx - lse_new). That is the least work (the kernels split the keys the same
+    way) and builds no mask. Elsewhere (on CUDA, where this is the kernels' float64
+    oracle) one call with an explicit mask.
     """
     if _cpu_flash is not None and q.device.type == "cpu":
         o_ctx, lse_ctx = _cpu_flash(q, k_ctx, v_ctx, 0.0, False, scale=scale)
         o_new, lse_new = _cpu_flash(q, k_new, v_new, 0.0, True, scale=scale)
-        lse = torch.logaddexp(lse_ctx, lse_new)  # [1, H, q_len] float32 (float64 for float64)
-        out = o_ctx * (lse_ctx - lse).exp().unsqueeze(-1) + o_new * (lse_new - lse).exp().unsqueeze(-1)
-        return out.to(q.dtype)
+        w_ctx = torch.sigmoid(lse_ctx - lse_new).unsqueeze(-1)  # [1, H, q_len, 1] float32 (or float64)
+        return torch.lerp(o_new.to(w_ctx.dtype), o_ctx.to(w_ctx.dtype), w_ctx).to(q.dtype)
     context, q_len = k_ctx.shape[2], q.shape[2]
     mask = torch.ones(q_len, context + q_len, dtype=torch.bool, device=q.device).tril(context)
     return F.scaled_dot_product_attention(q, torch.cat([k_ctx, k_new], 2), torch.cat([v_ctx, v_new], 2),
@@ -102,16 +103,16 @@ class _TorchStep:
         k_flat.index_copy_(0, self.meta.slot_mapping, k)
         v_flat.index_copy_(0, self.meta.slot_mapping, v)
 
-        out = torch.empty_like(q)
+        outs = []  # [tokens, H, D] per part of the step, in token order
         nd = self.meta.num_decodes
         if nd:
             # [B, H, 1, D] queries against [B, Hkv, max_len, D] padded context.
             keys = k_flat[self.plan.decode_slots].transpose(1, 2)
             values = v_flat[self.plan.decode_slots].transpose(1, 2)
-            out[:nd] = F.scaled_dot_product_attention(
+            outs.append(F.scaled_dot_product_attention(
                 q[:nd].unsqueeze(2), keys, values, attn_mask=self.plan.decode_mask,
                 scale=self.scale, enable_gqa=True,
-            ).squeeze(2)
+            ).squeeze(2))
         start = nd
         for context_slots, q_len in zip(self.plan.prefill_context_slots, self.meta.prefill_q_lens_host):
             end = start + q_len
@@ -121,6 +122,8 @@ class _TorchStep:
             else:
                 o = _attend_after_context(qs, _heads_first(k_flat[context_slots]), _heads_first(v_flat[context_slots]),
                                           ks, vs, self.scale)
-            out[start:end] = o.squeeze(0).transpose(0, 1)
+            outs.append(o.squeeze(0).transpose(0, 1))
             start = end
-        return out
+        # A step of one part (one prompt's chunk) returns it as is: the CPU kernel's output is
+        # [1, H, q_len, D] over [q_len, H, D] memory, so this view is contiguous (no copy).
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
