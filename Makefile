@@ -27,7 +27,7 @@ generate: install
 	$(VENV)/bin/pdserve generate --chat --max-tokens 128 "$(PROMPT)"
 
 proto: install
-	$(PY) -m proto.generate
+	$(PY) -m pdserve.proto.generate
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.engine import Engine
-from engine.sampling import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +126,7 @@ def main() -> None:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        from engine.weights import resolve_model
+        from pdserve.engine.weights import resolve_model
 
         folder = resolve_model(engine.config.model).folder
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=engine.dtype).to(engine.device).eval()

@@ -25,10 +25,10 @@ import time
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
-from engine.engine import Engine
-from engine.sampling import SamplingParams
-from engine.weights import resolve_model
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.weights import resolve_model
 
 
 def fresh_prompt(rng: random.Random, vocab_size: int, length: int) -> list[int]:

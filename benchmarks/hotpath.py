@@ -2,8 +2,10 @@
 
     python -m benchmarks.hotpath [--baseline PATH] [--model dummy:llama-3.1-8b] [--offline-requests 512] [--json PATH]
 
-Each tree is measured in a subprocess of its own (its `engine` package on PYTHONPATH),
-so `--baseline` can name any checkout, e.g. `git worktree add /tmp/base main`; this
+Each tree is measured in a subprocess of its own, its packages importable as `pdserve.*`
+from the tree itself (a `pdserve` link to it on PYTHONPATH; a tree from before the
+packages moved under `pdserve` is imported by its bare names), so `--baseline` can name
+any checkout, e.g. `git worktree add /tmp/base main`; this
 script relies only on the public Engine API (plus the graph of the decode bucket, to time
 its replay alone). Figures, random token ids throughout:
 - decode: one stream, 1k-token prompt, greedy, 512 tokens; tokens/s after the first token.
@@ -47,12 +49,15 @@ def _sync() -> None:
     torch.cuda.synchronize()
 
 
-def measure(model: str, offline_requests: int, profile: bool = False) -> dict[str, float]:
-    """Every figure for the `engine` package on sys.path (runs in the worker process)."""
+def measure(package: str, model: str, offline_requests: int, profile: bool = False) -> dict[str, float]:
+    """Every figure for the engine package `package` (runs in the worker process)."""
+    import importlib
 
-    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from engine.engine import Engine
-    from engine.sampling import SamplingParams
+    config = importlib.import_module(f"{package}.config")
+    CacheConfig, EngineConfig, ModelConfig, SchedulerConfig = (  # noqa: N806
+        config.CacheConfig, config.EngineConfig, config.ModelConfig, config.SchedulerConfig)
+    Engine = importlib.import_module(f"{package}.engine").Engine  # noqa: N806
+    SamplingParams = importlib.import_module(f"{package}.sampling").SamplingParams  # noqa: N806
 
     engine = Engine(EngineConfig(model=ModelConfig(source=model, device="cuda"),
                                  cache=CacheConfig(enable_prefix_caching=False),
@@ -173,9 +178,12 @@ def _graph_ms(engine, bucket: int, key: str, profile: bool) -> dict[str, float]:
 
 
 def _run_tree(tree: Path, args: argparse.Namespace) -> dict[str, float]:
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        env = dict(os.environ, PYTHONPATH=str(tree), PYTHONUNBUFFERED="1")
-        argv = [__file__, "--worker", f.name, "--model", args.model, "--offline-requests", str(args.offline_requests)]
+    moved = '"pdserve" = "."' in (tree / "pyproject.toml").read_text()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f, tempfile.TemporaryDirectory() as links:
+        (Path(links) / "pdserve").symlink_to(tree, target_is_directory=True)
+        env = dict(os.environ, PYTHONPATH=links if moved else str(tree), PYTHONUNBUFFERED="1")
+        argv = [__file__, "--worker", f.name, "--package", "pdserve.engine" if moved else "engine",
+                "--model", args.model, "--offline-requests", str(args.offline_requests)]
         argv += ["--profile"] if args.profile else []
         # Run by path without its folder on sys.path (benchmarks/kernels.py would shadow `kernels`).
         code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -214,9 +222,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", action="store_true", help="print the decode graphs' kernels (torch.profiler)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--package", default="pdserve.engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        Path(args.worker).write_text(json.dumps(measure(args.model, args.offline_requests, args.profile)))
+        Path(args.worker).write_text(json.dumps(measure(args.package, args.model, args.offline_requests, args.profile)))
         return
     here = Path(__file__).resolve().parents[1]
     trees = ([("baseline", args.baseline.resolve())] if args.baseline else []) + [("this tree", here)]

@@ -40,7 +40,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from kernels import (
+from pdserve.kernels import (
     decode_num_splits,
     decode_workspace,
     flash_prefill,

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cluster.config import config_from_dict
-from cluster.metrics import Metrics
-from cluster.server import start_server
-from proto.pdserve.v1 import generation_pb2 as pb
-from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from pdserve.cluster.config import config_from_dict
+from pdserve.cluster.metrics import Metrics
+from pdserve.cluster.server import start_server
+from pdserve.proto.v1 import generation_pb2 as pb
+from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
 
 
 @dataclass

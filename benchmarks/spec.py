@@ -33,15 +33,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from decode_node.spec import SpecDecoder, build_speculator, expected_speedup, expected_tokens_per_pass
-from decode_node.spec.draft_model import ModelDrafter
-from engine.block_manager import BlockManager
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-from engine.engine import Engine
-from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from pdserve.decode_node.spec import SpecDecoder, build_speculator, expected_speedup, expected_tokens_per_pass
+from pdserve.decode_node.spec.draft_model import ModelDrafter
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.sequence import Sequence
 
 CHAT = [
     "What are three good habits for staying healthy? Answer briefly.",

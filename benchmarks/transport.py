@@ -53,9 +53,9 @@ from multiprocessing.connection import Connection
 import torch
 
 from benchmarks.gpu_clock import GpuClock, stamp
-from engine.kv_pool import KVLayout, KVPool
-from kv_transport import PeerAddress, TransferResult, TransportConfig
-from kv_transport.staging import check_block_ids, gather_blocks, scatter_blocks
+from pdserve.engine.kv_pool import KVLayout, KVPool
+from pdserve.kv_transport import PeerAddress, TransferResult, TransportConfig
+from pdserve.kv_transport.staging import check_block_ids, gather_blocks, scatter_blocks
 
 LAYOUT = KVLayout("llama-3.1-8b", torch.bfloat16, num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
 SECRET = b"pdserve-benchmark-secret"
@@ -108,7 +108,7 @@ class _Marks:
 
     def patch_sender(self) -> None:
         """Time the copy's launch (PoolWriter.write) and its GPU duration, and when `written` has left."""
-        from kv_transport import pool_writer, ucx_link
+        from pdserve.kv_transport import pool_writer, ucx_link
 
         write, send = pool_writer.PoolWriter.write, ucx_link.Control.send
 
@@ -140,8 +140,8 @@ class _Marks:
 
     def patch_receiver(self) -> None:
         """Time when `written` arrives and when the table hears of it."""
-        from kv_transport import ucx_link
-        from kv_transport.receive_table import ReceiveTable
+        from pdserve.kv_transport import ucx_link
+        from pdserve.kv_transport.receive_table import ReceiveTable
 
         recv, written = ucx_link.Control.recv, ReceiveTable.written
 
@@ -173,7 +173,7 @@ def _digest(kv: torch.Tensor, ids: list[int]) -> str:
 def _receiver_process(conn: Connection, device: str, num_blocks: int, path: str, breakdown: bool) -> None:
     """Receiver: expects what the parent announces, digests blocks on request, reports
     failures when told to stop."""
-    from kv_transport.ucx_receiver import UcxKVReceiver
+    from pdserve.kv_transport.ucx_receiver import UcxKVReceiver
 
     marks = _Marks()
     if breakdown:
@@ -222,7 +222,7 @@ async def _bench_ucx(
     path: str, device: str, peer_device: str, tokens_list: list[int], iters: int, num_blocks: int
 ) -> list[tuple[int, float, float | None, str]]:
     """(tokens, p50 seconds until the receiver knows, p50 seconds of send(), transport) per size."""
-    from kv_transport.ucx_sender import UcxKVSender
+    from pdserve.kv_transport.ucx_sender import UcxKVSender
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -331,8 +331,8 @@ COPY_SWEEP: list[tuple[int, int, int]] = []  # (chunk, num_warps, programs per S
 def _copy_sweep(src: torch.Tensor, peer_kv: torch.Tensor, tokens_list: list[int], num_blocks: int) -> None:
     """Time copy_blocks variants into the mapped peer pool, no protocol around them: GPU time
     (CUDA events around the launch, median of 30), beside a peer copy of the same bytes."""
-    from kernels.block_copy import copy_blocks
-    from kv_transport.staging import blocks_view
+    from pdserve.kernels.block_copy import copy_blocks
+    from pdserve.kv_transport.staging import blocks_view
 
     rng = random.Random(5)
     print(f"{'copy_blocks into the peer pool':34} " + " ".join(f"{t:>8}" for t in tokens_list) + "  (GB/s)")

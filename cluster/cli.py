@@ -7,8 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-from engine.sampling import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from pdserve.engine.sampling import SamplingParams
 
 
 def _add_model_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
@@ -68,7 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     if args.target:
         return _generate_remote(args, params)
-    from decode_node.spec import speculative_engine
+    from pdserve.decode_node.spec import speculative_engine
 
     engine = speculative_engine(engine_config_from_args(args))
     prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
@@ -87,7 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _generate_remote(args: argparse.Namespace, params: SamplingParams) -> int:
     import grpc
 
-    from cluster.client import Client
+    from pdserve.cluster.client import Client
 
     with Client(args.target) as client:
         for i, prompt in enumerate(args.prompts):
@@ -106,8 +106,8 @@ def _generate_remote(args: argparse.Namespace, params: SamplingParams) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from cluster.config import ServeConfig, load_config, with_overrides
-    from cluster.server import serve_forever
+    from pdserve.cluster.config import ServeConfig, load_config, with_overrides
+    from pdserve.cluster.server import serve_forever
 
     config = load_config(args.config) if args.config else ServeConfig()
     config = with_overrides(
@@ -128,7 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from cluster.client import Client
+    from pdserve.cluster.client import Client
 
     with Client(args.target) as client:
         info = client.server_info()
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(serve, defaults=False)
     serve.set_defaults(func=cmd_serve)
 
-    from cluster.spec_sim import add_parser as add_spec_sim_parser
+    from pdserve.cluster.spec_sim import add_parser as add_spec_sim_parser
 
     add_spec_sim_parser(sub)
 

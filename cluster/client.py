@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from engine.sampling import SamplingParams
-from proto.pdserve.v1 import generation_pb2 as pb
-from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from pdserve.engine.sampling import SamplingParams
+from pdserve.proto.v1 import generation_pb2 as pb
+from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:

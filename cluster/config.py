@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 
 MODES = ("disaggregated", "colocated")
 POLICIES = ("prefix_aware", "least_load", "round_robin")

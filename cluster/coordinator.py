@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 import ray
 
-from cluster.metrics import Metrics
-from cluster.pools import ACTOR_LOST, Pool, Worker
-from cluster.router import LeastLoad, RoutingPolicy
-from engine.block_hash import prefix_block_hashes
-from engine.engine import NoCapacity
-from engine.messages import WorkerRequest
-from engine.outputs import TokenDelta
-from kv_transport import TransferError
+from pdserve.cluster.metrics import Metrics
+from pdserve.cluster.pools import ACTOR_LOST, Pool, Worker
+from pdserve.cluster.router import LeastLoad, RoutingPolicy
+from pdserve.engine.block_hash import prefix_block_hashes
+from pdserve.engine.engine import NoCapacity
+from pdserve.engine.messages import WorkerRequest
+from pdserve.engine.outputs import TokenDelta
+from pdserve.kv_transport import TransferError
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from engine.messages import KVTransferInfo
-from engine.outputs import EngineLoad
+from pdserve.engine.messages import KVTransferInfo
+from pdserve.engine.outputs import EngineLoad
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -12,8 +12,8 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from cluster.router import WorkerState
-from kv_transport import PeerAddress
+from pdserve.cluster.router import WorkerState
+from pdserve.kv_transport import PeerAddress
 
 logger = logging.getLogger(__name__)
 

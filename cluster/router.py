@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.outputs import EngineLoad
+from pdserve.engine.outputs import EngineLoad
 
 
 @dataclass(slots=True)

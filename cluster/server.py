@@ -13,18 +13,18 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cluster.config import ServeConfig, cluster_secret, fit_pools_to_gpus
-from cluster.coordinator import Coordinator
-from cluster.metrics import Metrics
-from cluster.pools import ActorSpec, Pool
-from cluster.router import make_policy
-from cluster.service import GenerationService
-from decode_node.worker import DecodeWorker
-from engine.request_processor import RequestProcessor
-from engine.weights import load_tokenizer, resolve_model
-from kv_transport import TransportConfig
-from prefill_node.worker import PrefillWorker
-from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.cluster.config import ServeConfig, cluster_secret, fit_pools_to_gpus
+from pdserve.cluster.coordinator import Coordinator
+from pdserve.cluster.metrics import Metrics
+from pdserve.cluster.pools import ActorSpec, Pool
+from pdserve.cluster.router import make_policy
+from pdserve.cluster.service import GenerationService
+from pdserve.decode_node.worker import DecodeWorker
+from pdserve.engine.request_processor import RequestProcessor
+from pdserve.engine.weights import load_tokenizer, resolve_model
+from pdserve.kv_transport import TransportConfig
+from pdserve.prefill_node.worker import PrefillWorker
+from pdserve.proto.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -9,15 +9,15 @@ import uuid
 
 import grpc
 
-from cluster.coordinator import Coordinator, Overloaded, WorkerUnavailable
-from cluster.metrics import Metrics
-from cluster.validation import parse_request
-from engine.messages import WorkerRequest
-from engine.outputs import TextDelta
-from engine.request_processor import OutputStream, RequestProcessor
-from engine.sequence import FinishReason
-from proto.pdserve.v1 import generation_pb2 as pb
-from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from pdserve.cluster.coordinator import Coordinator, Overloaded, WorkerUnavailable
+from pdserve.cluster.metrics import Metrics
+from pdserve.cluster.validation import parse_request
+from pdserve.engine.messages import WorkerRequest
+from pdserve.engine.outputs import TextDelta
+from pdserve.engine.request_processor import OutputStream, RequestProcessor
+from pdserve.engine.sequence import FinishReason
+from pdserve.proto.v1 import generation_pb2 as pb
+from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.request_processor import ProcessedRequest, RequestProcessor
-from engine.sampling import SamplingParams
-from proto.pdserve.v1 import generation_pb2 as pb
+from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
+from pdserve.engine.sampling import SamplingParams
+from pdserve.proto.v1 import generation_pb2 as pb
 
 
 def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:

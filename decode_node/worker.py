@@ -11,12 +11,12 @@ import asyncio
 import dataclasses
 import logging
 
-from decode_node.spec import speculative_engine
-from engine.config import EngineConfig
-from engine.loop import LoopWorker, log_failure
-from engine.messages import KVTransferInfo, WorkerRequest
-from engine.outputs import TokenDelta
-from kv_transport import PeerAddress, TransportConfig
+from pdserve.decode_node.spec import speculative_engine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.loop import LoopWorker, log_failure
+from pdserve.engine.messages import KVTransferInfo, WorkerRequest
+from pdserve.engine.outputs import TokenDelta
+from pdserve.kv_transport import PeerAddress, TransportConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class DecodeWorker(LoopWorker):
             return None
         import ray
 
-        from kv_transport.ucx_receiver import UcxKVReceiver
+        from pdserve.kv_transport.ucx_receiver import UcxKVReceiver
 
         engine = self.loop.engine
         # Advertise this node's address, not the one the driver's config names:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence
 
 
 class BlockManager:

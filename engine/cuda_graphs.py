@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionBackend
-from engine.kv_pool import KVPool
-from engine.models.llama import LlamaForCausalLM
-from engine.sequence import Sequence
-from engine.step_inputs import StepInputBuilder, StepInputs
-from kernels.paged_decode import decode_num_splits
+from pdserve.engine.attention import AttentionBackend
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_inputs import StepInputBuilder, StepInputs
+from pdserve.kernels.paged_decode import decode_num_splits
 
 logger = logging.getLogger(__name__)
 

@@ -16,21 +16,21 @@ from typing import Any
 
 import torch
 
-from engine.attention import backend_for
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs
-from engine.kv_pool import KVLayout, KVPool
-from engine.model_runner import ModelRunner
-from engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
-from engine.request_processor import ProcessedRequest, RequestProcessor
-from engine.sampler import PendingSample, Sampler
-from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence, SequenceStatus
-from engine.speculator import Proposal, Speculator
-from engine.step_inputs import InFlightTokens, StepInputBuilder
-from engine.weights import load_model, load_tokenizer, resolve_model
+from pdserve.engine.attention import backend_for
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.kv_pool import KVLayout, KVPool
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
+from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
+from pdserve.engine.sampler import PendingSample, Sampler
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.scheduler import ScheduledBatch, Scheduler
+from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence, SequenceStatus
+from pdserve.engine.speculator import Proposal, Speculator
+from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
+from pdserve.engine.weights import load_model, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 

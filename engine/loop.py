@@ -16,9 +16,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
-from engine.engine import Engine
-from engine.outputs import EngineLoad, TokenDelta
-from engine.sequence import FinishReason
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import EngineLoad, TokenDelta
+from pdserve.engine.sequence import FinishReason
 
 logger = logging.getLogger(__name__)
 

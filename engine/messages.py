@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.outputs import TokenDelta
-from engine.sampling import SamplingParams
+from pdserve.engine.outputs import TokenDelta
+from pdserve.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionBackend
-from engine.cuda_graphs import DecodeGraphs
-from engine.kv_pool import KVPool
-from engine.models.llama import LlamaForCausalLM
-from engine.sampler import PendingSample, Sampler, TokenLogprobs
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
-from engine.step_inputs import InFlightTokens, StepInputBuilder
+from pdserve.engine.attention import AttentionBackend
+from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.sampler import PendingSample, Sampler, TokenLogprobs
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
 
 
 class ModelRunner:

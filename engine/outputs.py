@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.sequence import FinishReason
+from pdserve.engine.sequence import FinishReason
 
 if TYPE_CHECKING:
-    from engine.sampler import TokenLogprobs
-    from engine.speculator import SpecMetrics
+    from pdserve.engine.sampler import TokenLogprobs
+    from pdserve.engine.speculator import SpecMetrics
 
 
 @dataclass(frozen=True, slots=True)

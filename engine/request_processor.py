@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import TextDelta, TokenDelta
-from engine.sampling import SamplingParams
-from engine.sequence import FinishReason
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.outputs import TextDelta, TokenDelta
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sequence import FinishReason
 
 CHAT_ROLES = ("system", "user", "assistant")
 

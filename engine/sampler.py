@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

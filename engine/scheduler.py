@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.block_hash import hash_block_tokens
-from engine.sampling import SamplingParams
+from pdserve.engine.block_hash import hash_block_tokens
+from pdserve.engine.sampling import SamplingParams
 
 # A token sampled by a step whose result has not reached the host yet (overlapped steps):
 # it sits at the end of `token_ids` until the step resolves; the next step reads it on the device.

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence
 
 
 @dataclass(slots=True)

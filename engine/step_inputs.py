@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 
 
 @dataclass(slots=True)

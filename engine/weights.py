@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from engine.config import DEFAULT_MODEL, ModelConfig
-from engine.models.arch import DUMMY_SHAPES, ModelArch
-from engine.models.llama import LlamaForCausalLM
+from pdserve.engine.config import DEFAULT_MODEL, ModelConfig
+from pdserve.engine.models.arch import DUMMY_SHAPES, ModelArch
+from pdserve.engine.models.llama import LlamaForCausalLM
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported anywhere below
 

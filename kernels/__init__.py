@@ -11,14 +11,20 @@ before importing (tests do) to run them in Triton's interpreter.
 
 from __future__ import annotations
 
-from kernels.activation import silu_and_mul
-from kernels.block_copy import copy_blocks
-from kernels.cache_write import cache_write
-from kernels.flash_prefill import flash_prefill
-from kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
-from kernels.paged_decode import decode_num_splits, decode_workspace, paged_decode, paged_verify, paged_verify_fits
-from kernels.rms_norm import rms_norm
-from kernels.rotary import apply_rotary
+from pdserve.kernels.activation import silu_and_mul
+from pdserve.kernels.block_copy import copy_blocks
+from pdserve.kernels.cache_write import cache_write
+from pdserve.kernels.flash_prefill import flash_prefill
+from pdserve.kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
+from pdserve.kernels.paged_decode import (
+           decode_num_splits,
+           decode_workspace,
+           paged_decode,
+           paged_verify,
+           paged_verify_fits,
+)
+from pdserve.kernels.rms_norm import rms_norm
+from pdserve.kernels.rotary import apply_rotary
 
 __all__ = ["apply_rotary", "cache_write", "copy_blocks", "decode_num_splits", "decode_workspace", "flash_prefill",
            "flash_prefill_ws", "flash_prefill_ws_paged", "flash_prefill_ws_supported", "paged_decode",

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 HEAD_DIM = 128
 
 try:
-    from kernels import _gluon_prefill_ws as _gluon
+    from pdserve.kernels import _gluon_prefill_ws as _gluon
 except (ImportError, AttributeError, TypeError) as e:  # another Triton's Gluon: keep the Triton kernel
     logger.info("Gluon prefill kernel unavailable with this Triton (%s): using the Triton kernel", e)
     _gluon = None  # type: ignore[assignment]

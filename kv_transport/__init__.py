@@ -44,7 +44,7 @@ in flight, so the receiver may free the blocks.
 
 from __future__ import annotations
 
-from kv_transport.api import (
+from pdserve.kv_transport.api import (
     HandshakeRefused,
     KVReceiver,
     KVSender,
@@ -58,8 +58,8 @@ from kv_transport.api import (
     TransferTimeout,
     release_on_failure,
 )
-from kv_transport.config import TRANSPORT_CLASSES, TransportConfig
-from kv_transport.loopback import LoopbackNetwork, LoopbackReceiver, LoopbackSender
+from pdserve.kv_transport.config import TRANSPORT_CLASSES, TransportConfig
+from pdserve.kv_transport.loopback import LoopbackNetwork, LoopbackReceiver, LoopbackSender
 
 __all__ = [
     "TRANSPORT_CLASSES",

@@ -13,7 +13,7 @@ import hmac
 import json
 import os
 
-from engine.kv_pool import KVLayout
+from pdserve.engine.kv_pool import KVLayout
 
 PROTOCOL_VERSION = 1
 NONCE_BYTES = 16

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.kv_pool import KVLayout
-from kv_transport.api import (
+from pdserve.engine.kv_pool import KVLayout
+from pdserve.kv_transport.api import (
     HandshakeRefused,
     PeerAddress,
     PeerLost,
@@ -21,10 +21,10 @@ from kv_transport.api import (
     TransferResult,
     TransferTimeout,
 )
-from kv_transport.config import TransportConfig
-from kv_transport.handshake import check_proof, describe_mismatch, fingerprint, layout_fields, new_nonce, prove
-from kv_transport.receive_table import Ack, ReceiveTable
-from kv_transport.staging import check_block_ids, gather_blocks
+from pdserve.kv_transport.config import TransportConfig
+from pdserve.kv_transport.handshake import check_proof, describe_mismatch, fingerprint, layout_fields, new_nonce, prove
+from pdserve.kv_transport.receive_table import Ack, ReceiveTable
+from pdserve.kv_transport.staging import check_block_ids, gather_blocks
 
 TRANSPORT = "loopback"
 

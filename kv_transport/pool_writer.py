@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.block_copy import copy_blocks
-from kv_transport.staging import blocks_view
+from pdserve.kernels.block_copy import copy_blocks
+from pdserve.kv_transport.staging import blocks_view
 
 _MIN_SLOT_IDS = 1024  # id pairs per slot at least (8 KiB of ids); larger requests get larger slots
 _HEAD = 4  # int32 words before the ids: the count, padded so that the ids stay 16-byte aligned

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transport.api import (
+from pdserve.kv_transport.api import (
     TransferCancelled,
     TransferError,
     TransferRejected,
     TransferResult,
     TransferTimeout,
 )
-from kv_transport.staging import check_block_ids, empty_staging, scatter_blocks, staging_num_blocks
+from pdserve.kv_transport.staging import check_block_ids, empty_staging, scatter_blocks, staging_num_blocks
 
 # Tells the sender how its payload ended: None when it landed, else the error.
 Ack = Callable[[TransferError | None], None]

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import ucxx
 
-from kv_transport.api import HandshakeRefused
-from kv_transport.config import TransportConfig
-from kv_transport.handshake import check_proof, describe_mismatch, fingerprint, new_nonce, prove
+from pdserve.kv_transport.api import HandshakeRefused
+from pdserve.kv_transport.config import TransportConfig
+from pdserve.kv_transport.handshake import check_proof, describe_mismatch, fingerprint, new_nonce, prove
 
 logger = logging.getLogger(__name__)
 

@@ -11,15 +11,15 @@ from typing import Any
 import torch
 import ucxx
 
-from engine.kv_pool import KVLayout
-from kv_transport.api import HandshakeRefused, PeerAddress, PeerLost, TransferError, TransferResult
-from kv_transport.config import TransportConfig
-from kv_transport.cuda_ipc import export_pool
-from kv_transport.handshake import data_tag, layout_fields
-from kv_transport.receive_table import ReceiveTable
-from kv_transport.staging import as_bytes
-from kv_transport.ucx_link import PROBE_BYTES, PROBE_ID, Control, Session, ensure_ucx, server_handshake, spawn
-from kv_transport.wire import error_to_wire
+from pdserve.engine.kv_pool import KVLayout
+from pdserve.kv_transport.api import HandshakeRefused, PeerAddress, PeerLost, TransferError, TransferResult
+from pdserve.kv_transport.config import TransportConfig
+from pdserve.kv_transport.cuda_ipc import export_pool
+from pdserve.kv_transport.handshake import data_tag, layout_fields
+from pdserve.kv_transport.receive_table import ReceiveTable
+from pdserve.kv_transport.staging import as_bytes
+from pdserve.kv_transport.ucx_link import PROBE_BYTES, PROBE_ID, Control, Session, ensure_ucx, server_handshake, spawn
+from pdserve.kv_transport.wire import error_to_wire
 
 logger = logging.getLogger(__name__)
 

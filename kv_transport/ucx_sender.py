@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import ucxx
 
-from engine.kv_pool import KVLayout
-from kv_transport.api import (
+from pdserve.engine.kv_pool import KVLayout
+from pdserve.kv_transport.api import (
     PeerAddress,
     PeerLost,
     SlowPathRefused,
@@ -26,14 +26,14 @@ from kv_transport.api import (
     TransferResult,
     TransferTimeout,
 )
-from kv_transport.config import TransportConfig
-from kv_transport.cuda_ipc import open_pool
-from kv_transport.handshake import data_tag, layout_fields
-from kv_transport.pool_writer import PoolWriter
-from kv_transport.staging import as_bytes, check_block_ids, gather_blocks, has_repeats, staging_num_blocks
-from kv_transport.transport_info import ep_info, transport_from_ep_info
-from kv_transport.ucx_link import PROBE_BYTES, PROBE_ID, Control, Session, client_handshake, ensure_ucx, spawn
-from kv_transport.wire import error_from_wire
+from pdserve.kv_transport.config import TransportConfig
+from pdserve.kv_transport.cuda_ipc import open_pool
+from pdserve.kv_transport.handshake import data_tag, layout_fields
+from pdserve.kv_transport.pool_writer import PoolWriter
+from pdserve.kv_transport.staging import as_bytes, check_block_ids, gather_blocks, has_repeats, staging_num_blocks
+from pdserve.kv_transport.transport_info import ep_info, transport_from_ep_info
+from pdserve.kv_transport.ucx_link import PROBE_BYTES, PROBE_ID, Control, Session, client_handshake, ensure_ucx, spawn
+from pdserve.kv_transport.wire import error_from_wire
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kv_transport.api import PeerLost, TransferCancelled, TransferError, TransferRejected, TransferTimeout
+from pdserve.kv_transport.api import PeerLost, TransferCancelled, TransferError, TransferRejected, TransferTimeout
 
 # Only these may cross the wire; anything else from a peer reads as a rejection.
 _KINDS: dict[str, type[TransferError]] = {

@@ -9,13 +9,13 @@ import logging
 
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loop import LoopWorker, log_failure
-from engine.messages import KVTransferInfo, PrefillOutput, WorkerRequest
-from engine.outputs import TokenDelta
-from engine.sequence import FinishReason
-from kv_transport import PeerAddress, TransferResult, TransportConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.loop import LoopWorker, log_failure
+from pdserve.engine.messages import KVTransferInfo, PrefillOutput, WorkerRequest
+from pdserve.engine.outputs import TokenDelta
+from pdserve.engine.sequence import FinishReason
+from pdserve.kv_transport import PeerAddress, TransferResult, TransportConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class PrefillWorker(LoopWorker):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
-        from kv_transport.ucx_sender import UcxKVSender
+        from pdserve.kv_transport.ucx_sender import UcxKVSender
 
         engine = self.loop.engine
         self._sender = UcxKVSender(engine.pool.kv, engine.pool.layout, self._transport)

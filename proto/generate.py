@@ -1,31 +1,46 @@
-"""Regenerates the Python stubs of proto/pdserve/v1/*.proto (run from the repo root).
+"""Regenerates the Python stubs of proto/v1/*.proto (run from the repo root).
 
-    python -m proto.generate [--out DIR]
+    python -m pdserve.proto.generate [--out DIR]
 
-CI regenerates into a temporary folder and checks the committed stubs match.
+The stubs import each other as `pdserve.proto.v1`, the name the package installs under,
+so protoc reads the protos through a `pdserve` link to the repository root. CI
+regenerates into a temporary folder and checks the committed stubs match.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROTOS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "proto" / "pdserve" / "v1").glob("*.proto"))
+STUBS = ROOT / "proto" / "v1"
 
 
 def generate(out: Path) -> None:
+    """Writes the stubs of every proto in proto/v1 into `out` (a folder)."""
     from grpc_tools import protoc
 
-    args = ["protoc", f"-I{ROOT}", f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}", *PROTOS]
-    if protoc.main(args) != 0:
-        raise SystemExit(f"protoc failed: {' '.join(args)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        include, gen = Path(tmp, "include"), Path(tmp, "gen")
+        include.mkdir()
+        gen.mkdir()
+        (include / "pdserve").symlink_to(ROOT, target_is_directory=True)
+        protos = [f"pdserve/proto/v1/{p.name}" for p in sorted(STUBS.glob("*.proto"))]
+        args = ["protoc", f"-I{include}", f"--python_out={gen}", f"--pyi_out={gen}", f"--grpc_python_out={gen}",
+                *protos]
+        if protoc.main(args) != 0:
+            raise SystemExit(f"protoc failed: {' '.join(args)}")
+        out.mkdir(parents=True, exist_ok=True)
+        for stub in (gen / "pdserve" / "proto" / "v1").iterdir():
+            shutil.copyfile(stub, out / stub.name)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=ROOT)
+    ap.add_argument("--out", type=Path, default=STUBS)
     generate(ap.parse_args().out)
 
 

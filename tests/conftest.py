@@ -15,9 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.weights import resolve_model  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.weights import resolve_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

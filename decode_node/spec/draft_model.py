@@ -16,20 +16,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.attention import backend_for
-from engine.block_manager import BlockManager
-from engine.config import MAX_SPECULATIVE_TOKENS
-from engine.engine import Engine
-from engine.kv_pool import KVLayout, KVPool
-from engine.model_runner import ModelRunner
-from engine.models.arch import ModelArch
-from engine.models.llama import LlamaForCausalLM
-from engine.sampler import Sampler
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
-from engine.speculator import Proposal
-from engine.step_inputs import StepInputBuilder
-from engine.weights import load_model, load_tokenizer, resolve_model
+from pdserve.engine.attention import backend_for
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import MAX_SPECULATIVE_TOKENS
+from pdserve.engine.engine import Engine
+from pdserve.engine.kv_pool import KVLayout, KVPool
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculator import Proposal
+from pdserve.engine.step_inputs import StepInputBuilder
+from pdserve.engine.weights import load_model, load_tokenizer, resolve_model
 
 
 class ModelDrafter:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.sequence import Sequence
-from engine.speculator import Proposal
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculator import Proposal
 
 
 class Drafter(Protocol):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from decode_node.spec.adaptive import AdaptiveK
-from decode_node.spec.draft_model import ModelDrafter, load_draft_model, self_draft_model
-from decode_node.spec.drafter import Drafter
-from decode_node.spec.ngram import NgramDrafter
-from decode_node.spec.speculator import SpecDecoder
-from engine.config import EngineConfig, SpecConfig
-from engine.engine import Engine
+from pdserve.decode_node.spec.adaptive import AdaptiveK
+from pdserve.decode_node.spec.draft_model import ModelDrafter, load_draft_model, self_draft_model
+from pdserve.decode_node.spec.drafter import Drafter
+from pdserve.decode_node.spec.ngram import NgramDrafter
+from pdserve.decode_node.spec.speculator import SpecDecoder
+from pdserve.engine.config import EngineConfig, SpecConfig
+from pdserve.engine.engine import Engine
 
 
 def build_speculator(engine: Engine, config: SpecConfig | None = None) -> SpecDecoder | None:

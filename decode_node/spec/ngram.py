@@ -7,8 +7,8 @@ code edits repeat the code. Proposals are deterministic (a one-hot draft).
 
 from __future__ import annotations
 
-from engine.sequence import Sequence
-from engine.speculator import Proposal
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculator import Proposal
 
 
 class NgramDrafter:

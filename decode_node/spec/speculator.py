@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from decode_node.spec.adaptive import AdaptiveK
-from decode_node.spec.drafter import Drafter
-from decode_node.spec.rejection import rejection_sample
-from engine.sequence import Sequence
-from engine.speculator import Proposal, SpecMetrics
+from pdserve.decode_node.spec.adaptive import AdaptiveK
+from pdserve.decode_node.spec.drafter import Drafter
+from pdserve.decode_node.spec.rejection import rejection_sample
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculator import Proposal, SpecMetrics
 
 
 class SpecDecoder:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
 
 
 def backend_for(device: torch.device) -> AttentionBackend:
     """Triton kernels on CUDA, the torch reference elsewhere."""
     if device.type == "cuda":
-        from engine.attention.triton_backend import TritonAttention
+        from pdserve.engine.attention.triton_backend import TritonAttention
 
         return TritonAttention()
-    from engine.attention.torch_ref import TorchAttention
+    from pdserve.engine.attention.torch_ref import TorchAttention
 
     return TorchAttention()
 

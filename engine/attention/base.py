@@ -7,8 +7,8 @@ from typing import Protocol
 
 import torch
 
-from engine.kv_pool import KVPool
-from engine.models.llama import AttentionStep
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.models.llama import AttentionStep
 
 
 @dataclass(slots=True)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionMetadata
-from engine.kv_pool import KVPool
+from pdserve.engine.attention.base import AttentionMetadata
+from pdserve.engine.kv_pool import KVPool
 
 # torch's CPU flash-attention kernel, which also returns the log-sum-exp of each query's
 # scores (natural log, scaled) and broadcasts grouped KV heads as `enable_gqa` does.

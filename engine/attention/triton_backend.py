@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionMetadata
-from engine.kv_pool import KVPool
-from kernels.cache_write import cache_write
-from kernels.flash_prefill import flash_prefill
-from kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
-from kernels.paged_decode import paged_decode, paged_verify, paged_verify_fits
+from pdserve.engine.attention.base import AttentionMetadata
+from pdserve.engine.kv_pool import KVPool
+from pdserve.kernels.cache_write import cache_write
+from pdserve.kernels.flash_prefill import flash_prefill
+from pdserve.kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
+from pdserve.kernels.paged_decode import paged_decode, paged_verify, paged_verify_fits
 
 # A step with earlier context runs on the Hopper kernel's paged entry point once its
 # longest chunk fills a query tile (128 rows; the kernel runs one program per SM). Below

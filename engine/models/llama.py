@@ -18,10 +18,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine.models.arch import ModelArch
-from engine.models.rope import RotaryEmbedding
-from kernels.activation import silu_and_mul
-from kernels.rms_norm import rms_norm
+from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.models.rope import RotaryEmbedding
+from pdserve.kernels.activation import silu_and_mul
+from pdserve.kernels.rms_norm import rms_norm
 
 
 class AttentionStep(Protocol):

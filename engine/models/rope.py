@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from engine.models.arch import RopeConfig
-from kernels.rotary import apply_rotary
+from pdserve.engine.models.arch import RopeConfig
+from pdserve.kernels.rotary import apply_rotary
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

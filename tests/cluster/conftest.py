@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from cluster.config import ServeConfig, config_from_dict
-from cluster.server import Server, start_server
+from pdserve.cluster.config import ServeConfig, config_from_dict
+from pdserve.cluster.server import Server, start_server
 
 
 @pytest.fixture(scope="session")

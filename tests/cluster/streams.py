@@ -7,8 +7,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from cluster.client import Client
-from engine.sampling import SamplingParams
+from pdserve.cluster.client import Client
+from pdserve.engine.sampling import SamplingParams
 
 
 @dataclass

@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.client import Client
-from engine.block_hash import prefix_block_hashes
-from engine.sampling import SamplingParams
+from pdserve.cluster.client import Client
+from pdserve.engine.block_hash import prefix_block_hashes
+from pdserve.engine.sampling import SamplingParams
 from tests.cluster.streams import collect, pools_are_full, wait_until
 from tests.engine.prompts import prompt_ids
 
@@ -42,13 +42,13 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def test_stubs_match_the_proto(tmp_path):
-    from proto.generate import generate
+    from pdserve.proto.generate import generate
 
     generate(tmp_path)
-    ours = ROOT / "proto" / "pdserve" / "v1"
+    ours = ROOT / "proto" / "v1"
     for name in ("generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py"):
-        assert filecmp.cmp(tmp_path / "proto" / "pdserve" / "v1" / name, ours / name, shallow=False), (
-            f"{name} is stale: run `python -m proto.generate`")
+        assert filecmp.cmp(tmp_path / name, ours / name, shallow=False), (
+            f"{name} is stale: run `python -m pdserve.proto.generate`")
 
 
 @pytest.mark.slow

@@ -7,13 +7,14 @@ import sys
 
 import pytest
 
-from engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 
 def pdserve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", *args], capture_output=True, text=True,
+                          timeout=300)
 
 
 def test_generate_prints_the_engines_greedy_text(engine):

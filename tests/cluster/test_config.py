@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import PoolConfig, config_from_dict, fit_pools_to_gpus, load_config, with_overrides
+from pdserve.cluster.config import PoolConfig, config_from_dict, fit_pools_to_gpus, load_config, with_overrides
 
 
 def test_yaml_sections_build_the_same_objects_as_flags(tmp_path):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from cluster.client import Client
-from engine.sampling import SamplingParams
-from proto.pdserve.v1 import generation_pb2 as pb
+from pdserve.cluster.client import Client
+from pdserve.engine.sampling import SamplingParams
+from pdserve.proto.v1 import generation_pb2 as pb
 from tests.cluster.streams import collect, collect_concurrently, pools_are_full, wait_until
 from tests.engine.prompts import prompt_ids
 

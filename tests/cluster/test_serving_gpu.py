@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams
 from tests.cluster.streams import collect_concurrently, pools_are_full, wait_until
 from tests.engine.hf_reference import assert_matches_reference, hf_greedy
 

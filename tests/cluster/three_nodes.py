@@ -10,10 +10,10 @@ import json
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster.client import Client
-from cluster.config import config_from_dict
-from cluster.server import start_server
-from engine.sampling import SamplingParams
+from pdserve.cluster.client import Client
+from pdserve.cluster.config import config_from_dict
+from pdserve.cluster.server import start_server
+from pdserve.engine.sampling import SamplingParams
 
 LOCAL = {"node_ip_address": "127.0.0.1", "include_dashboard": False}
 

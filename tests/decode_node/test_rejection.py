@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_node.spec.rejection import rejection_sample
+from pdserve.decode_node.spec.rejection import rejection_sample
 from tests.decode_node.stats import chi_square_pvalue, resample_from_target
 
 VOCAB = 8

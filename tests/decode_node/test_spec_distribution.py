@@ -13,15 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import decode_node.spec.speculator as speculator_module
-from decode_node.spec import SpecDecoder, build_speculator
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
-from engine.engine import Engine
-from engine.models.arch import DUMMY_SHAPES, ModelArch
-from engine.sampler import Sampler
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
-from engine.speculator import Proposal
+import pdserve.decode_node.spec.speculator as speculator_module
+from pdserve.decode_node.spec import SpecDecoder, build_speculator
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.models.arch import DUMMY_SHAPES, ModelArch
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculator import Proposal
 from tests.decode_node.stats import chi_square_pvalue, resample_from_target
 
 VOCAB = 16

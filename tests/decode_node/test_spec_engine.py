@@ -9,14 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from decode_node.spec import SpecDecoder, build_speculator
-from decode_node.spec.drafter import Drafter
-from engine.config import EngineConfig, ModelConfig, SpecConfig
-from engine.engine import Engine
-from engine.models.arch import DUMMY_SHAPES
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
-from engine.speculator import Proposal
+from pdserve.decode_node.spec import SpecDecoder, build_speculator
+from pdserve.decode_node.spec.drafter import Drafter
+from pdserve.engine.config import EngineConfig, ModelConfig, SpecConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.models.arch import DUMMY_SHAPES
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculator import Proposal
 from tests.engine.prompts import PASSAGE, prompt_ids
 
 pytestmark = pytest.mark.slow

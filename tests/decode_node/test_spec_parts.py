@@ -7,16 +7,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from decode_node.spec.adaptive import AdaptiveK, best_k, expected_speedup, expected_tokens_per_pass
-from decode_node.spec.draft_model import check_draft
-from decode_node.spec.ngram import lookup
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig, SpecConfig
-from engine.models.arch import DUMMY_SHAPES
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.speculator import SpecMetrics
+from pdserve.decode_node.spec.adaptive import AdaptiveK, best_k, expected_speedup, expected_tokens_per_pass
+from pdserve.decode_node.spec.draft_model import check_draft
+from pdserve.decode_node.spec.ngram import lookup
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig, SpecConfig
+from pdserve.engine.models.arch import DUMMY_SHAPES
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculator import SpecMetrics
 
 
 @pytest.mark.parametrize("k", [-1, 17, 100])

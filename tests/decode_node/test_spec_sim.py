@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster import spec_sim
+from pdserve.cluster import spec_sim
 
 
 def run(argv: list[str]) -> int:

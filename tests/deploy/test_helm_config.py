@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster.config import KVTransportSettings, PoolConfig, RayConfig, ServeConfig, ServerConfig
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.cluster.config import KVTransportSettings, PoolConfig, RayConfig, ServeConfig, ServerConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tests.deploy.conftest import GPU_VALUES, Render, one
 
 POD_IP = "10.1.2.3"
@@ -57,8 +57,8 @@ def served_config(docs: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytes
     """The ServeConfig `pdserve serve` builds on the head from the rendered ConfigMap and command."""
     import uvloop
 
-    import cluster.server
-    from cluster.cli import main
+    from pdserve.cluster import server
+    from pdserve.cluster.cli import main
 
     script = head_container(docs)["args"][0]
     # The head substitutes its pod IP into the ConfigMap's file, as its script does with sed.
@@ -71,7 +71,7 @@ def served_config(docs: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytes
     argv[argv.index("--config") + 1] = str(tmp_path / "config.yaml")
 
     built: list[ServeConfig] = []
-    monkeypatch.setattr(cluster.server, "serve_forever", lambda config: config)
+    monkeypatch.setattr(server, "serve_forever", lambda config: config)
     monkeypatch.setattr(uvloop, "run", built.append)
     assert argv[0] == "serve" and main(argv) == 0
     return built[0]
@@ -85,7 +85,7 @@ def test_configmap_is_the_config_pdserve_serve_builds(render: Render, values: st
 
 
 def test_configmap_parses_with_the_loader(render: Render, tmp_path: Path) -> None:
-    from cluster.config import config_from_dict, load_config
+    from pdserve.cluster.config import config_from_dict, load_config
 
     text = one(render(), "ConfigMap")["data"]["config.yaml"].replace("__POD_IP__", POD_IP)
     (tmp_path / "c.yaml").write_text(text)

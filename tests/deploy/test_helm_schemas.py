@@ -138,7 +138,7 @@ def test_schema_names_only_real_config_fields() -> None:
     import dataclasses
     import json
 
-    from cluster.config import _ENGINE_SECTIONS, _SECTIONS
+    from pdserve.cluster.config import _ENGINE_SECTIONS, _SECTIONS
 
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["config"]["properties"]
     sections = {f"engine.{k}": (c, schema["engine"]["properties"][k]) for k, c in _ENGINE_SECTIONS.items()}

@@ -6,9 +6,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_manager import BlockManager
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sequence import Sequence
 
 BS = 4
 

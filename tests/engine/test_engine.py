@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from engine.sampling import SamplingParams
-from engine.sequence import FinishReason
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sequence import FinishReason
 from tests.engine.prompts import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -190,7 +190,7 @@ class _CopyThatNeverEnds(_CopyInFlight):
 
 
 def test_a_copy_that_never_ends_delays_an_abort_by_a_bound_only(engine, make_engine, monkeypatch):
-    monkeypatch.setattr("engine.engine.COPY_WAIT_S", 0.2)
+    monkeypatch.setattr("pdserve.engine.engine.COPY_WAIT_S", 0.2)
     params = SamplingParams(temperature=0.0, max_tokens=3)
     first = _prefilled(engine, make_engine, PROMPT, "orphan", params)
     copy = _CopyThatNeverEnds()

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.engine import Engine
-from engine.sampling import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling import SamplingParams
 from tests.engine.hf_reference import assert_matches_reference, hf_greedy
 
 pytestmark = pytest.mark.gpu
@@ -68,9 +68,9 @@ def test_bf16_attention_step_matches_the_reference_with_and_without_context(monk
     entry point and a step with earlier context (a later chunk, a prefix hit) its paged one
     once a chunk fills a 128-row tile; on any GPU, a step of a few new tokens per sequence
     (speculative verification) takes paged_verify, and the rest flash_prefill."""
-    from engine.attention import AttentionMetadata, triton_backend
-    from engine.attention.torch_ref import TorchAttention
-    from engine.kv_pool import KVLayout, KVPool
+    from pdserve.engine.attention import AttentionMetadata, triton_backend
+    from pdserve.engine.attention.torch_ref import TorchAttention
+    from pdserve.engine.kv_pool import KVLayout, KVPool
 
     torch.manual_seed(5)
     heads, kv_heads, head_dim, bs = 32, 8, 128, 16

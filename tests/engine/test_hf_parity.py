@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine import Engine
-from engine.sampling import SamplingParams
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling import SamplingParams
 from tests.engine.hf_reference import assert_matches_reference, hf_greedy
 from tests.engine.prompts import prompt_ids
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig, ModelConfig
-from engine.engine import Engine
-from engine.sampling import SamplingParams
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling import SamplingParams
 from tests.engine.hf_reference import assert_matches_reference, hf_greedy
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -86,7 +86,7 @@ def test_dummy_weights_are_seeded_and_need_token_ids():
 
 @pytest.mark.slow
 def test_gguf_file_source_uses_the_conversion_cache(model_folder):
-    from engine.weights import default_gguf_path, resolve_model
+    from pdserve.engine.weights import default_gguf_path, resolve_model
 
     files = resolve_model(ModelConfig(source=str(default_gguf_path())))
     assert files.folder == model_folder and files.arch.num_layers == 30

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams
 from tests.engine.prompts import prompt_ids
 
 pytestmark = pytest.mark.slow

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.outputs import TokenDelta
-from engine.request_processor import OutputStream, RequestProcessor
-from engine.sampling import SamplingParams
-from engine.sequence import FinishReason
+from pdserve.engine.outputs import TokenDelta
+from pdserve.engine.request_processor import OutputStream, RequestProcessor
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sequence import FinishReason
 
 MAX_MODEL_LEN = 64
 OUTPUT = " The answer is forty-two. Next line 🎉 日本語, done."  # an emoji and CJK: multi-token characters

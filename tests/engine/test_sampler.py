@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler
-from engine.sampling import SamplingParams
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling import SamplingParams
 
 LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
 N = 20000

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 BS = 4
 

@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from engine.block_manager import BlockManager
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
-from engine.step_inputs import StepInputBuilder
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_inputs import StepInputBuilder
 
 BS = 4
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.engine import Engine
-from engine.sampling import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import copy_blocks
-from kv_transport.staging import blocks_view
+from pdserve.kernels import copy_blocks
+from pdserve.kv_transport.staging import blocks_view
 
 COVERS = ("copy_blocks",)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,7 +72,7 @@ def test_pool_writer_replays_one_graph_for_requests_of_any_size_gpu():
     """The direct path's writer: a captured copy per slot, ids through pinned memory."""
     import numpy as np
 
-    from kv_transport.pool_writer import PoolWriter
+    from pdserve.kv_transport.pool_writer import PoolWriter
 
     src, dst = _pools((4, 2, 16, 8, 128), 300, 200, torch.bfloat16)
     writer = PoolWriter(src, dst)
@@ -92,7 +92,7 @@ def test_pool_writer_past_the_first_slot_and_behind_an_event_gpu():
     that work is still running on another stream as the write is queued."""
     import numpy as np
 
-    from kv_transport.pool_writer import _MIN_SLOT_IDS, PoolWriter
+    from pdserve.kv_transport.pool_writer import _MIN_SLOT_IDS, PoolWriter
 
     src, dst = _pools((1, 2, 16, 1, 128), 3000, 2600, torch.bfloat16)
     writer = PoolWriter(src, dst)

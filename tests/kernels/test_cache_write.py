@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cache_write
+from pdserve.kernels import cache_write
 from tests.kernels.reference import ref_cache_write
 
 COVERS = ("cache_write",)

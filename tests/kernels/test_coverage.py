@@ -6,8 +6,8 @@ import importlib
 import inspect
 import pkgutil
 
-import kernels
 import tests.kernels
+from pdserve import kernels
 
 
 def _public_functions() -> set[str]:
@@ -15,7 +15,7 @@ def _public_functions() -> set[str]:
     for info in pkgutil.iter_modules(kernels.__path__):
         if info.name.startswith("_"):  # a private module's functions serve a public one's
             continue
-        module = importlib.import_module(f"kernels.{info.name}")
+        module = importlib.import_module(f"pdserve.kernels.{info.name}")
         names |= {name for name, obj in inspect.getmembers(module, inspect.isfunction)
                   if not name.startswith("_") and obj.__module__ == module.__name__}
     return names

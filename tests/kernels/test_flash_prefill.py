@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from kernels import flash_prefill
+from pdserve.kernels import flash_prefill
 from tests.kernels.reference import PagedKV, make_paged_kv, ref_paged_attention, rel_error, slot_mapping, tolerance
 
 COVERS = ("flash_prefill",)

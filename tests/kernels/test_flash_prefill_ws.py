@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
+from pdserve.kernels import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
 from tests.kernels.reference import make_paged_kv, ref_paged_attention, rel_error, tolerance
 
 COVERS = ("flash_prefill_ws", "flash_prefill_ws_paged", "flash_prefill_ws_supported")
@@ -229,12 +229,12 @@ def test_a_triton_without_this_gluon_keeps_the_triton_kernel(monkeypatch):
     import importlib
     import sys
 
-    import kernels
+    from pdserve import kernels
 
-    ws = importlib.import_module("kernels.flash_prefill_ws")  # the module (its function shadows it on `kernels`)
+    ws = importlib.import_module("pdserve.kernels.flash_prefill_ws")  # its function shadows it
 
     monkeypatch.delattr(kernels, "_gluon_prefill_ws")
-    monkeypatch.setitem(sys.modules, "kernels._gluon_prefill_ws", None)  # importing it fails
+    monkeypatch.setitem(sys.modules, "pdserve.kernels._gluon_prefill_ws", None)  # importing it fails
     try:
         importlib.reload(ws)
         assert ws._gluon is None

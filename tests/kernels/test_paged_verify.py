@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from kernels import paged_verify, paged_verify_fits
+from pdserve.kernels import paged_verify, paged_verify_fits
 from tests.kernels.reference import make_paged_kv, ref_paged_attention, rel_error, tolerance
 
 COVERS = ("paged_verify", "paged_verify_fits")

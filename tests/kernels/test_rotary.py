@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import apply_rotary
+from pdserve.kernels import apply_rotary
 from tests.kernels.reference import ref_rotary, rope_tables, rounding_tolerance
 
 COVERS = ("apply_rotary",)

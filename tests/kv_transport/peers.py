@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import ucxx
 
-from engine.kv_pool import KVLayout, KVPool
-from kv_transport import TransferResult, TransportConfig, release_on_failure
-from kv_transport.ucx_receiver import UcxKVReceiver
-from kv_transport.ucx_sender import UcxKVSender
+from pdserve.engine.kv_pool import KVLayout, KVPool
+from pdserve.kv_transport import TransferResult, TransportConfig, release_on_failure
+from pdserve.kv_transport.ucx_receiver import UcxKVReceiver
+from pdserve.kv_transport.ucx_sender import UcxKVSender
 
 
 @dataclass(frozen=True)

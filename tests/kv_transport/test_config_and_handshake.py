@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_pool import KVLayout
-from kv_transport import TransportConfig
-from kv_transport.handshake import check_proof, data_tag, describe_mismatch, fingerprint, layout_fields, prove
-from kv_transport.transport_info import classify_tl, transport_from_ep_info
+from pdserve.engine.kv_pool import KVLayout
+from pdserve.kv_transport import TransportConfig
+from pdserve.kv_transport.handshake import check_proof, data_tag, describe_mismatch, fingerprint, layout_fields, prove
+from pdserve.kv_transport.transport_info import classify_tl, transport_from_ep_info
 
 SECRET = b"0123456789abcdef"
 LAYOUT = KVLayout("llama", torch.bfloat16, num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)

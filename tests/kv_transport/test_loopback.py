@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.kv_pool import KVLayout, KVPool
-from kv_transport import (
+from pdserve.engine.kv_pool import KVLayout, KVPool
+from pdserve.kv_transport import (
     HandshakeRefused,
     LoopbackNetwork,
     PeerLost,

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from kv_transport import TransferCancelled, TransferError, TransferRejected, TransferTimeout
-from kv_transport.receive_table import ReceiveTable
+from pdserve.kv_transport import TransferCancelled, TransferError, TransferRejected, TransferTimeout
+from pdserve.kv_transport.receive_table import ReceiveTable
 
 pytestmark = pytest.mark.timeout(30)
 TIMEOUT_S = 0.3

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.pdserve.v1 import generation_pb2 as proto_dot_pdserve_dot_v1_dot_generation__pb2
+from pdserve.proto.v1 import generation_pb2 as pdserve_dot_proto_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/pdserve/v1/generation_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/proto/v1/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.Generation/Generate',
-                request_serializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/pdserve.v1.Generation/ListModels',
-                request_serializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/pdserve.v1.Generation/GetServerInfo',
-                request_serializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.ServerInfo.FromString,
+                request_serializer=pdserve_dot_proto_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_v1_dot_generation__pb2.ServerInfo.FromString,
                 _registered_method=True)
 
 
@@ -82,18 +82,18 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.ListModelsRequest.FromString,
-                    response_serializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_v1_dot_generation__pb2.ListModelsRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_v1_dot_generation__pb2.ListModelsResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
-                    request_deserializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GetServerInfoRequest.FromString,
-                    response_serializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.ServerInfo.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_v1_dot_generation__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_v1_dot_generation__pb2.ServerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -122,8 +122,8 @@ class Generation:
             request,
             target,
             '/pdserve.v1.Generation/Generate',
-            proto_dot_pdserve_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-            proto_dot_pdserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            pdserve_dot_proto_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_proto_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -149,8 +149,8 @@ class Generation:
             request,
             target,
             '/pdserve.v1.Generation/ListModels',
-            proto_dot_pdserve_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
-            proto_dot_pdserve_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
+            pdserve_dot_proto_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
+            pdserve_dot_proto_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -176,8 +176,8 @@ class Generation:
             request,
             target,
             '/pdserve.v1.Generation/GetServerInfo',
-            proto_dot_pdserve_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
-            proto_dot_pdserve_dot_v1_dot_generation__pb2.ServerInfo.FromString,
+            pdserve_dot_proto_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
+            pdserve_dot_proto_dot_v1_dot_generation__pb2.ServerInfo.FromString,
             options,
             channel_credentials,
             insecure,
