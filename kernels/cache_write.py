@@ -21,12 +21,16 @@ def _cache_write_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM) & (slot >= 0)
-    src_k = key_ptr + token.to(tl.int64) * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-    src_v = value_ptr + token.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-    dst = slot * (NUM_KV_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(k_cache_ptr + dst, tl.load(src_k, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + dst, tl.load(src_v, mask=mask), mask=mask)
+    # A padding token is skipped by a branch, not by folding the scalar into the mask:
+    # besides loading nothing, that keeps the mask a block of bools (Triton 3.9's
+    # interpreter makes `bool block & bool scalar` an int32 block and refuses it as a mask).
+    if slot >= 0:
+        mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+        src_k = key_ptr + token.to(tl.int64) * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+        src_v = value_ptr + token.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+        dst = slot * (NUM_KV_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(k_cache_ptr + dst, tl.load(src_k, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + dst, tl.load(src_v, mask=mask), mask=mask)
 
 
 def cache_write(
