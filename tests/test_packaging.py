@@ -67,8 +67,9 @@ def test_the_wheel_installs_beside_kernels_and_proto_plus(tmp_path):
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", dist, ROOT], check=True, timeout=300)
     (wheel,) = dist.glob("pdserve-*.whl")
-    top_level = {Path(name).parts[0] for name in zipfile.ZipFile(wheel).namelist()}
-    assert {name for name in top_level if not name.endswith(".dist-info")} == {"pdserve"}
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {Path(name).parts[0] for name in names if ".dist-info/" not in name} == {"pdserve"}
+    assert {"pdserve/proto/v1/generation.proto", "pdserve/cluster/bench/synthetic_chat.jsonl"} <= set(names)
     subprocess.run([*pip, "install", "--no-deps", "--target", target, wheel], check=True, timeout=300)
 
     # -S drops the environment's site-packages (where the editable install maps pdserve to

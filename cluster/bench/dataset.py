@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-SYNTHETIC_CHAT = Path(__file__).with_name("data") / "synthetic_chat.jsonl"
+SYNTHETIC_CHAT = Path(__file__).with_name("synthetic_chat.jsonl")
 _ID_MARGIN = 10  # random ids stay clear of the vocabulary's ends (special tokens sit there)
 
 
