@@ -196,6 +196,14 @@ def test_client_leaving_mid_stream_frees_every_block(srv, client, model, chat):
     assert client.completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_client_leaving_before_a_whole_response_frees_every_block(srv):
+    body = '{"prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": true}'
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.http_url + "/v1/completions", content=body, headers={"Content-Type": "application/json"},
+                   timeout=3)
+    wait_until(lambda: pools_are_full(srv.target), 30, "blocks to be freed after the client left")
+
+
 def test_generate_cli_speaks_the_http_api(srv):
     want, _ = grpc_text(srv, prompt=PROMPT, max_tokens=8)
     proc = subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", "generate", "--target", srv.http_url,
