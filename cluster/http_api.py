@@ -263,7 +263,7 @@ def _param(message: str, body: BaseModel) -> str | None:
     if word is None:
         return None
     name = word.group(0).split("[")[0].split(".")[0]
-    return word.group(0) if name in type(body).model_fields or name == "stop_token_ids" else None
+    return word.group(0) if name in type(body).model_fields else None
 
 
 def _json(body: BaseModel) -> Response:
