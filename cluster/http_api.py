@@ -32,6 +32,7 @@ from pdserve.cluster import openai_models as m
 from pdserve.cluster.frontend import Frontend, RequestFailed, Status
 from pdserve.cluster.openai_protocol import ChatRenderer, Choice, CompletionRenderer, chat_choices, completion_choices
 from pdserve.engine.outputs import TextDelta
+from pdserve.engine.request_processor import RequestProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ _HTTP = {Status.INVALID_ARGUMENT: (400, "invalid_request_error", None),
          Status.CANCELLED: (499, "server_error", "cancelled"),
          Status.INTERNAL: (500, "server_error", "internal_error")}
 Body = TypeVar("Body", bound=BaseModel)
+CallBody = TypeVar("CallBody", m.CompletionRequest, m.ChatCompletionRequest)
 Renderer = CompletionRenderer | ChatRenderer
 
 
@@ -79,24 +81,24 @@ class OpenAIApi:
         return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
 
     async def completions(self, request: Request) -> Response:
-        try:
-            body = await self._body(request, m.CompletionRequest)
-            choices = self._choices(body, lambda: completion_choices(body, self.processor))
-            renderer = CompletionRenderer(self.processor, f"cmpl-{uuid.uuid4().hex}", int(time.time()),
-                                          self.processor.model_name)
-            return await self._respond(request, body, choices, renderer)
-        except ApiError as e:
-            return e.response()
+        return await self._call(request, m.CompletionRequest, completion_choices, CompletionRenderer, "cmpl")
 
     async def chat_completions(self, request: Request) -> Response:
+        return await self._call(request, m.ChatCompletionRequest, chat_choices, ChatRenderer, "chatcmpl")
+
+    async def _call(self, request: Request, model: type[CallBody],
+                    make_choices: Callable[[CallBody, RequestProcessor], list[Choice]],
+                    make_renderer: Callable[[RequestProcessor, str, int, str], Renderer], prefix: str) -> Response:
         try:
-            body = await self._body(request, m.ChatCompletionRequest)
-            choices = self._choices(body, lambda: chat_choices(body, self.processor))
-            renderer = ChatRenderer(self.processor, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
-                                    self.processor.model_name)
+            body = await self._body(request, model)
+            choices = self._choices(body, lambda: make_choices(body, self.processor))
+            renderer = make_renderer(self.processor, f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
+                                     self.processor.model_name)
             return await self._respond(request, body, choices, renderer)
         except ApiError as e:
             return e.response()
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it
 
     async def models(self, request: Request) -> Response:
         p = self.processor
