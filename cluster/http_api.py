@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Send
 
 from pdserve.cluster import openai_models as m
 from pdserve.cluster.frontend import Frontend, RequestFailed, Status
@@ -229,7 +230,7 @@ class _EventStream(StreamingResponse):
     """Closes its events when the stream ends in any way, so that a client gone mid-send
     cancels its requests at once (not when the generator is collected)."""
 
-    async def stream_response(self, send) -> None:
+    async def stream_response(self, send: Send) -> None:
         try:
             await super().stream_response(send)
         finally:
@@ -246,6 +247,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     watch = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we were cancelled (the server stops)
+        task.cancel()
+        raise
     finally:
         watch.cancel()
     if not task.done():
@@ -308,8 +312,9 @@ class HttpServer:
             sock.close()
             raise ValueError(f"cannot bind the HTTP API to {host}:{port}: {e}") from e
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.api.app(), lifespan="off", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=2, ws="none")
+        # log_config=None: uvicorn's loggers propagate to pdserve's logging, which it leaves as it is.
+        config = uvicorn.Config(self.api.app(), lifespan="off", log_config=None, log_level="warning",
+                                access_log=False, timeout_graceful_shutdown=2, ws="none")
         self._server = _Uvicorn(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
