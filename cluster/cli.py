@@ -85,6 +85,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_remote(args: argparse.Namespace, params: SamplingParams) -> int:
+    if args.target.startswith(("http://", "https://")):
+        return _generate_http(args, params)
     import grpc
 
     from pdserve.cluster.client import Client
@@ -105,6 +107,23 @@ def _generate_remote(args: argparse.Namespace, params: SamplingParams) -> int:
     return 0
 
 
+def _generate_http(args: argparse.Namespace, params: SamplingParams) -> int:
+    from pdserve.cluster.http_client import HttpApiError, stream_text
+
+    for i, prompt in enumerate(args.prompts):
+        if len(args.prompts) > 1:
+            print(f"--- [{i}]")
+        try:
+            for text in stream_text(args.target, prompt, params, args.chat, args.timeout):
+                sys.stdout.write(text)
+                sys.stdout.flush()
+        except HttpApiError as e:
+            print(f"\npdserve: error: {e}", file=sys.stderr)
+            return 1
+        sys.stdout.write("\n")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.cluster.config import ServeConfig, load_config, with_overrides
     from pdserve.cluster.server import serve_forever
@@ -116,7 +135,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache={"num_blocks": args.num_kv_blocks},
         scheduler={"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs},
         spec=_spec_overrides(args),
-        server={"host": args.host, "port": args.port, "metrics_port": args.metrics_port},
+        server={"host": args.host, "port": args.port, "metrics_port": args.metrics_port,
+                "http_port": args.http_port, "http": False if args.no_http else None},
         pools={"mode": args.mode, "num_prefill": args.num_prefill, "num_decode": args.num_decode,
                "routing": args.routing, "gpus_per_worker": args.gpus_per_worker},
         ray={"address": args.address},
@@ -146,17 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from prompts (in-process engine)")
     gen.add_argument("prompts", nargs="+", help="prompt text (several run as one continuous batch)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    gen.add_argument("--target", help="host:port of a pdserve server (default: run the engine in-process)")
+    gen.add_argument("--target", help="host:port of a pdserve server's gRPC API, or http://host:port of its "
+                                      "OpenAI HTTP API (default: run the engine in-process)")
     gen.add_argument("--timeout", type=float, default=None, help="deadline per request, seconds (--target)")
     _add_model_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    serve = sub.add_parser("serve", help="serve the gRPC API from Ray prefill and decode pools")
+    serve = sub.add_parser("serve", help="serve the gRPC and OpenAI HTTP APIs from Ray prefill and decode pools")
     serve.add_argument("--config", help="YAML config file (the one the Helm chart renders)")
     serve.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
-    serve.add_argument("--host", default=None, help="gRPC and metrics bind address (default 127.0.0.1)")
+    serve.add_argument("--host", default=None, help="gRPC, HTTP and metrics bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="gRPC port (default 50051)")
+    serve.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (default 8000)")
+    serve.add_argument("--no-http", action="store_true", help="serve gRPC only")
     serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default 9400, 0 = off)")
     serve.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
     serve.add_argument("--num-prefill", type=int, default=None)

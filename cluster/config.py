@@ -20,23 +20,29 @@ SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """The gRPC frontend.
+    """The frontends: gRPC and the OpenAI-compatible HTTP API, in one process and event loop.
 
-    host/port: where clients connect (127.0.0.1 unless configured otherwise).
+    host/port: where gRPC clients connect (127.0.0.1 unless configured otherwise; port 0 picks a free one).
+    http: serve the OpenAI-compatible HTTP API beside gRPC, on the same host.
+    http_port: its port (0 picks a free one).
     metrics_port: Prometheus /metrics on the same host; 0 disables it.
-    max_inflight_requests: more concurrent requests get RESOURCE_EXHAUSTED.
+    max_inflight_requests: more concurrent requests (both APIs together) get RESOURCE_EXHAUSTED / 429.
     default_timeout_s: bound on a request without a client deadline.
     """
 
     host: str = "127.0.0.1"
     port: int = 50051
+    http: bool = True
+    http_port: int = 8000
     metrics_port: int = 9400
     max_inflight_requests: int = 256
     default_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"ServerConfig ports must be in [0, 65535], got {self.port}, {self.metrics_port}")
+        ports = (self.port, self.http_port, self.metrics_port)
+        if not all(0 <= p <= 65535 for p in ports):
+            raise ValueError(f"ServerConfig ports must be in [0, 65535], got port={self.port}, "
+                             f"http_port={self.http_port}, metrics_port={self.metrics_port}")
         if self.max_inflight_requests < 1:
             raise ValueError(f"ServerConfig.max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
         if self.default_timeout_s <= 0:

@@ -1,4 +1,5 @@
-"""`pdserve serve`: Ray pools, the coordinator, the gRPC server and /metrics, in one process."""
+"""`pdserve serve`: Ray pools, the coordinator, the gRPC server, the OpenAI HTTP API and /metrics,
+in one process and one event loop."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.cluster.config import ServeConfig, cluster_secret, fit_pools_to_gpus
 from pdserve.cluster.coordinator import Coordinator
+from pdserve.cluster.frontend import Frontend
+from pdserve.cluster.http_api import HttpServer
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ActorSpec, Pool
 from pdserve.cluster.router import make_policy
@@ -40,8 +43,15 @@ class Server:
     health: health.aio.HealthServicer
     metrics: Metrics
     port: int
+    http: HttpServer | None = None
+
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http.port
 
     async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         await self.grpc_server.stop(grace=2.0)
         await self.coordinator.stop()
 
@@ -96,9 +106,10 @@ async def start_server(config: ServeConfig) -> Server:
     lens = [await w.actor.max_model_len.remote() for p in coordinator.pools() for w in p.workers]
     processor = RequestProcessor(tokenizer, files.name, files.arch.vocab_size, min(lens))
 
+    frontend = Frontend(coordinator, processor, metrics, config.server.max_inflight_requests,
+                        config.server.default_timeout_s)
     server = grpc.aio.server()
-    service = GenerationService(coordinator, processor, metrics, config.server.max_inflight_requests,
-                                config.server.default_timeout_s)
+    service = GenerationService(frontend)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -110,17 +121,27 @@ async def start_server(config: ServeConfig) -> Server:
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    http = None
+    if config.server.http:
+        http = HttpServer(frontend)
+        try:
+            await http.start(config.server.host, config.server.http_port)
+        except BaseException:
+            await server.stop(None)
+            await coordinator.stop()
+            raise
     if config.server.metrics_port:
         metrics.serve(config.server.host, config.server.metrics_port)
-    logger.info("pdserve serving %s on %s:%d (%s, %s)", files.name, config.server.host, port, coordinator.mode,
-                "GPU" if torch.cuda.is_available() else "CPU")
-    return Server(server, coordinator, health_servicer, metrics, port)
+    logger.info("pdserve serving %s on %s:%d, HTTP %s (%s, %s)", files.name, config.server.host, port,
+                http.port if http else "off", coordinator.mode, "GPU" if torch.cuda.is_available() else "CPU")
+    return Server(server, coordinator, health_servicer, metrics, port, http)
 
 
 async def serve_forever(config: ServeConfig) -> None:
     server = await start_server(config)
-    print(f"pdserve: serving on {config.server.host}:{server.port} ({server.coordinator.mode}); Ctrl-C stops",
-          flush=True)
+    http = f", OpenAI HTTP API on http://{config.server.host}:{server.http_port}/v1" if server.http else ""
+    print(f"pdserve: serving gRPC on {config.server.host}:{server.port}{http} ({server.coordinator.mode}); "
+          "Ctrl-C stops", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,107 +1,51 @@
-"""The pdserve.v1.Generation gRPC service: validate, run through the coordinator, stream text."""
+"""The pdserve.v1.Generation gRPC service: proto in, the shared `Frontend` path, proto out."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
 import uuid
 
 import grpc
 
-from pdserve.cluster.coordinator import Coordinator, Overloaded, WorkerUnavailable
-from pdserve.cluster.metrics import Metrics
+from pdserve.cluster.frontend import Frontend, RequestFailed, Status
 from pdserve.cluster.validation import parse_request
-from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import TextDelta
-from pdserve.engine.request_processor import OutputStream, RequestProcessor
 from pdserve.engine.sequence import FinishReason
 from pdserve.proto.v1 import generation_pb2 as pb
 from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
 
-logger = logging.getLogger(__name__)
-
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
 VERSION = "0.1.0"
+_CODES = {
+    Status.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Status.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Status.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Status.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Status.CANCELLED: grpc.StatusCode.CANCELLED,
+    Status.INTERNAL: grpc.StatusCode.INTERNAL,
+}
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, coordinator: Coordinator, processor: RequestProcessor, metrics: Metrics,
-                 max_inflight: int, default_timeout_s: float) -> None:
-        self.coordinator = coordinator
-        self.processor = processor
-        self.metrics = metrics
-        self.max_inflight = max_inflight
-        self.default_timeout_s = default_timeout_s
-        self.inflight = 0
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.coordinator = frontend.coordinator
+        self.processor = frontend.processor
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        start = time.perf_counter()
         try:
             parsed = parse_request(request, self.processor)
         except ValueError as e:
-            self.metrics.requests.labels("INVALID_ARGUMENT").inc()
+            self.frontend.count(Status.INVALID_ARGUMENT)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if self.inflight >= self.max_inflight:
-            self.metrics.requests.labels("RESOURCE_EXHAUSTED").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"server is at its limit of {self.max_inflight} concurrent requests; retry later")
-        client_id = request.request_id
-        worker_req = WorkerRequest(uuid.uuid4().hex, parsed.prompt_token_ids, parsed.params)  # no stop strings
-        remaining = context.time_remaining()
-        timeout = self.default_timeout_s if remaining is None else max(0.0, remaining)
-        self.inflight += 1
-        status = "OK"
+        num_prompt, num_generated = len(parsed.prompt_token_ids), 0
+        client_id = request.request_id or uuid.uuid4().hex
         try:
-            async with asyncio.timeout(timeout):
-                async for response in self._stream(worker_req, self.processor.output_stream(parsed),
-                                                   client_id or worker_req.request_id, start):
-                    yield response
-        except TimeoutError:
-            status = "DEADLINE_EXCEEDED"
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request exceeded its deadline of {timeout:.1f} s")
-        except Overloaded as e:
-            status = "RESOURCE_EXHAUSTED"
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except WorkerUnavailable as e:
-            status = "UNAVAILABLE"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except asyncio.CancelledError:
-            status = "CANCELLED"
-            raise
-        except grpc.aio.AbortError:
-            raise
-        except Exception:  # a bug, not the client's fault: log it, tell the client no more than that
-            status = "INTERNAL"
-            logger.exception("request %s failed", worker_req.request_id)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in request {worker_req.request_id}")
-        finally:
-            self.inflight -= 1
-            self.metrics.requests.labels(status).inc()
-
-    async def _stream(self, req: WorkerRequest, stream: OutputStream, client_id: str, start: float):
-        num_generated = 0
-        last = None
-        deltas = self.coordinator.generate(req)
-        try:
-            async for delta in deltas:
-                now = time.perf_counter()
-                if last is None:
-                    self.metrics.ttft.observe(now - start)
-                else:
-                    self.metrics.itl.observe(now - last)
-                last = now
-                if delta.finish_reason is FinishReason.ABORT:
-                    raise WorkerUnavailable("the worker aborted the request")
-                out = stream.add(delta)
-                num_generated += len(out.token_ids)
-                yield self._response(client_id, out, len(req.prompt_token_ids), num_generated)
-                if out.finished:  # a stop string too: the coordinator aborts the workers when we return
-                    self.metrics.e2e.observe(now - start)
-                    self.metrics.tokens.inc(num_generated)
-                    return
-        finally:
-            await deltas.aclose()
+            async for delta in self.frontend.generate(parsed, context.time_remaining()):
+                num_generated += len(delta.token_ids)
+                yield self._response(client_id, delta, num_prompt, num_generated)
+        except RequestFailed as e:
+            await context.abort(_CODES[e.status], str(e))
 
     @staticmethod
     def _response(client_id: str, delta: TextDelta, num_prompt: int, num_generated: int) -> pb.GenerateResponse:

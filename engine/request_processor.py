@@ -97,6 +97,12 @@ class RequestProcessor:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tokenizer.encode(text, add_special_tokens=False)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (as logprobs show it); without a tokenizer, "token_id:<id>"."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
     def output_stream(self, request: ProcessedRequest) -> OutputStream:
         return OutputStream(self.tokenizer, request.prompt_token_ids, request.stop)
 

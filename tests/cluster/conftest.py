@@ -34,6 +34,10 @@ class RunningServer:
     def target(self) -> str:
         return f"127.0.0.1:{self.server.port}"
 
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.http_port}"
+
     def run(self, coro: Any, timeout_s: float = 60.0) -> Any:
         """Run a coroutine on the server's event loop (to reach the coordinator and actors)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
@@ -42,7 +46,7 @@ class RunningServer:
 def _server_config(**sections: dict[str, Any]) -> ServeConfig:
     base: dict[str, Any] = {
         "engine": {"model": {"device": "cpu", "dtype": "float32"}, "cache": {"cpu_kv_cache_gib": 0.25}},
-        "server": {"port": 0, "metrics_port": 0},
+        "server": {"port": 0, "http_port": 0, "metrics_port": 0},
         "pools": {"gpus_per_worker": 0, "health_interval_s": 0.5},
         "kv_transport": {"transfer_timeout_s": 30.0},
     }

@@ -22,6 +22,8 @@ def test_yaml_sections_build_the_same_objects_as_flags(tmp_path):
     ({"pools": {"num_decode": 0}}, "needs >= 1 decode worker"),
     ({"pools": {"mode": "mixed-up"}}, "PoolConfig.mode"),
     ({"server": {"prot": 1}}, "unknown keys in config section 'server'"),
+    ({"server": {"http_port": 70000}}, "http_port=70000"),
+    ({"server": {"http": "no"}}, "http must be true or false"),
     ({"engine": {"model": {"dtype": "int3"}}}, "ModelConfig.dtype"),
     ({"routers": {}}, "unknown config sections"),
     ({"kv_transport": {"direct_writes": "no"}}, "direct_writes must be true or false"),

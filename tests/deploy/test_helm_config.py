@@ -22,7 +22,7 @@ RAY_PORTS = {6379, 8265, 10001, 52365, 8076}  # GCS, dashboard, client, dashboar
 EXPECTED = {
     "default": ServeConfig(
         engine=EngineConfig(model=ModelConfig(source="default", cache_dir=Path("/var/cache/pdserve"))),
-        server=ServerConfig(host="0.0.0.0", port=50051, metrics_port=9400),
+        server=ServerConfig(host="0.0.0.0", port=50051, http=True, http_port=8000, metrics_port=9400),
         pools=PoolConfig(mode="disaggregated", num_prefill=1, num_decode=1, gpus_per_worker=0.0,
                          prefill_resource="prefill", decode_resource="decode", routing="prefix_aware"),
         ray=RayConfig(address="auto", node_ip_address=POD_IP),
@@ -35,7 +35,7 @@ EXPECTED = {
             cache=CacheConfig(gpu_memory_utilization=0.9),
             scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256),
         ),
-        server=ServerConfig(host="0.0.0.0", port=50051, metrics_port=9400),
+        server=ServerConfig(host="0.0.0.0", port=50051, http=True, http_port=8000, metrics_port=9400),
         pools=PoolConfig(mode="disaggregated", num_prefill=8, num_decode=8, gpus_per_worker=1.0,
                          prefill_resource="prefill", decode_resource="decode"),
         ray=RayConfig(address="auto", node_ip_address=POD_IP),
@@ -138,7 +138,7 @@ def test_head_serves_grpc_with_native_probes(render: Render) -> None:
     docs = render()
     head = head_container(docs)
     ports = {p["name"]: p["containerPort"] for p in head["ports"]}
-    assert ports["grpc"] == 50051 and ports["metrics"] == 9400
+    assert ports["grpc"] == 50051 and ports["http"] == 8000 and ports["metrics"] == 9400
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert head[probe]["grpc"] == {"port": 50051}  # no service name: the server's overall health
     assert "--address auto --host 0.0.0.0" in head["args"][0]
@@ -150,7 +150,7 @@ def test_only_the_frontend_is_exposed(render: Render) -> None:
     docs = render()
     service = one(docs, "Service")
     assert service["spec"]["type"] == "ClusterIP"
-    assert {p["port"] for p in service["spec"]["ports"]} == {50051, 9400}
+    assert {p["port"] for p in service["spec"]["ports"]} == {50051, 8000, 9400}
     assert service["spec"]["selector"]["app.kubernetes.io/component"] == "head"
     head_spec = one(docs, "RayCluster")["spec"]["headGroupSpec"]
     assert head_spec["serviceType"] == "ClusterIP"
@@ -159,6 +159,12 @@ def test_only_the_frontend_is_exposed(render: Render) -> None:
     for doc in docs:
         if doc["kind"] == "Service":
             assert not {p["port"] for p in doc["spec"]["ports"]} & RAY_PORTS
+
+
+def test_http_api_off_exposes_only_grpc_and_metrics(render: Render) -> None:
+    docs = render(sets=("config.server.http=false",))
+    assert {p["port"] for p in one(docs, "Service")["spec"]["ports"]} == {50051, 9400}
+    assert "http" not in {p["name"] for p in head_container(docs)["ports"]}
 
 
 def test_cluster_secret_comes_from_a_secret(render: Render) -> None:

@@ -1,0 +1,138 @@
+"""What every API frontend shares (gRPC `GenerationService`, the OpenAI HTTP API): admission
+under the concurrency limit, the request's run through the coordinator with its deadline,
+text through the request processor's `OutputStream`, latency metrics and the request's status.
+
+A frontend parses its wire format into a `ProcessedRequest` (through `RequestProcessor`),
+iterates `Frontend.generate` and maps a `RequestFailed`'s `Status` to its own codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from pdserve.cluster.coordinator import Coordinator, Overloaded, WorkerUnavailable
+from pdserve.cluster.metrics import Metrics
+from pdserve.engine.messages import WorkerRequest
+from pdserve.engine.outputs import TextDelta
+from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
+from pdserve.engine.sequence import FinishReason
+
+logger = logging.getLogger(__name__)
+
+
+class Status(str, enum.Enum):
+    """How a request ended, named as gRPC names it (the `status` label of pdserve_requests_total)."""
+
+    OK = "OK"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    CANCELLED = "CANCELLED"
+    INTERNAL = "INTERNAL"
+
+
+class RequestFailed(Exception):
+    """A request that could not run or finish; `str(e)` is safe to show the client."""
+
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Frontend:
+    """The request path both APIs share, on the coordinator, router and pools of one server."""
+
+    def __init__(self, coordinator: Coordinator, processor: RequestProcessor, metrics: Metrics,
+                 max_inflight: int, default_timeout_s: float) -> None:
+        self.coordinator = coordinator
+        self.processor = processor
+        self.metrics = metrics
+        self.max_inflight = max_inflight
+        self.default_timeout_s = default_timeout_s
+        self.inflight = 0
+
+    def count(self, status: Status) -> None:
+        """Count a request a frontend refused before it ran (bad input)."""
+        self.metrics.requests.labels(status.value).inc()
+
+    def check_capacity(self, num_requests: int = 1) -> None:
+        """Raise RequestFailed(RESOURCE_EXHAUSTED) unless `num_requests` more may run now."""
+        if self.inflight + num_requests > self.max_inflight:
+            self.count(Status.RESOURCE_EXHAUSTED)
+            raise RequestFailed(Status.RESOURCE_EXHAUSTED, f"server is at its limit of {self.max_inflight} "
+                                                           "concurrent requests; retry later")
+
+    async def generate(self, request: ProcessedRequest, timeout_s: float | None = None) -> AsyncIterator[TextDelta]:
+        """Run one request; yields its text deltas, the last with a finish reason (STOP or LENGTH).
+
+        timeout_s: the client's deadline (None: `default_timeout_s`). Raises RequestFailed;
+        closing the iterator early cancels the request and frees its blocks everywhere.
+        """
+        self.check_capacity()
+        start = time.perf_counter()
+        worker_req = WorkerRequest(uuid.uuid4().hex, request.prompt_token_ids, request.params)  # no stop strings
+        timeout = self.default_timeout_s if timeout_s is None else max(0.0, timeout_s)
+        deadline = asyncio.get_running_loop().time() + timeout
+        self.inflight += 1
+        status = Status.OK
+        try:
+            async for delta in self._stream(worker_req, request, start, deadline):
+                yield delta
+        except TimeoutError as e:
+            status = Status.DEADLINE_EXCEEDED
+            raise RequestFailed(status, f"request exceeded its deadline of {timeout:.1f} s") from e
+        except Overloaded as e:
+            status = Status.RESOURCE_EXHAUSTED
+            raise RequestFailed(status, str(e)) from e
+        except WorkerUnavailable as e:
+            status = Status.UNAVAILABLE
+            raise RequestFailed(status, str(e)) from e
+        except (asyncio.CancelledError, GeneratorExit):
+            status = Status.CANCELLED
+            raise
+        except Exception as e:  # a bug, not the client's fault: log it, tell the client no more than that
+            status = Status.INTERNAL
+            logger.exception("request %s failed", worker_req.request_id)
+            raise RequestFailed(status, f"internal error in request {worker_req.request_id}") from e
+        finally:
+            self.inflight -= 1
+            self.count(status)
+
+    async def _stream(self, req: WorkerRequest, request: ProcessedRequest, start: float,
+                      deadline: float) -> AsyncIterator[TextDelta]:
+        # The deadline bounds each wait for the workers, not the caller's time between deltas:
+        # a timeout scope around a `yield` would cancel whichever task is consuming the stream.
+        stream = self.processor.output_stream(request)
+        num_generated = 0
+        last = None
+        deltas = self.coordinator.generate(req)
+        try:
+            while True:
+                async with asyncio.timeout_at(deadline):
+                    delta = await anext(deltas, None)
+                if delta is None:
+                    return
+                now = time.perf_counter()
+                if last is None:
+                    self.metrics.ttft.observe(now - start)
+                else:
+                    self.metrics.itl.observe(now - last)
+                last = now
+                if delta.finish_reason is FinishReason.ABORT:
+                    raise WorkerUnavailable("the worker aborted the request")
+                out = stream.add(delta)
+                num_generated += len(out.token_ids)
+                yield out
+                if out.finished:  # a stop string too: the coordinator aborts the workers when we return
+                    self.metrics.e2e.observe(now - start)
+                    self.metrics.tokens.inc(num_generated)
+                    return
+        finally:
+            await deltas.aclose()

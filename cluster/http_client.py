@@ -1,0 +1,65 @@
+"""A small streaming client of the OpenAI-compatible HTTP API, on the standard library
+(used by `pdserve generate --target http://host:port`)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+from pdserve.engine.sampling import SamplingParams
+
+
+class HttpApiError(Exception):
+    """The server answered with an OpenAI-shaped error (or something that is not the API)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+def stream_text(base_url: str, prompt: str, params: SamplingParams, chat: bool = False,
+                timeout_s: float | None = None) -> Iterator[str]:
+    """Yields the text of one completion (chat completion with `chat`) as the server streams it."""
+    body: dict[str, object] = {
+        "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+        "top_k": params.top_k, "min_p": params.min_p, "stream": True, "ignore_eos": params.ignore_eos,
+    }
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    req = urllib.request.Request(base_url.rstrip("/") + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "Accept": "text/event-stream"})
+    try:
+        resp = urllib.request.urlopen(req, timeout=timeout_s)
+    except urllib.error.HTTPError as e:
+        raise HttpApiError(e.code, _message(e.read())) from e
+    except urllib.error.URLError as e:
+        raise HttpApiError(0, f"cannot reach {base_url}: {e.reason}") from e
+    with resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return
+            event = json.loads(data)
+            if "error" in event:
+                raise HttpApiError(resp.status, event["error"].get("message", ""))
+            for choice in event.get("choices", []):
+                yield (choice.get("delta", {}).get("content") if chat else choice.get("text")) or ""
+
+
+def _message(body: bytes) -> str:
+    try:
+        return json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace")[:200]

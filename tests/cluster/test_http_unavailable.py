@@ -1,0 +1,47 @@
+"""The HTTP API with no healthy worker: 503 in OpenAI's shape, from /health and from a
+completion (a coordinator fake stands in for the pools; token ids in, so no model)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.testclient import TestClient
+
+from pdserve.cluster.coordinator import WorkerUnavailable
+from pdserve.cluster.frontend import Frontend
+from pdserve.cluster.http_api import OpenAIApi
+from pdserve.cluster.metrics import Metrics
+from pdserve.engine.messages import WorkerRequest
+from pdserve.engine.outputs import TokenDelta
+from pdserve.engine.request_processor import RequestProcessor
+
+
+@dataclass
+class _LostPool:
+    role: str = "decode"
+
+    def healthy(self) -> list[object]:
+        return []
+
+
+class _NoWorkers:
+    def pools(self) -> list[_LostPool]:
+        return [_LostPool()]
+
+    async def generate(self, req: WorkerRequest) -> AsyncIterator[TokenDelta]:
+        raise WorkerUnavailable("no healthy decode worker")
+        yield  # an async generator, as the coordinator's is
+
+
+def test_no_healthy_worker_is_503():
+    frontend = Frontend(_NoWorkers(), RequestProcessor(None, "tiny", 100, 64), Metrics(), 8, 30.0)  # type: ignore[arg-type]
+    with TestClient(OpenAIApi(frontend).app()) as client:
+        health = client.get("/health")
+        assert health.status_code == 503 and "no healthy decode worker" in health.json()["error"]["message"]
+        for stream in (False, True):
+            resp = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2, "stream": stream})
+            assert resp.status_code == 503, resp.text
+            assert resp.json()["error"] == {"message": "no healthy decode worker", "type": "server_error",
+                                            "param": None, "code": "service_unavailable"}
+    assert frontend.inflight == 0
