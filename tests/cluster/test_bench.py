@@ -40,13 +40,19 @@ def test_the_shipped_chat_set_is_chat_shaped(tmp_path):
         jsonl_requests(bad, 2, 4)
 
 
-def test_bench_counts_match_the_servers_metrics(start, tmp_path, capsys):
-    metrics_port = free_port()
-    srv = start(server={"metrics_port": metrics_port})
+@pytest.fixture(scope="module")
+def srv(start):
+    port = free_port()
+    running = start(server={"metrics_port": port})
+    running.metrics_url = f"http://127.0.0.1:{port}/metrics"
+    return running
+
+
+def test_bench_counts_match_the_servers_metrics(srv, tmp_path, capsys):
     out = tmp_path / "r.json"
     rc = main(["bench", "--target", srv.target, "--num-prompts", "6", "--input-len", "24", "--output-len", "5",
                "--sweep", "4,inf", "--max-concurrency", "3", "--goodput", "ttft:60000",
-               "--metrics-url", f"http://127.0.0.1:{metrics_port}/metrics",
+               "--metrics-url", srv.metrics_url,
                "--json", str(out), "--plot", str(tmp_path / "plots"), "--no-progress"])
     assert rc == 0
     table = capsys.readouterr().out
@@ -69,8 +75,29 @@ def test_bench_counts_match_the_servers_metrics(start, tmp_path, capsys):
             assert image.format == "PNG" and image.size[0] > 500
 
 
-def test_bench_chat_set_and_a_bad_target(start, tmp_path, capsys):
-    srv = start()
+@pytest.mark.parametrize("api", ["grpc", "openai"])
+def test_bench_over_either_api_counts_what_the_server_counts(srv, api, tmp_path):
+    from pdserve.cluster.client import Client
+
+    with Client(srv.target) as client:
+        vocab = client.list_models().models[0].vocab_size
+    target = srv.target if api == "grpc" else srv.http_url
+    for dataset in ("random", "synthetic-chat"):
+        out = tmp_path / f"{dataset}.json"
+        assert main(["bench", "--target", target, "--dataset", dataset, "--num-prompts", "4", "--input-len", "16",
+                     "--output-len", "4", "--vocab-size", str(vocab), "--max-concurrency", "2",
+                     "--metrics-url", srv.metrics_url, "--json", str(out), "--no-progress"]) == 0
+        doc = json.loads(out.read_text())
+        assert doc["backend"] == api
+        (run,) = doc["runs"]
+        assert run["completed"] == 4 and run["total_output_tokens"] == 16
+        assert run["server_completed"] == 4 and run["server_output_tokens"] == 16
+        # Prompt tokens as the server counted them (random: exactly the ids sent).
+        counts = [r["input_tokens"] for r in doc["requests"]]
+        assert counts == [16] * 4 if dataset == "random" else all(c > 10 for c in counts)
+
+
+def test_bench_chat_set_and_a_bad_target(srv, tmp_path, capsys):
     out = tmp_path / "chat.json"
     assert main(["bench", "--target", srv.target, "--dataset", "synthetic-chat", "--num-prompts", "3",
                  "--output-len", "4", "--json", str(out), "--no-progress"]) == 0
