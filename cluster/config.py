@@ -54,7 +54,6 @@ class PoolConfig:
     prefill_resource/decode_resource: custom Ray node resources that pin each pool
         to labelled nodes ("" places anywhere).
     routing: "prefix_aware" (default), "least_load" or "round_robin".
-    health_interval_s: how often actors are pinged; a dead one is replaced.
     """
 
     mode: str = "disaggregated"
@@ -64,7 +63,6 @@ class PoolConfig:
     prefill_resource: str = ""
     decode_resource: str = ""
     routing: str = "prefix_aware"
-    health_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,8 +74,32 @@ class PoolConfig:
             raise ValueError(f"PoolConfig.gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
         if self.routing not in POLICIES:
             raise ValueError(f"PoolConfig.routing must be one of {POLICIES}, got {self.routing!r}")
-        if self.health_interval_s <= 0:
-            raise ValueError(f"PoolConfig.health_interval_s must be > 0, got {self.health_interval_s}")
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    """How workers are found dead or stuck, and replaced. Busy is not dead: a ping is
+    answered on the worker's own health thread, never behind an engine step.
+
+    interval_s: how often every worker is pinged.
+    ping_timeout_s: bound on one ping. A missed ping alone replaces nothing.
+    unresponsive_after_s: a worker that answered no ping for this long is replaced
+        (its process is wedged). A worker whose process died is replaced at once.
+    stuck_after_s: a worker whose engine loop has not turned for this long (one step or
+        command running all that time) is replaced. Generous: on a CPU one prefill step
+        of a long prompt takes minutes.
+    start_timeout_s: bound on a worker's start (model load and a first GGUF conversion).
+    """
+
+    interval_s: float = 2.0
+    ping_timeout_s: float = 5.0
+    unresponsive_after_s: float = 60.0
+    stuck_after_s: float = 1800.0
+    start_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"HealthConfig.{f.name} must be > 0, got {getattr(self, f.name)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +137,7 @@ class ServeConfig:
     pools: PoolConfig = field(default_factory=PoolConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     kv_transport: KVTransportSettings = field(default_factory=KVTransportSettings)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
 
 def cluster_secret() -> bytes:
@@ -129,6 +152,7 @@ def cluster_secret() -> bytes:
 
 _SECTIONS: dict[str, type] = {
     "server": ServerConfig, "pools": PoolConfig, "ray": RayConfig, "kv_transport": KVTransportSettings,
+    "health": HealthConfig,
 }
 _ENGINE_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                                      "spec": SpecConfig}

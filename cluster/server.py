@@ -65,14 +65,14 @@ def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool
         logger.warning("%g GPU(s) cannot hold %d prefill + %d decode workers: serving colocated, "
                        "one mixed worker per GPU", num_gpus, config.pools.num_prefill, config.pools.num_decode)
     gpus = p.gpus_per_worker
-    engine_config = config.engine
+    engine_config, health = config.engine, config.health
     if p.mode == "colocated":
         spec = ActorSpec(DecodeWorker, (engine_config, None), 1, gpus, p.decode_resource)
-        return None, Pool("mixed", p.num_decode, spec)
+        return None, Pool("mixed", p.num_decode, spec, health)
     prefill = Pool("prefill", p.num_prefill, ActorSpec(PrefillWorker, (engine_config, transport), 1, gpus,
-                                                       p.prefill_resource))
+                                                       p.prefill_resource), health)
     decode = Pool("decode", p.num_decode, ActorSpec(DecodeWorker, (engine_config, transport), 1, gpus,
-                                                    p.decode_resource))
+                                                    p.decode_resource), health)
     return prefill, decode
 
 
@@ -91,7 +91,7 @@ async def start_server(config: ServeConfig) -> Server:
     metrics = Metrics()
     coordinator = Coordinator(prefill, decode, make_policy(config.pools.routing), config.engine.cache.block_size,
                               metrics)
-    await coordinator.start(config.pools.health_interval_s)
+    await coordinator.start(config.health.interval_s)
     # Workers may cap the context below the model's (KV pool size): take the smallest.
     lens = [await w.actor.max_model_len.remote() for p in coordinator.pools() for w in p.workers]
     processor = RequestProcessor(tokenizer, files.name, files.arch.vocab_size, min(lens))
