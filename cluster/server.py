@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import logging
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -47,15 +50,43 @@ class Server:
 
 
 def init_ray(config: ServeConfig) -> None:
-    """Join or start Ray. A local cluster binds to 127.0.0.1 and runs no dashboard."""
+    """Join or start Ray. A local cluster on a loopback node IP (the default) is private:
+    its GCS, raylets, agents and workers listen on loopback only, and it runs no dashboard.
+    Joining a cluster (`ray.address`) binds to the interface Ray finds for this node."""
     if ray.is_initialized():
         return
     if config.ray.address:
         ray.init(address=config.ray.address, _node_ip_address=config.ray.node_ip_address, include_dashboard=False,
                  logging_level=logging.WARNING)
-    else:
+        return
+    with _keep_loopback_node_ip(config.ray.node_ip_address):
         ray.init(_node_ip_address=config.ray.node_ip_address, include_dashboard=False,
                  logging_level=logging.WARNING)
+
+
+@contextlib.contextmanager
+def _keep_loopback_node_ip(node_ip: str) -> Iterator[None]:
+    """ray.init rewrites a loopback node IP to the address it probes for this host
+    (`services.resolve_ip_for_localhost`), so that a local cluster would bind and advertise
+    every interface, unless Ray believes multi-node clusters are off (as it does on macOS
+    and Windows). That flag is read at call time: turn it off for the start of a local,
+    loopback-only cluster and back on at once. Ray's processes get the node IP on their
+    command lines and bind it; nothing else of Ray's reads the flag later."""
+    try:
+        loopback = ipaddress.ip_address(node_ip).is_loopback
+    except ValueError:  # a host name: Ray resolves it
+        loopback = False
+    if not loopback:
+        yield
+        return
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool | None, Pool]:

@@ -34,10 +34,11 @@ class PrefillWorker(LoopWorker):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
+        from pdserve.kv_transport.node import on_this_node
         from pdserve.kv_transport.ucx_sender import UcxKVSender
 
         engine = self.loop.engine
-        self._sender = UcxKVSender(engine.pool.kv, engine.pool.layout, self._transport)
+        self._sender = UcxKVSender(engine.pool.kv, engine.pool.layout, on_this_node(self._transport))
         self._pump = asyncio.create_task(self._pump_deltas())
         self._loop = asyncio.get_running_loop()
         engine.set_kv_computed_callback(self._kv_computed)
