@@ -24,23 +24,37 @@ class ServerConfig:
 
     host/port: where clients connect (127.0.0.1 unless configured otherwise).
     metrics_port: Prometheus /metrics on the same host; 0 disables it.
-    max_inflight_requests: more concurrent requests get RESOURCE_EXHAUSTED.
     default_timeout_s: bound on a request without a client deadline.
     """
 
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 9400
-    max_inflight_requests: int = 256
     default_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"ServerConfig ports must be in [0, 65535], got {self.port}, {self.metrics_port}")
-        if self.max_inflight_requests < 1:
-            raise ValueError(f"ServerConfig.max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
         if self.default_timeout_s <= 0:
             raise ValueError(f"ServerConfig.default_timeout_s must be > 0, got {self.default_timeout_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """How many requests the server takes at once: for each healthy decode worker, its
+    running seats (`engine.scheduler.max_num_seqs`) plus `max_waiting_per_worker` requests
+    queued for a seat. Beyond that a request is refused at once with RESOURCE_EXHAUSTED
+    and a retry hint of `retry_after_s` (the `grpc-retry-pushback-ms` trailer).
+    """
+
+    max_waiting_per_worker: int = 128
+    retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_per_worker < 0:
+            raise ValueError(f"AdmissionConfig.max_waiting_per_worker must be >= 0, got {self.max_waiting_per_worker}")
+        if self.retry_after_s <= 0:
+            raise ValueError(f"AdmissionConfig.retry_after_s must be > 0, got {self.retry_after_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +152,7 @@ class ServeConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     kv_transport: KVTransportSettings = field(default_factory=KVTransportSettings)
     health: HealthConfig = field(default_factory=HealthConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
 
 def cluster_secret() -> bytes:
@@ -152,7 +167,7 @@ def cluster_secret() -> bytes:
 
 _SECTIONS: dict[str, type] = {
     "server": ServerConfig, "pools": PoolConfig, "ray": RayConfig, "kv_transport": KVTransportSettings,
-    "health": HealthConfig,
+    "health": HealthConfig, "admission": AdmissionConfig,
 }
 _ENGINE_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                                      "spec": SpecConfig}

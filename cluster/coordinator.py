@@ -1,7 +1,9 @@
 """Runs requests across the pools: route, prefill, hand KV over, stream decode tokens.
 
 One poller per decode worker long-polls its batched token deltas and fans them
-out to per-request queues. Every request's cleanup (abort on the workers that
+out to per-request queues. A disaggregated request waits here for a running seat on a
+decode worker (the service admits no more than `capacity()`: seats plus a bounded queue
+per worker); a colocated one queues in its worker's scheduler. Every request's cleanup (abort on the workers that
 hold it) runs in one `finally`, whether it finished, was cancelled by the
 client, hit its deadline or lost a worker.
 """
@@ -9,6 +11,7 @@ client, hit its deadline or lost a worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 POLL_WAIT_S = 0.5
 LOAD_REFRESH_S = 0.25
+SEAT_RECHECK_S = 1.0
 
 
 class WorkerUnavailable(Exception):
@@ -46,12 +50,15 @@ class _Stream:
 
 class Coordinator:
     def __init__(self, prefill: Pool | None, decode: Pool, policy: RoutingPolicy, block_size: int,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, seats_per_worker: int, max_waiting_per_worker: int) -> None:
         self.prefill = prefill  # None: colocated, decode workers prefill themselves
         self.decode = decode
         self.policy = policy
         self.block_size = block_size
         self.metrics = metrics
+        self.seats_per_worker = seats_per_worker  # the decode engines' max_num_seqs
+        self.max_waiting_per_worker = max_waiting_per_worker
+        self._seat_freed = asyncio.Condition()
         self._decode_policy = LeastLoad()
         for pool in self.pools():
             pool.on_lost = self.on_worker_lost
@@ -80,6 +87,11 @@ class Coordinator:
 
     # Requests ------------------------------------------------------------
 
+    def capacity(self) -> int:
+        """Requests the pools take at once: per healthy decode worker, its running seats
+        and a bounded queue of requests waiting for one."""
+        return len(self.decode.healthy()) * (self.seats_per_worker + self.max_waiting_per_worker)
+
     async def generate(self, req: WorkerRequest) -> AsyncIterator[TokenDelta]:
         """Yields the request's token deltas; the last one has a finish reason.
 
@@ -88,9 +100,12 @@ class Coordinator:
         """
         rid = req.request_id
         hashes = prefix_block_hashes(req.prompt_token_ids, self.block_size)
-        decode = self._pick(self.decode, [], self._decode_policy)
+        if self.prefill is None:
+            decode = self._pick(self.decode, [], self._decode_policy)
+        else:
+            decode = await self._take_seat()
         stream = self._streams[rid] = _Stream(decode)
-        decode.state.inflight += 1
+        decode.state.inflight += 1  # no await since the choice: the seat is ours
         finished = False
         try:
             if self.prefill is None:
@@ -119,6 +134,23 @@ class Coordinator:
             del self._streams[rid]
             if not finished and decode.state.healthy:
                 asyncio.ensure_future(self._abort(decode, rid))
+            async with self._seat_freed:
+                self._seat_freed.notify()
+
+    async def _take_seat(self) -> Worker:
+        """A decode worker with a free running seat; waits for one (in arrival order). The
+        wait re-checks now and then, so that a replaced worker's seats are found too."""
+        async with self._seat_freed:
+            while True:
+                healthy = self.decode.healthy()
+                if not healthy:
+                    raise WorkerUnavailable("no healthy decode worker")
+                free = [w for w in healthy if w.state.inflight < self.seats_per_worker]
+                if free:
+                    state = self._decode_policy.choose([w.state for w in free], [])
+                    return next(w for w in free if w.state is state)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._seat_freed.wait(), SEAT_RECHECK_S)
 
     async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int]) -> TokenDelta | None:
         """Reserve on `decode` and prefill elsewhere at once, hand the KV over; returns the

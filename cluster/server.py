@@ -43,6 +43,7 @@ class Server:
     health: health.aio.HealthServicer
     metrics: Metrics
     port: int
+    service: GenerationService
 
     async def stop(self) -> None:
         await self.grpc_server.stop(grace=2.0)
@@ -121,15 +122,15 @@ async def start_server(config: ServeConfig) -> Server:
     prefill, decode = _pools(config, transport)
     metrics = Metrics()
     coordinator = Coordinator(prefill, decode, make_policy(config.pools.routing), config.engine.cache.block_size,
-                              metrics)
+                              metrics, config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker)
     await coordinator.start(config.health.interval_s)
     # Workers may cap the context below the model's (KV pool size): take the smallest.
     lens = [await w.actor.max_model_len.remote() for p in coordinator.pools() for w in p.workers]
     processor = RequestProcessor(tokenizer, files.name, files.arch.vocab_size, min(lens))
 
     server = grpc.aio.server()
-    service = GenerationService(coordinator, processor, metrics, config.server.max_inflight_requests,
-                                config.server.default_timeout_s)
+    service = GenerationService(coordinator, processor, metrics, config.server.default_timeout_s,
+                                config.admission.retry_after_s)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -145,7 +146,7 @@ async def start_server(config: ServeConfig) -> Server:
         metrics.serve(config.server.host, config.server.metrics_port)
     logger.info("pdserve serving %s on %s:%d (%s, %s)", files.name, config.server.host, port, coordinator.mode,
                 "GPU" if torch.cuda.is_available() else "CPU")
-    return Server(server, coordinator, health_servicer, metrics, port)
+    return Server(server, coordinator, health_servicer, metrics, port, service)
 
 
 async def serve_forever(config: ServeConfig) -> None:

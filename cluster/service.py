@@ -27,12 +27,12 @@ VERSION = "0.1.0"
 
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, coordinator: Coordinator, processor: RequestProcessor, metrics: Metrics,
-                 max_inflight: int, default_timeout_s: float) -> None:
+                 default_timeout_s: float, retry_after_s: float) -> None:
         self.coordinator = coordinator
         self.processor = processor
         self.metrics = metrics
-        self.max_inflight = max_inflight
         self.default_timeout_s = default_timeout_s
+        self.retry_after_s = retry_after_s
         self.inflight = 0
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
@@ -42,10 +42,14 @@ class GenerationService(pb_grpc.GenerationServicer):
         except ValueError as e:
             self.metrics.requests.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if self.inflight >= self.max_inflight:
+        capacity = self.coordinator.capacity()  # seats + bounded queues of the healthy decode workers
+        if self.inflight >= capacity:
             self.metrics.requests.labels("RESOURCE_EXHAUSTED").inc()
+            # gRPC's retry pushback: a client's retry policy waits this long.
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", str(int(self.retry_after_s * 1000))),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"server is at its limit of {self.max_inflight} concurrent requests; retry later")
+                                f"server is at its capacity of {capacity} concurrent requests (running and "
+                                f"queued); retry in {self.retry_after_s:g} s")
         client_id = request.request_id
         worker_req = WorkerRequest(uuid.uuid4().hex, parsed.prompt_token_ids, parsed.params)  # no stop strings
         remaining = context.time_remaining()
