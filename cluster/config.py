@@ -58,6 +58,28 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    """The coordinator's own waits and refreshes.
+
+    poll_wait_s: how long one long-poll of a decode worker's token deltas waits for one.
+    load_refresh_s: how often every worker's load (for routing and metrics) is read.
+    seat_recheck_s: a request waiting for a decode seat looks again this often, besides
+        being woken when one frees (a replaced worker's seats are found this way).
+    abort_timeout_s: bound on aborting a request on a worker.
+    """
+
+    poll_wait_s: float = 0.5
+    load_refresh_s: float = 0.25
+    seat_recheck_s: float = 1.0
+    abort_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"CoordinatorConfig.{f.name} must be > 0, got {getattr(self, f.name)}")
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     """Ray worker pools.
 
@@ -153,6 +175,7 @@ class ServeConfig:
     kv_transport: KVTransportSettings = field(default_factory=KVTransportSettings)
     health: HealthConfig = field(default_factory=HealthConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
 
 
 def cluster_secret() -> bytes:
@@ -167,7 +190,7 @@ def cluster_secret() -> bytes:
 
 _SECTIONS: dict[str, type] = {
     "server": ServerConfig, "pools": PoolConfig, "ray": RayConfig, "kv_transport": KVTransportSettings,
-    "health": HealthConfig, "admission": AdmissionConfig,
+    "health": HealthConfig, "admission": AdmissionConfig, "coordinator": CoordinatorConfig,
 }
 _ENGINE_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                                      "spec": SpecConfig}

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from pdserve.cluster.config import CoordinatorConfig
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ACTOR_LOST, Pool, Worker
 from pdserve.cluster.router import LeastLoad, RoutingPolicy
@@ -29,9 +30,6 @@ from pdserve.kv_transport import TransferError
 
 logger = logging.getLogger(__name__)
 
-POLL_WAIT_S = 0.5
-LOAD_REFRESH_S = 0.25
-SEAT_RECHECK_S = 1.0
 
 
 class WorkerUnavailable(Exception):
@@ -50,7 +48,8 @@ class _Stream:
 
 class Coordinator:
     def __init__(self, prefill: Pool | None, decode: Pool, policy: RoutingPolicy, block_size: int,
-                 metrics: Metrics, seats_per_worker: int, max_waiting_per_worker: int) -> None:
+                 metrics: Metrics, seats_per_worker: int, max_waiting_per_worker: int,
+                 config: CoordinatorConfig | None = None) -> None:
         self.prefill = prefill  # None: colocated, decode workers prefill themselves
         self.decode = decode
         self.policy = policy
@@ -58,6 +57,7 @@ class Coordinator:
         self.metrics = metrics
         self.seats_per_worker = seats_per_worker  # the decode engines' max_num_seqs
         self.max_waiting_per_worker = max_waiting_per_worker
+        self.config = config or CoordinatorConfig()
         self._seat_freed = asyncio.Condition()
         self._decode_policy = LeastLoad()
         for pool in self.pools():
@@ -150,7 +150,7 @@ class Coordinator:
                     state = self._decode_policy.choose([w.state for w in free], [])
                     return next(w for w in free if w.state is state)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._seat_freed.wait(), SEAT_RECHECK_S)
+                    await asyncio.wait_for(self._seat_freed.wait(), self.config.seat_recheck_s)
 
     async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int]) -> TokenDelta | None:
         """Reserve on `decode` and prefill elsewhere at once, hand the KV over; returns the
@@ -210,7 +210,7 @@ class Coordinator:
 
     async def _abort(self, worker: Worker, request_id: str) -> None:
         try:
-            await asyncio.wait_for(worker.actor.abort.remote(request_id), 10.0)
+            await asyncio.wait_for(worker.actor.abort.remote(request_id), self.config.abort_timeout_s)
         except Exception:  # noqa: BLE001 - a lost worker is handled by the health loop
             logger.warning("abort of %s on %s failed", request_id, worker.worker_id)
 
@@ -222,7 +222,7 @@ class Coordinator:
     async def _poll(self, worker: Worker) -> None:
         while worker.state.healthy:
             try:
-                deltas = await worker.actor.poll.remote(POLL_WAIT_S)
+                deltas = await worker.actor.poll.remote(self.config.poll_wait_s)
             except ACTOR_LOST:
                 await self.decode.replace(worker)
                 return
@@ -256,4 +256,4 @@ class Coordinator:
                 if not isinstance(load, BaseException):
                     w.state.load = load
                     self.metrics.worker_load(w.role, w.worker_id, load)
-            await asyncio.sleep(LOAD_REFRESH_S)
+            await asyncio.sleep(self.config.load_refresh_s)

@@ -122,7 +122,8 @@ async def start_server(config: ServeConfig) -> Server:
     prefill, decode = _pools(config, transport)
     metrics = Metrics()
     coordinator = Coordinator(prefill, decode, make_policy(config.pools.routing), config.engine.cache.block_size,
-                              metrics, config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker)
+                              metrics, config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker,
+                              config.coordinator)
     await coordinator.start(config.health.interval_s)
     # Workers may cap the context below the model's (KV pool size): take the smallest.
     lens = [await w.actor.max_model_len.remote() for p in coordinator.pools() for w in p.workers]

@@ -45,3 +45,10 @@ def test_health_comes_from_yaml_and_is_validated():
     assert config_from_dict({"health": {"stuck_after_s": 5}}).health.stuck_after_s == 5
     with pytest.raises(ValueError, match="HealthConfig.ping_timeout_s must be > 0"):
         config_from_dict({"health": {"ping_timeout_s": 0}})
+
+
+def test_coordinator_and_admission_sections_come_from_yaml():
+    config = config_from_dict({"coordinator": {"poll_wait_s": 0.1}, "admission": {"max_waiting_per_worker": 0}})
+    assert config.coordinator.poll_wait_s == 0.1 and config.admission.max_waiting_per_worker == 0
+    with pytest.raises(ValueError, match="CoordinatorConfig.abort_timeout_s must be > 0"):
+        config_from_dict({"coordinator": {"abort_timeout_s": -1}})
