@@ -63,7 +63,8 @@ async def run_mode(mode: str, args: argparse.Namespace) -> list[tuple]:
     config = config_from_dict({
         "engine": {"model": {"source": args.model},
                    "scheduler": {"max_num_batched_tokens": args.token_budget}},
-        "server": {"port": 0, "metrics_port": 0, "max_inflight_requests": 1024},
+        "server": {"port": 0, "metrics_port": 0},
+        "admission": {"max_waiting_per_worker": 1024},
         "pools": {"mode": mode, "num_prefill": 1, "num_decode": 1},
     })
     server = await start_server(config)

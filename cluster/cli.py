@@ -140,6 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pools={"mode": args.mode, "num_prefill": args.num_prefill, "num_decode": args.num_decode,
                "routing": args.routing, "gpus_per_worker": args.gpus_per_worker},
         ray={"address": args.address},
+        health={"interval_s": args.health_interval_s, "ping_timeout_s": args.ping_timeout_s,
+                "unresponsive_after_s": args.unresponsive_after_s, "stuck_after_s": args.stuck_after_s},
     )
     import uvloop
 
@@ -186,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-decode", type=int, default=None)
     serve.add_argument("--gpus-per-worker", type=float, default=None)
     serve.add_argument("--routing", choices=["prefix_aware", "least_load", "round_robin"], default=None)
+    h = serve.add_argument_group("worker health (a busy worker is alive; see HealthConfig)")
+    h.add_argument("--health-interval-s", type=float, default=None, help="ping every worker this often (default 2)")
+    h.add_argument("--ping-timeout-s", type=float, default=None, help="bound on one ping (default 5)")
+    h.add_argument("--unresponsive-after-s", type=float, default=None,
+                   help="replace a worker that answered no ping this long (default 60)")
+    h.add_argument("--stuck-after-s", type=float, default=None,
+                   help="replace a worker whose engine made no progress this long (default 1800)")
     _add_model_args(serve, defaults=False)
     serve.set_defaults(func=cmd_serve)
 

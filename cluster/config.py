@@ -26,7 +26,6 @@ class ServerConfig:
     http: serve the OpenAI-compatible HTTP API beside gRPC, on the same host.
     http_port: its port (0 picks a free one).
     metrics_port: Prometheus /metrics on the same host; 0 disables it.
-    max_inflight_requests: more concurrent requests (both APIs together) get RESOURCE_EXHAUSTED / 429.
     default_timeout_s: bound on a request without a client deadline.
     """
 
@@ -35,7 +34,6 @@ class ServerConfig:
     http: bool = True
     http_port: int = 8000
     metrics_port: int = 9400
-    max_inflight_requests: int = 256
     default_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -43,10 +41,48 @@ class ServerConfig:
         if not all(0 <= p <= 65535 for p in ports):
             raise ValueError(f"ServerConfig ports must be in [0, 65535], got port={self.port}, "
                              f"http_port={self.http_port}, metrics_port={self.metrics_port}")
-        if self.max_inflight_requests < 1:
-            raise ValueError(f"ServerConfig.max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
         if self.default_timeout_s <= 0:
             raise ValueError(f"ServerConfig.default_timeout_s must be > 0, got {self.default_timeout_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """How many requests the server takes at once: for each healthy decode worker, its
+    running seats (`engine.scheduler.max_num_seqs`) plus `max_waiting_per_worker` requests
+    queued for a seat. Beyond that a request is refused at once with RESOURCE_EXHAUSTED
+    and a retry hint of `retry_after_s` (the `grpc-retry-pushback-ms` trailer).
+    """
+
+    max_waiting_per_worker: int = 128
+    retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_per_worker < 0:
+            raise ValueError(f"AdmissionConfig.max_waiting_per_worker must be >= 0, got {self.max_waiting_per_worker}")
+        if self.retry_after_s <= 0:
+            raise ValueError(f"AdmissionConfig.retry_after_s must be > 0, got {self.retry_after_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    """The coordinator's own waits and refreshes.
+
+    poll_wait_s: how long one long-poll of a decode worker's token deltas waits for one.
+    load_refresh_s: how often every worker's load (for routing and metrics) is read.
+    seat_recheck_s: a request waiting for a decode seat looks again this often, besides
+        being woken when one frees (a replaced worker's seats are found this way).
+    abort_timeout_s: bound on aborting a request on a worker.
+    """
+
+    poll_wait_s: float = 0.5
+    load_refresh_s: float = 0.25
+    seat_recheck_s: float = 1.0
+    abort_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"CoordinatorConfig.{f.name} must be > 0, got {getattr(self, f.name)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +96,6 @@ class PoolConfig:
     prefill_resource/decode_resource: custom Ray node resources that pin each pool
         to labelled nodes ("" places anywhere).
     routing: "prefix_aware" (default), "least_load" or "round_robin".
-    health_interval_s: how often actors are pinged; a dead one is replaced.
     """
 
     mode: str = "disaggregated"
@@ -70,7 +105,6 @@ class PoolConfig:
     prefill_resource: str = ""
     decode_resource: str = ""
     routing: str = "prefix_aware"
-    health_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -82,8 +116,32 @@ class PoolConfig:
             raise ValueError(f"PoolConfig.gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
         if self.routing not in POLICIES:
             raise ValueError(f"PoolConfig.routing must be one of {POLICIES}, got {self.routing!r}")
-        if self.health_interval_s <= 0:
-            raise ValueError(f"PoolConfig.health_interval_s must be > 0, got {self.health_interval_s}")
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    """How workers are found dead or stuck, and replaced. Busy is not dead: a ping is
+    answered on the worker's own health thread, never behind an engine step.
+
+    interval_s: how often every worker is pinged.
+    ping_timeout_s: bound on one ping. A missed ping alone replaces nothing.
+    unresponsive_after_s: a worker that answered no ping for this long is replaced
+        (its process is wedged). A worker whose process died is replaced at once.
+    stuck_after_s: a worker whose engine loop has not turned for this long (one step or
+        command running all that time) is replaced. Generous: on a CPU one prefill step
+        of a long prompt takes minutes.
+    start_timeout_s: bound on a worker's start (model load and a first GGUF conversion).
+    """
+
+    interval_s: float = 2.0
+    ping_timeout_s: float = 5.0
+    unresponsive_after_s: float = 60.0
+    stuck_after_s: float = 1800.0
+    start_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"HealthConfig.{f.name} must be > 0, got {getattr(self, f.name)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +179,9 @@ class ServeConfig:
     pools: PoolConfig = field(default_factory=PoolConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     kv_transport: KVTransportSettings = field(default_factory=KVTransportSettings)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
 
 
 def cluster_secret() -> bytes:
@@ -135,6 +196,7 @@ def cluster_secret() -> bytes:
 
 _SECTIONS: dict[str, type] = {
     "server": ServerConfig, "pools": PoolConfig, "ray": RayConfig, "kv_transport": KVTransportSettings,
+    "health": HealthConfig, "admission": AdmissionConfig, "coordinator": CoordinatorConfig,
 }
 _ENGINE_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                                      "spec": SpecConfig}

@@ -1,7 +1,9 @@
 """Runs requests across the pools: route, prefill, hand KV over, stream decode tokens.
 
 One poller per decode worker long-polls its batched token deltas and fans them
-out to per-request queues. Every request's cleanup (abort on the workers that
+out to per-request queues. A disaggregated request waits here for a running seat on a
+decode worker (the service admits no more than `capacity()`: seats plus a bounded queue
+per worker); a colocated one queues in its worker's scheduler. Every request's cleanup (abort on the workers that
 hold it) runs in one `finally`, whether it finished, was cancelled by the
 client, hit its deadline or lost a worker.
 """
@@ -9,12 +11,14 @@ client, hit its deadline or lost a worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import ray
 
+from pdserve.cluster.config import CoordinatorConfig
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ACTOR_LOST, Pool, Worker
 from pdserve.cluster.router import LeastLoad, RoutingPolicy
@@ -26,8 +30,6 @@ from pdserve.kv_transport import TransferError
 
 logger = logging.getLogger(__name__)
 
-POLL_WAIT_S = 0.5
-LOAD_REFRESH_S = 0.25
 
 
 class WorkerUnavailable(Exception):
@@ -46,12 +48,17 @@ class _Stream:
 
 class Coordinator:
     def __init__(self, prefill: Pool | None, decode: Pool, policy: RoutingPolicy, block_size: int,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, seats_per_worker: int, max_waiting_per_worker: int,
+                 config: CoordinatorConfig | None = None) -> None:
         self.prefill = prefill  # None: colocated, decode workers prefill themselves
         self.decode = decode
         self.policy = policy
         self.block_size = block_size
         self.metrics = metrics
+        self.seats_per_worker = seats_per_worker  # the decode engines' max_num_seqs
+        self.max_waiting_per_worker = max_waiting_per_worker
+        self.config = config or CoordinatorConfig()
+        self._seat_freed = asyncio.Condition()
         self._decode_policy = LeastLoad()
         for pool in self.pools():
             pool.on_lost = self.on_worker_lost
@@ -80,6 +87,11 @@ class Coordinator:
 
     # Requests ------------------------------------------------------------
 
+    def capacity(self) -> int:
+        """Requests the pools take at once: per healthy decode worker, its running seats
+        and a bounded queue of requests waiting for one."""
+        return len(self.decode.healthy()) * (self.seats_per_worker + self.max_waiting_per_worker)
+
     async def generate(self, req: WorkerRequest) -> AsyncIterator[TokenDelta]:
         """Yields the request's token deltas; the last one has a finish reason.
 
@@ -88,9 +100,12 @@ class Coordinator:
         """
         rid = req.request_id
         hashes = prefix_block_hashes(req.prompt_token_ids, self.block_size)
-        decode = self._pick(self.decode, [], self._decode_policy)
+        if self.prefill is None:
+            decode = self._pick(self.decode, [], self._decode_policy)
+        else:
+            decode = await self._take_seat()
         stream = self._streams[rid] = _Stream(decode)
-        decode.state.inflight += 1
+        decode.state.inflight += 1  # no await since the choice: the seat is ours
         finished = False
         try:
             if self.prefill is None:
@@ -119,6 +134,23 @@ class Coordinator:
             del self._streams[rid]
             if not finished and decode.state.healthy:
                 asyncio.ensure_future(self._abort(decode, rid))
+            async with self._seat_freed:
+                self._seat_freed.notify()
+
+    async def _take_seat(self) -> Worker:
+        """A decode worker with a free running seat; waits for one (in arrival order). The
+        wait re-checks now and then, so that a replaced worker's seats are found too."""
+        async with self._seat_freed:
+            while True:
+                healthy = self.decode.healthy()
+                if not healthy:
+                    raise WorkerUnavailable("no healthy decode worker")
+                free = [w for w in healthy if w.state.inflight < self.seats_per_worker]
+                if free:
+                    state = self._decode_policy.choose([w.state for w in free], [])
+                    return next(w for w in free if w.state is state)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._seat_freed.wait(), self.config.seat_recheck_s)
 
     async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int]) -> TokenDelta | None:
         """Reserve on `decode` and prefill elsewhere at once, hand the KV over; returns the
@@ -178,7 +210,7 @@ class Coordinator:
 
     async def _abort(self, worker: Worker, request_id: str) -> None:
         try:
-            await asyncio.wait_for(worker.actor.abort.remote(request_id), 10.0)
+            await asyncio.wait_for(worker.actor.abort.remote(request_id), self.config.abort_timeout_s)
         except Exception:  # noqa: BLE001 - a lost worker is handled by the health loop
             logger.warning("abort of %s on %s failed", request_id, worker.worker_id)
 
@@ -190,7 +222,7 @@ class Coordinator:
     async def _poll(self, worker: Worker) -> None:
         while worker.state.healthy:
             try:
-                deltas = await worker.actor.poll.remote(POLL_WAIT_S)
+                deltas = await worker.actor.poll.remote(self.config.poll_wait_s)
             except ACTOR_LOST:
                 await self.decode.replace(worker)
                 return
@@ -224,4 +256,4 @@ class Coordinator:
                 if not isinstance(load, BaseException):
                     w.state.load = load
                     self.metrics.worker_load(w.role, w.worker_id, load)
-            await asyncio.sleep(LOAD_REFRESH_S)
+            await asyncio.sleep(self.config.load_refresh_s)

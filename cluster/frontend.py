@@ -41,21 +41,22 @@ class Status(str, enum.Enum):
 class RequestFailed(Exception):
     """A request that could not run or finish; `str(e)` is safe to show the client."""
 
-    def __init__(self, status: Status, message: str) -> None:
+    def __init__(self, status: Status, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s  # RESOURCE_EXHAUSTED: when a retry may find room
 
 
 class Frontend:
     """The request path both APIs share, on the coordinator, router and pools of one server."""
 
     def __init__(self, coordinator: Coordinator, processor: RequestProcessor, metrics: Metrics,
-                 max_inflight: int, default_timeout_s: float) -> None:
+                 default_timeout_s: float, retry_after_s: float) -> None:
         self.coordinator = coordinator
         self.processor = processor
         self.metrics = metrics
-        self.max_inflight = max_inflight
         self.default_timeout_s = default_timeout_s
+        self.retry_after_s = retry_after_s
         self.inflight = 0
 
     def count(self, status: Status) -> None:
@@ -63,11 +64,15 @@ class Frontend:
         self.metrics.requests.labels(status.value).inc()
 
     def check_capacity(self, num_requests: int = 1) -> None:
-        """Raise RequestFailed(RESOURCE_EXHAUSTED) unless `num_requests` more may run now."""
-        if self.inflight + num_requests > self.max_inflight:
+        """Raise RequestFailed(RESOURCE_EXHAUSTED, with a retry hint) unless `num_requests` more
+        fit the pools' capacity (`Coordinator.capacity()`: the healthy decode workers' running
+        seats plus their bounded waiting queues)."""
+        capacity = self.coordinator.capacity()
+        if self.inflight + num_requests > capacity:
             self.count(Status.RESOURCE_EXHAUSTED)
-            raise RequestFailed(Status.RESOURCE_EXHAUSTED, f"server is at its limit of {self.max_inflight} "
-                                                           "concurrent requests; retry later")
+            raise RequestFailed(Status.RESOURCE_EXHAUSTED,
+                                f"server is at its capacity of {capacity} concurrent requests (running and "
+                                f"queued); retry in {self.retry_after_s:g} s", self.retry_after_s)
 
     async def generate(self, request: ProcessedRequest, timeout_s: float | None = None) -> AsyncIterator[TextDelta]:
         """Run one request; yields its text deltas, the last with a finish reason (STOP or LENGTH).

@@ -51,9 +51,9 @@ Renderer = CompletionRenderer | ChatRenderer
 
 class ApiError(Exception):
     def __init__(self, status: Status, message: str, param: str | None = None, http_status: int | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after_s: float | None = None) -> None:
         super().__init__(message)
-        self.status, self.param = status, param
+        self.status, self.param, self.retry_after_s = status, param, retry_after_s
         default_http, self.type, default_code = _HTTP[status]
         self.http_status, self.code = http_status or default_http, code or default_code
 
@@ -61,7 +61,9 @@ class ApiError(Exception):
         return m.ErrorResponse(error=m.ErrorInfo(message=str(self), type=self.type, param=self.param, code=self.code))
 
     def response(self) -> Response:
-        return Response(self.body().model_dump_json(), self.http_status, media_type="application/json")
+        # 429: Retry-After (whole seconds, at least 1) tells a client when a retry may find room.
+        headers = {} if self.retry_after_s is None else {"Retry-After": str(max(1, round(self.retry_after_s)))}
+        return Response(self.body().model_dump_json(), self.http_status, headers, media_type="application/json")
 
 
 class _ClientGone(Exception):
@@ -150,7 +152,7 @@ class OpenAIApi:
         try:
             self.frontend.check_capacity(len(choices))
         except RequestFailed as e:
-            raise ApiError(e.status, str(e)) from e
+            raise ApiError(e.status, str(e), retry_after_s=e.retry_after_s) from e
         return choices
 
     async def _respond(self, request: Request, body: m.CompletionRequest | m.ChatCompletionRequest,
@@ -163,7 +165,7 @@ class OpenAIApi:
             first = await _unless_disconnected(request, run.next())  # errors before the first token keep status
         except RequestFailed as e:
             run.cancel()
-            return ApiError(e.status, str(e)).response()
+            return ApiError(e.status, str(e), retry_after_s=e.retry_after_s).response()
         except BaseException:  # _ClientGone, or the server stopping
             run.cancel()
             raise

@@ -1,27 +1,37 @@
-"""Ray pools of prefill and decode actors: placement, start, health checks, replacement."""
+"""Ray pools of prefill and decode actors: placement, start, health checks, replacement.
+
+Each actor has a concurrency group of its own for pings (`HEALTH_GROUP`): Ray runs it
+on a separate thread and event loop, so a ping never waits behind the engine or
+behind the actor's other calls. A worker is replaced when Ray reports it dead, or
+when `WorkerHealth` finds it wedged (no answers) or stuck (no progress).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 
+from pdserve.cluster.config import HealthConfig
+from pdserve.cluster.health import WorkerHealth
 from pdserve.cluster.router import WorkerState
+from pdserve.engine.loop import Heartbeat
 from pdserve.kv_transport import PeerAddress
 
 logger = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 300.0  # model load (and a first GGUF conversion) included
-PING_TIMEOUT_S = 5.0
+HEALTH_GROUP = "health"
 
-# Actor exits and unreachable actors both mean: this worker is gone.
-ACTOR_LOST = (RayActorError, GetTimeoutError, asyncio.TimeoutError)
+# Ray's word that the actor is gone (died, or unreachable). A timeout is not: a worker
+# may be busy in a long step, and a TimeoutError raised inside a call is that call's.
+ACTOR_LOST = (RayActorError,)
 
 
 @dataclass(slots=True)
@@ -29,6 +39,7 @@ class Worker:
     role: str  # "prefill", "decode" or "mixed"
     actor: Any  # ray.actor.ActorHandle
     state: WorkerState
+    health: WorkerHealth
     address: PeerAddress | None = None
 
     @property
@@ -50,10 +61,11 @@ class ActorSpec:
 class Pool:
     """A fixed-size set of actors of one role. Dead actors are replaced."""
 
-    def __init__(self, role: str, size: int, spec: ActorSpec) -> None:
+    def __init__(self, role: str, size: int, spec: ActorSpec, health: HealthConfig | None = None) -> None:
         self.role = role
         self.size = size
         self.spec = spec
+        self.health = health or HealthConfig()
         self.workers: list[Worker] = []
         # Told of a lost worker before it is replaced (the coordinator fails its requests).
         self.on_lost: Callable[[Worker], Awaitable[None]] | None = None
@@ -73,30 +85,41 @@ class Pool:
                                    "max_concurrency": 1000}
         if spec.resource:
             options["resources"] = {spec.resource: 1}
-        actor = ray.remote(spec.cls).options(**options).remote(worker_id, *spec.args)
-        address = await asyncio.wait_for(actor.start.remote(), START_TIMEOUT_S)
+        cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(spec.cls)  # not settable in .options()
+        actor = cls.options(**options).remote(worker_id, *spec.args)
+        try:
+            address = await asyncio.wait_for(actor.start.remote(), self.health.start_timeout_s)
+        except BaseException:
+            ray.kill(actor, no_restart=True)
+            raise
         logger.info("%s worker %s started%s", self.role, worker_id, f" (KV at {address})" if address else "")
-        return Worker(self.role, actor, WorkerState(worker_id), address)
+        return Worker(self.role, actor, WorkerState(worker_id), WorkerHealth(self.health, time.monotonic()), address)
 
     async def check(self) -> None:
-        """Ping every worker; a lost one is reported, killed and replaced."""
-        results = await asyncio.gather(*(self._ping(w) for w in self.workers))
-        for worker, alive in zip(list(self.workers), results):
-            if not alive and worker.state.healthy:
-                await self.replace(worker)
+        """Ping every worker; a dead or stuck one is reported, killed and replaced."""
+        workers = list(self.workers)
+        verdicts = await asyncio.gather(*(self._verdict(w) for w in workers))
+        for worker, reason in zip(workers, verdicts):
+            if reason is not None and worker.state.healthy:
+                await self.replace(worker, reason)
 
-    async def _ping(self, worker: Worker) -> bool:
+    async def _verdict(self, worker: Worker) -> str | None:
+        """Why `worker` must go, or None."""
+        beat: Heartbeat | None
         try:
-            await asyncio.wait_for(worker.actor.ping.remote(), PING_TIMEOUT_S)
-            return True
-        except ACTOR_LOST:
-            return False
+            beat = await asyncio.wait_for(worker.actor.ping.options(concurrency_group=HEALTH_GROUP).remote(),
+                                          self.health.ping_timeout_s)
+        except ACTOR_LOST as e:
+            return f"Ray reports it lost ({type(e).__name__})"
+        except asyncio.TimeoutError:
+            beat = None
+        return worker.health.observe(beat, time.monotonic())
 
-    async def replace(self, worker: Worker) -> None:
+    async def replace(self, worker: Worker, reason: str = "a call found it lost") -> None:
         if not worker.state.healthy:
             return
         worker.state.healthy = False
-        logger.warning("%s worker %s is lost; replacing it", self.role, worker.worker_id)
+        logger.warning("%s worker %s is lost (%s); replacing it", self.role, worker.worker_id, reason)
         if self.on_lost is not None:
             await self.on_lost(worker)
         ray.kill(worker.actor, no_restart=True)
@@ -111,7 +134,7 @@ class Pool:
     async def stop(self) -> None:
         for w in self.workers:
             try:
-                await asyncio.wait_for(w.actor.shutdown.remote(), PING_TIMEOUT_S)
+                await asyncio.wait_for(w.actor.shutdown.remote(), self.health.ping_timeout_s)
             except Exception:  # noqa: BLE001 - best effort, the actor is killed next
                 pass
             ray.kill(w.actor, no_restart=True)

@@ -4,8 +4,11 @@ in one process and one event loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import logging
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -43,6 +46,7 @@ class Server:
     health: health.aio.HealthServicer
     metrics: Metrics
     port: int
+    frontend: Frontend
     http: HttpServer | None = None
 
     @property
@@ -57,15 +61,43 @@ class Server:
 
 
 def init_ray(config: ServeConfig) -> None:
-    """Join or start Ray. A local cluster binds to 127.0.0.1 and runs no dashboard."""
+    """Join or start Ray. A local cluster on a loopback node IP (the default) is private:
+    its GCS, raylets, agents and workers listen on loopback only, and it runs no dashboard.
+    Joining a cluster (`ray.address`) binds to the interface Ray finds for this node."""
     if ray.is_initialized():
         return
     if config.ray.address:
         ray.init(address=config.ray.address, _node_ip_address=config.ray.node_ip_address, include_dashboard=False,
                  logging_level=logging.WARNING)
-    else:
+        return
+    with _keep_loopback_node_ip(config.ray.node_ip_address):
         ray.init(_node_ip_address=config.ray.node_ip_address, include_dashboard=False,
                  logging_level=logging.WARNING)
+
+
+@contextlib.contextmanager
+def _keep_loopback_node_ip(node_ip: str) -> Iterator[None]:
+    """ray.init rewrites a loopback node IP to the address it probes for this host
+    (`services.resolve_ip_for_localhost`), so that a local cluster would bind and advertise
+    every interface, unless Ray believes multi-node clusters are off (as it does on macOS
+    and Windows). That flag is read at call time: turn it off for the start of a local,
+    loopback-only cluster and back on at once. Ray's processes get the node IP on their
+    command lines and bind it; nothing else of Ray's reads the flag later."""
+    try:
+        loopback = ipaddress.ip_address(node_ip).is_loopback
+    except ValueError:  # a host name: Ray resolves it
+        loopback = False
+    if not loopback:
+        yield
+        return
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool | None, Pool]:
@@ -75,14 +107,14 @@ def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool
         logger.warning("%g GPU(s) cannot hold %d prefill + %d decode workers: serving colocated, "
                        "one mixed worker per GPU", num_gpus, config.pools.num_prefill, config.pools.num_decode)
     gpus = p.gpus_per_worker
-    engine_config = config.engine
+    engine_config, health = config.engine, config.health
     if p.mode == "colocated":
         spec = ActorSpec(DecodeWorker, (engine_config, None), 1, gpus, p.decode_resource)
-        return None, Pool("mixed", p.num_decode, spec)
+        return None, Pool("mixed", p.num_decode, spec, health)
     prefill = Pool("prefill", p.num_prefill, ActorSpec(PrefillWorker, (engine_config, transport), 1, gpus,
-                                                       p.prefill_resource))
+                                                       p.prefill_resource), health)
     decode = Pool("decode", p.num_decode, ActorSpec(DecodeWorker, (engine_config, transport), 1, gpus,
-                                                    p.decode_resource))
+                                                    p.decode_resource), health)
     return prefill, decode
 
 
@@ -100,14 +132,15 @@ async def start_server(config: ServeConfig) -> Server:
     prefill, decode = _pools(config, transport)
     metrics = Metrics()
     coordinator = Coordinator(prefill, decode, make_policy(config.pools.routing), config.engine.cache.block_size,
-                              metrics)
-    await coordinator.start(config.pools.health_interval_s)
+                              metrics, config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker,
+                              config.coordinator)
+    await coordinator.start(config.health.interval_s)
     # Workers may cap the context below the model's (KV pool size): take the smallest.
     lens = [await w.actor.max_model_len.remote() for p in coordinator.pools() for w in p.workers]
     processor = RequestProcessor(tokenizer, files.name, files.arch.vocab_size, min(lens))
 
-    frontend = Frontend(coordinator, processor, metrics, config.server.max_inflight_requests,
-                        config.server.default_timeout_s)
+    frontend = Frontend(coordinator, processor, metrics, config.server.default_timeout_s,
+                        config.admission.retry_after_s)
     server = grpc.aio.server()
     service = GenerationService(frontend)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
@@ -134,7 +167,7 @@ async def start_server(config: ServeConfig) -> Server:
         metrics.serve(config.server.host, config.server.metrics_port)
     logger.info("pdserve serving %s on %s:%d, HTTP %s (%s, %s)", files.name, config.server.host, port,
                 http.port if http else "off", coordinator.mode, "GPU" if torch.cuda.is_available() else "CPU")
-    return Server(server, coordinator, health_servicer, metrics, port, http)
+    return Server(server, coordinator, health_servicer, metrics, port, frontend, http)
 
 
 async def serve_forever(config: ServeConfig) -> None:

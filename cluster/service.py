@@ -45,6 +45,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 num_generated += len(delta.token_ids)
                 yield self._response(client_id, delta, num_prompt, num_generated)
         except RequestFailed as e:
+            if e.retry_after_s is not None:  # gRPC's retry pushback: a client's retry policy waits this long
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", str(int(e.retry_after_s * 1000))),))
             await context.abort(_CODES[e.status], str(e))
 
     @staticmethod

@@ -8,7 +8,6 @@ batches through `poll`, one call for every request's new tokens.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 
 from pdserve.decode_node.spec import speculative_engine
@@ -32,19 +31,11 @@ class DecodeWorker(LoopWorker):
         """Open the KV receiver (disaggregated mode); returns where senders reach it."""
         if self._transport is None:
             return None
-        import ray
-
+        from pdserve.kv_transport.node import on_this_node
         from pdserve.kv_transport.ucx_receiver import UcxKVReceiver
 
         engine = self.loop.engine
-        # Advertise this node's address, not the one the driver's config names:
-        # prefill workers on other nodes must reach this one.
-        transport = self._transport
-        if ray.is_initialized():  # the address this node's raylet registered (a pod IP, or 127.0.0.1 locally)
-            node_id = ray.get_runtime_context().get_node_id()
-            host = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
-            transport = dataclasses.replace(transport, listen_host=host)
-        self._receiver = await UcxKVReceiver.start(engine.pool.kv, engine.pool.layout, transport)
+        self._receiver = await UcxKVReceiver.start(engine.pool.kv, engine.pool.layout, on_this_node(self._transport))
         return self._receiver.address
 
     async def submit(self, req: WorkerRequest) -> None:

@@ -69,6 +69,8 @@ class CacheConfig:
     block_size: tokens per KV block.
     num_blocks: blocks in the pool; None sizes it from memory (below).
     gpu_memory_utilization: fraction of the GPU the weights plus KV may take.
+    activation_reserve_gib: GPU memory kept out of the KV pool (sized from memory) for the
+        activations and logits of the largest step.
     cpu_kv_cache_gib: KV pool size on the CPU when num_blocks is None.
     enable_prefix_caching: share identical prefix blocks between sequences.
     """
@@ -76,6 +78,7 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
+    activation_reserve_gib: float = 2.0
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
 
@@ -88,6 +91,8 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"CacheConfig.cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if self.activation_reserve_gib < 0:
+            raise ValueError(f"CacheConfig.activation_reserve_gib must be >= 0, got {self.activation_reserve_gib}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -533,8 +533,7 @@ def _merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
 def _blocks_that_fit(config: EngineConfig, layout: KVLayout, device: torch.device) -> int:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        # Leave room for activations and logits of the largest step.
-        reserve = 2 * 2**30
+        reserve = config.cache.activation_reserve_gib * 2**30  # activations and logits of the largest step
         budget = free - (1 - config.cache.gpu_memory_utilization) * total - reserve
     else:
         budget = config.cache.cpu_kv_cache_gib * 2**30

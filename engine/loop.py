@@ -4,6 +4,10 @@ Every engine call goes through `submit`: a function applied to the engine
 between two steps, on the loop's thread, so the engine needs no locks. Token
 deltas of each step are collected and taken in batches by `take_deltas`, one
 call for every request's new tokens (not one per token).
+
+`heartbeat()` answers without waiting for the engine: how many times the loop has
+turned (a step or a batch of commands ends a turn, an idle wait too) and whether its
+thread still runs. A busy engine is alive; one whose loop stops turning is stuck.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TypeVar
 
 from pdserve.engine.engine import Engine
@@ -27,6 +32,21 @@ T = TypeVar("T")
 IDLE_WAIT_S = 0.05
 
 
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """A worker's answer to a ping, made without waiting for its engine.
+
+    num_turns: times the engine loop has gone round (after each step, each batch of
+        commands and each idle wait): it stops moving only while one step or command runs.
+    engine_alive: the engine's thread still runs.
+    """
+
+    worker_id: str
+    num_turns: int
+    engine_alive: bool
+
+
+
 class EngineLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -34,6 +54,7 @@ class EngineLoop:
         self._deltas: list[TokenDelta] = []
         self._deltas_ready = threading.Condition()
         self._stopped = threading.Event()
+        self.num_turns = 0  # written by the loop thread only; read by heartbeats
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -58,6 +79,10 @@ class EngineLoop:
             deltas, self._deltas = self._deltas, []
         return deltas
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopped.set()
         self._thread.join(timeout_s)
@@ -81,6 +106,7 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopped.is_set():
             self._run_commands(0 if self.engine.has_unfinished else IDLE_WAIT_S)
+            self.num_turns += 1
             if not self.engine.has_unfinished:
                 continue
             try:
@@ -125,5 +151,7 @@ class LoopWorker:
     async def max_model_len(self) -> int:
         return self.loop.engine.max_model_len
 
-    async def ping(self) -> str:
-        return self.worker_id
+    async def ping(self) -> Heartbeat:
+        """Liveness and progress; never waits for the engine (the cluster calls it on
+        the actor's own health thread, so it does not queue behind other calls either)."""
+        return Heartbeat(self.worker_id, self.loop.num_turns, self.loop.alive)

@@ -1,7 +1,7 @@
 """Weight sources: a Hugging Face folder, a GGUF file, the embedded default, or dummy.
 
-No model hub is ever contacted: every path is local, and transformers runs with
-HF_HUB_OFFLINE set.
+No model hub is ever contacted: every path is local, and every transformers call
+says `local_files_only` (nothing of the process's environment is changed).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import torch
 from pdserve.engine.config import DEFAULT_MODEL, ModelConfig
 from pdserve.engine.models.arch import DUMMY_SHAPES, ModelArch
 from pdserve.engine.models.llama import LlamaForCausalLM
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported anywhere below
 
 logger = logging.getLogger(__name__)
 
@@ -116,14 +114,14 @@ def load_tokenizer(files: ModelFiles) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(files.folder))
+    return AutoTokenizer.from_pretrained(str(files.folder), local_files_only=True)
 
 
 def _read_arch(folder: Path) -> ModelArch:
     from transformers import AutoConfig
 
     try:
-        hf_config = AutoConfig.from_pretrained(str(folder))
+        hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{str(folder)!r} has no readable config.json: {e}") from e
     return ModelArch.from_hf_config(hf_config)
@@ -140,8 +138,8 @@ def _converted_gguf(gguf_path: Path, cache_dir: Path) -> Path:
 
     logger.info("converting %s to safetensors in %s (first use only)", gguf_path, folder)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                 dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+                                                 dtype=torch.float32, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
     # The weights are dense after dequantization; transformers refuses to save a
     # model that still carries its GGUF quantizer, so drop that marker.
     model.hf_quantizer = None

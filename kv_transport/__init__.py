@@ -10,6 +10,7 @@
 Modules (only the ucx_* ones and transport_info import ucxx):
     api            protocols, TransferResult, typed errors, release_on_failure
     config         TransportConfig
+    node           a worker's settings on its Ray node (its registered address)
     handshake      layout fingerprint, HMAC secret proofs, per-request data tags
     staging        block id checks; gather/scatter of scattered blocks to one contiguous buffer
     pool_writer    direct writes: scattered blocks into a peer's mapped pool (one graph replay)

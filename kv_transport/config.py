@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
 # Transport classes, fastest first. UCX transport names map onto these in transport_info.py.
@@ -65,6 +66,14 @@ class TransportConfig:
         object.__setattr__(self, "allowed_transports", allowed)
         if self.progress_mode not in PROGRESS_MODES:
             raise ValueError(f"TransportConfig.progress_mode must be one of {PROGRESS_MODES}")
+
+    @property
+    def is_loopback(self) -> bool:
+        """The worker's address is a loopback one: every peer is on this host."""
+        try:
+            return ipaddress.ip_address(self.listen_host).is_loopback
+        except ValueError:  # a host name
+            return self.listen_host == "localhost"
 
     def allows(self, transport: str) -> bool:
         """Whether a detected transport class may carry KV. One UCX could not identify

@@ -33,11 +33,20 @@ PROBE_ID = "\x00probe"
 
 
 def ensure_ucx(config: TransportConfig) -> None:
-    """Initialise ucxx once per process with the configured progress mode."""
+    """Initialise ucxx once per process with the configured progress mode. A worker whose
+    address is loopback (a local cluster) keeps UCX's network transports on the loopback
+    device, so that their sockets (UCX's TCP transport listens on every device it uses)
+    stay off other interfaces."""
+    # UCX warns about ucxx's own UCX_MEMTYPE_CACHE setting on every start.
+    options = {"WARN_UNUSED_ENV_VARS": "n"}
+    if config.is_loopback:
+        options["NET_DEVICES"] = LOOPBACK_DEVICE
     # RuntimeError: already initialised by another sender/receiver of this process.
     with contextlib.suppress(RuntimeError):
-        # UCX warns about ucxx's own UCX_MEMTYPE_CACHE setting on every start.
-        ucxx.init(options={"WARN_UNUSED_ENV_VARS": "n"}, progress_mode=config.progress_mode)
+        ucxx.init(options=options, progress_mode=config.progress_mode)
+
+
+LOOPBACK_DEVICE = "lo"  # Linux's name for it
 
 
 def spawn(coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:

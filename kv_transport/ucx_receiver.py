@@ -175,7 +175,9 @@ class UcxKVReceiver:
     @classmethod
     async def start(cls, kv: torch.Tensor, layout: KVLayout, config: TransportConfig) -> UcxKVReceiver:
         receiver = cls(kv, layout, config)
-        # ucxx binds every interface whatever listen_host says; the handshake keeps strangers out.
+        # ucxx binds 0.0.0.0 whatever listen_host says (create_listener takes a port, and so does
+        # its C++ ListenerBuilder): the one listener of a local cluster off loopback. The
+        # handshake's HMAC proof of the cluster secret keeps strangers out.
         receiver._listener = ucxx.create_listener(receiver._on_connect, port=config.listen_port)
         receiver._port = receiver._listener.port
         return receiver

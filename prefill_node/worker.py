@@ -23,11 +23,9 @@ POLL_S = 0.5
 
 
 class PrefillWorker(LoopWorker):
-    def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig,
-                 prefill_timeout_s: float = 60.0) -> None:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig) -> None:
         super().__init__(worker_id, Engine(engine_config))
         self._transport = transport
-        self._prefill_timeout_s = prefill_timeout_s
         self._sender = None
         self._waiters: dict[str, asyncio.Future[TokenDelta]] = {}
         self._peers: dict[str, PeerAddress] = {}  # where each request in prefill sends its KV
@@ -36,10 +34,11 @@ class PrefillWorker(LoopWorker):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
+        from pdserve.kv_transport.node import on_this_node
         from pdserve.kv_transport.ucx_sender import UcxKVSender
 
         engine = self.loop.engine
-        self._sender = UcxKVSender(engine.pool.kv, engine.pool.layout, self._transport)
+        self._sender = UcxKVSender(engine.pool.kv, engine.pool.layout, on_this_node(self._transport))
         self._pump = asyncio.create_task(self._pump_deltas())
         self._loop = asyncio.get_running_loop()
         engine.set_kv_computed_callback(self._kv_computed)
@@ -77,7 +76,9 @@ class PrefillWorker(LoopWorker):
             self._sender.prepare(rid, decode_peer)
         try:
             await self.loop.call(lambda e: e.add_request(list(req.prompt_token_ids), params, rid, hold_kv=True))
-            first = await asyncio.wait_for(waiter, self._prefill_timeout_s)
+            # No bound of its own: a long prompt's steps take minutes on a CPU. The request's
+            # deadline cancels this call, and the pool replaces an engine that stopped progressing.
+            first = await waiter
         except BaseException:
             self._waiters.pop(rid, None)
             await self._stop_sending(rid)

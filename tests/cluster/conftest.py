@@ -47,7 +47,8 @@ def _server_config(**sections: dict[str, Any]) -> ServeConfig:
     base: dict[str, Any] = {
         "engine": {"model": {"device": "cpu", "dtype": "float32"}, "cache": {"cpu_kv_cache_gib": 0.25}},
         "server": {"port": 0, "http_port": 0, "metrics_port": 0},
-        "pools": {"gpus_per_worker": 0, "health_interval_s": 0.5},
+        "pools": {"gpus_per_worker": 0},
+        "health": {"interval_s": 0.5},
         "kv_transport": {"transfer_timeout_s": 30.0},
     }
     for name, values in sections.items():

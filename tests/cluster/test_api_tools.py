@@ -83,7 +83,7 @@ def test_prefix_aware_routing_and_metrics(start, tokenizer):
 
 @pytest.mark.slow
 def test_grpcurl_reflection_health_and_generate(start):
-    srv = start(pools={"mode": "colocated"}, server={"max_inflight_requests": 4})
+    srv = start(pools={"mode": "colocated"})
     listed = grpcurl(srv.target, "list")
     assert listed.returncode == 0, listed.stderr
     assert "pdserve.v1.Generation" in listed.stdout and "grpc.health.v1.Health" in listed.stdout
@@ -99,16 +99,19 @@ def test_grpcurl_reflection_health_and_generate(start):
 
 @pytest.mark.slow
 def test_full_server_answers_resource_exhausted_promptly(start):
-    srv = start(pools={"mode": "colocated"}, server={"max_inflight_requests": 2})
+    # One mixed worker with 1 running seat and 1 queued: a capacity of 2 requests.
+    srv = start(pools={"mode": "colocated"}, engine={"scheduler": {"max_num_seqs": 1}},
+                admission={"max_waiting_per_worker": 1})
     clients = [Client(srv.target) for _ in range(3)]
     long = SamplingParams(max_tokens=2000, ignore_eos=True)
     calls = [c.generate("Tell me a story.", long, timeout_s=60) for c in clients[:2]]
-    for call in calls:
-        next(call)  # both are running
+    next(calls[0])  # it runs; the second waits in the worker's queue
+    wait_until(lambda: srv.server.frontend.inflight == 2, 30, "both requests to be admitted")
     with pytest.raises(grpc.RpcError) as err:
         next(clients[2].generate("One more", SamplingParams(max_tokens=2), timeout_s=10))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "limit of 2 concurrent requests" in err.value.details()
+    assert "capacity of 2 concurrent requests" in err.value.details()
+    assert ("grpc-retry-pushback-ms", "1000") in tuple(err.value.trailing_metadata())
     for call in calls:
         call.cancel()
     for c in clients:

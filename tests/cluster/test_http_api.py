@@ -164,20 +164,18 @@ def test_unknown_model_through_the_client_is_not_found(client):
     assert err.value.body["code"] == "model_not_found"
 
 
-def test_full_server_answers_429(srv, client, model):
-    frontend = srv.server.http.api.frontend
-    limit = frontend.max_inflight
-    frontend.max_inflight = 1
-    try:
-        stream = client.completions.create(model=model, prompt="Tell me a long story.", max_tokens=500, stream=True,
-                                           extra_body={"ignore_eos": True})
-        next(iter(stream))  # it holds the only seat
-        with pytest.raises(openai.RateLimitError) as err:
-            client.completions.create(model=model, prompt="One more", max_tokens=2)
-        assert "limit of 1 concurrent requests" in err.value.body["message"]
-        stream.close()
-    finally:
-        frontend.max_inflight = limit
+def test_full_server_answers_429(srv, client, model, monkeypatch):
+    coordinator = srv.server.frontend.coordinator
+    monkeypatch.setattr(coordinator, "capacity", lambda: 1)  # one seat, no queue
+    stream = client.completions.create(model=model, prompt="Tell me a long story.", max_tokens=500, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # it holds the only seat
+    with pytest.raises(openai.RateLimitError) as err:
+        client.completions.create(model=model, prompt="One more", max_tokens=2)
+    assert "capacity of 1 concurrent requests" in err.value.body["message"]
+    assert int(err.value.response.headers["Retry-After"]) >= 1
+    stream.close()
+    monkeypatch.undo()
     wait_until(lambda: pools_are_full(srv.target), 30, "blocks to be freed")
 
 

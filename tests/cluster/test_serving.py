@@ -149,19 +149,39 @@ def test_lost_decode_worker_fails_its_requests_and_is_replaced(disaggregated):
     wait_until(lambda: pools_are_full(disaggregated.target), 10, "every block to be free")
 
 
-def test_a_refused_reservation_cancels_the_prefill_it_ran_beside(start):
-    """The prefill starts beside the decode worker's reservation; when the reservation is
-    refused (no seat), the client hears RESOURCE_EXHAUSTED, the prefill is cancelled and
-    every block on both sides comes back, and the server keeps serving."""
-    srv = start(pools={"mode": "disaggregated"}, engine={"scheduler": {"max_num_seqs": 1}})
+def test_admission_queues_up_to_capacity_and_refuses_beyond_it_at_once(start):
+    """One decode worker with 1 running seat and a queue of 1: a capacity of 2. The second
+    request waits for the seat (no refusal although the seat is taken), the third is
+    refused at once with RESOURCE_EXHAUSTED and a retry hint; the queued one then runs, and
+    every block on both sides comes back."""
+    import threading
+
+    srv = start(pools={"mode": "disaggregated"}, engine={"scheduler": {"max_num_seqs": 1}},
+                admission={"max_waiting_per_worker": 1, "retry_after_s": 2.5})
+    coordinator = srv.server.coordinator
+    assert coordinator.capacity() == 2
+    queued: list = []
     with Client(srv.target) as holder, Client(srv.target) as other:
         running = holder.generate("Tell me a story.", SamplingParams(max_tokens=2000, ignore_eos=True),
                                   timeout_s=120)
         next(running)  # it holds the decode worker's only seat
+        waiter = threading.Thread(target=lambda: queued.append(
+            collect(srv.target, "One more", SamplingParams(temperature=0.0, max_tokens=4), 120)))
+        waiter.start()
+        wait_until(lambda: len(coordinator._streams) == 1 and _num_admitted(srv) == 2, 30,
+                   "the second request to be admitted and queued for a seat")
         with pytest.raises(grpc.RpcError) as err:
-            list(other.generate("One more", SamplingParams(max_tokens=4), timeout_s=30))
+            list(other.generate("A third", SamplingParams(max_tokens=4), timeout_s=30))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "capacity of 2 concurrent requests" in err.value.details()
+        assert ("grpc-retry-pushback-ms", "2500") in tuple(err.value.trailing_metadata())
+        assert waiter.is_alive() and not queued  # still waiting, not refused
         running.cancel()
-        wait_until(lambda: pools_are_full(srv.target), 30, "blocks to be freed on both workers")
-        after = collect(srv.target, "One more", SamplingParams(temperature=0.0, max_tokens=4))
-        assert len(after.token_ids) == 4
+        waiter.join(120)
+    assert len(queued) == 1 and len(queued[0].token_ids) == 4
+    wait_until(lambda: pools_are_full(srv.target), 30, "blocks to be freed on both workers")
+
+
+def _num_admitted(srv) -> int:
+    """Requests the gRPC service holds (running and queued)."""
+    return srv.server.frontend.inflight

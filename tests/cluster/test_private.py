@@ -1,0 +1,102 @@
+"""`pdserve serve` with a local cluster is private: nothing of its process tree listens
+beyond loopback (gRPC, /metrics, Ray's GCS, raylets, agents, workers)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from pdserve.engine.sampling import SamplingParams
+from tests.cluster.streams import collect
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """\
+engine:
+  model: {device: cpu, dtype: float32}
+  cache: {cpu_kv_cache_gib: 0.25}
+pools: {gpus_per_worker: 0}
+"""
+
+
+@dataclass(frozen=True)
+class Listener:
+    ip: str
+    port: int
+    process: str
+
+    @property
+    def is_loopback(self) -> bool:
+        return ipaddress.ip_address(self.ip.removeprefix("::ffff:")).is_loopback
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    config = tmp_path_factory.mktemp("private") / "serve.yaml"
+    config.write_text(CONFIG)
+    port, metrics_port = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--config", str(config), "--port", str(port),
+         "--metrics-port", str(metrics_port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            line = proc.stdout.readline()
+            if "serving on" in line:
+                break
+            if not line and proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"pdserve serve did not start (exit {proc.poll()})")
+        yield proc, port
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _listeners(pid: int) -> list[Listener]:
+    """Listening TCP sockets of `pid` and every process below it."""
+    import psutil
+
+    root = psutil.Process(pid)
+    names = {p.pid: p.name() for p in [root, *root.children(recursive=True)]}
+    return [Listener(c.laddr.ip, c.laddr.port, names[c.pid]) for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.pid in names]
+
+
+def test_a_local_cluster_listens_on_loopback_only(served):
+    proc, port = served
+    assert collect(f"127.0.0.1:{port}", "Hi", SamplingParams(temperature=0.0, max_tokens=2)).token_ids
+    listeners = _listeners(proc.pid)
+    names = {x.process for x in listeners}
+    assert "gcs_server" in names and "raylet" in names, names  # the tree was read
+    assert any(x.port == port for x in listeners)
+    # ucxx 0.52 listeners take a port only and bind every interface (see kv_transport/ucx_receiver.py):
+    # the one exception, named by the decode worker process, checked strictly in the test below.
+    exposed = [x for x in listeners if not x.is_loopback and not x.process.startswith("ray::DecodeWork")]
+    assert exposed == [], exposed
+
+
+@pytest.mark.xfail(strict=True, reason="ucxx.create_listener binds 0.0.0.0 whatever the address: it takes no host")
+def test_the_kv_listener_is_on_loopback_too(served):
+    proc, _ = served
+    decode = [x for x in _listeners(proc.pid) if x.process.startswith("ray::DecodeWork")]
+    assert decode and all(x.is_loopback for x in decode), decode
