@@ -68,7 +68,8 @@ class Frontend:
         fit the pools' capacity (`Coordinator.capacity()`: the healthy decode workers' running
         seats plus their bounded waiting queues)."""
         capacity = self.coordinator.capacity()
-        if self.inflight + num_requests > capacity:
+        # No healthy decode worker is not a full server: the coordinator answers UNAVAILABLE.
+        if capacity and self.inflight + num_requests > capacity:
             self.count(Status.RESOURCE_EXHAUSTED)
             raise RequestFailed(Status.RESOURCE_EXHAUSTED,
                                 f"server is at its capacity of {capacity} concurrent requests (running and "

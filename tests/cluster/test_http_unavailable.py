@@ -29,13 +29,17 @@ class _NoWorkers:
     def pools(self) -> list[_LostPool]:
         return [_LostPool()]
 
+    def capacity(self) -> int:
+        return 0  # no healthy decode worker: no seats
+
     async def generate(self, req: WorkerRequest) -> AsyncIterator[TokenDelta]:
         raise WorkerUnavailable("no healthy decode worker")
         yield  # an async generator, as the coordinator's is
 
 
 def test_no_healthy_worker_is_503():
-    frontend = Frontend(_NoWorkers(), RequestProcessor(None, "tiny", 100, 64), Metrics(), 8, 30.0)  # type: ignore[arg-type]
+    frontend = Frontend(_NoWorkers(), RequestProcessor(None, "tiny", 100, 64), Metrics(),  # type: ignore[arg-type]
+                        default_timeout_s=30.0, retry_after_s=1.0)
     with TestClient(OpenAIApi(frontend).app()) as client:
         health = client.get("/health")
         assert health.status_code == 503 and "no healthy decode worker" in health.json()["error"]["message"]
