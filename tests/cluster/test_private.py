@@ -52,7 +52,7 @@ def served(tmp_path_factory) -> Iterator[tuple[subprocess.Popen[str], int]]:
     port, metrics_port = _free_port(), _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--config", str(config), "--port", str(port),
-         "--metrics-port", str(metrics_port)],
+         "--metrics-port", str(metrics_port), "--http-port", str(_free_port())],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
