@@ -58,7 +58,7 @@ def served(tmp_path_factory) -> Iterator[tuple[subprocess.Popen[str], int]]:
         deadline = time.monotonic() + 300
         while True:
             line = proc.stdout.readline()
-            if "serving on" in line:
+            if line.startswith("pdserve: serving"):
                 break
             if not line and proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"pdserve serve did not start (exit {proc.poll()})")
