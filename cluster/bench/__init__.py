@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import re
 import sys
 import urllib.request
@@ -88,10 +89,12 @@ async def run_bench(args: argparse.Namespace) -> int:
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
 
 
-def _backend(args: argparse.Namespace) -> Backend:
-    if re.match(r"https?://", args.target):
-        import os
+def _is_http(target: str) -> bool:
+    return re.match(r"https?://", target) is not None
 
+
+def _backend(args: argparse.Namespace) -> Backend:
+    if _is_http(args.target):
         return OpenAIBackend(args.target, args.model, args.temperature, os.environ.get("OPENAI_API_KEY"))
     return GrpcBackend(args.target, args.temperature)
 
@@ -131,7 +134,7 @@ def _server_counts(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 def _write_json(path: Path, args: argparse.Namespace, summaries: list[dict], run: RunResult | None) -> None:
     doc: dict[str, object] = {
-        "backend": "openai" if re.match(r"https?://", args.target) else "grpc",
+        "backend": "openai" if _is_http(args.target) else "grpc",
         "target": args.target, "dataset": args.dataset, "num_prompts": args.num_prompts,
         "runs": [{k: _jsonable(v) for k, v in s.items()} for s in summaries],
     }

@@ -9,7 +9,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import grpc
+
 from pdserve.cluster.bench.dataset import BenchRequest
+from pdserve.proto.v1 import generation_pb2 as pb
+from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
 
 
 @dataclass(slots=True)
@@ -63,24 +67,15 @@ class GrpcBackend:
     name = "grpc"
 
     def __init__(self, target: str, temperature: float = 1.0) -> None:
-        import grpc
-
-        from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
-
-        self._grpc = grpc
         self._channel = grpc.aio.insecure_channel(target)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._temperature = temperature
 
     async def vocab_size(self) -> int | None:
-        from pdserve.proto.v1 import generation_pb2 as pb
-
         models = await self._stub.ListModels(pb.ListModelsRequest(), timeout=30)
         return models.models[0].vocab_size if models.models else None
 
     async def send(self, request: BenchRequest, timeout_s: float) -> RequestResult:
-        from pdserve.proto.v1 import generation_pb2 as pb
-
         msg = pb.GenerateRequest(sampling=pb.SamplingParams(
             temperature=self._temperature, max_tokens=request.output_len, ignore_eos=True))
         if request.prompt_ids is not None:
@@ -97,7 +92,7 @@ class GrpcBackend:
                     result.output_tokens += len(resp.token_ids)
                 if resp.HasField("usage"):
                     result.input_tokens = resp.usage.prompt_tokens
-        except self._grpc.aio.AioRpcError as e:
+        except grpc.aio.AioRpcError as e:
             result.error = f"{e.code().name}: {e.details()}"
         return result
 

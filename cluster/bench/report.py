@@ -45,12 +45,7 @@ class Slo:
 def summarize(run: RunResult, slo: Slo = Slo()) -> dict[str, float | int | None]:
     """The run's figures: counts, throughputs and, per latency, mean/median/std/p50/p90/p99 in ms."""
     ok = [r for r in run.results if r.ok]
-    samples = {
-        "ttft": [r.ttft for r in ok],
-        "tpot": [t for r in ok if (t := r.tpot) is not None],
-        "itl": [gap for r in ok for gap in r.itls],
-        "e2el": [r.e2el for r in ok],
-    }
+    samples = _samples(run)
     input_tokens = sum(r.input_tokens or 0 for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
     duration = run.duration_s
@@ -78,6 +73,13 @@ def summarize(run: RunResult, slo: Slo = Slo()) -> dict[str, float | int | None]
         for p in PERCENTILES:
             out[f"p{p}_{name}_ms"] = float("nan") if empty else float(np.percentile(ms, p))
     return out
+
+
+def _samples(run: RunResult) -> dict[str, list[float]]:
+    """Each latency's samples, seconds, over the run's successful requests."""
+    ok = [r for r in run.results if r.ok]
+    return {"ttft": [r.ttft for r in ok], "tpot": [t for r in ok if (t := r.tpot) is not None],
+            "itl": [gap for r in ok for gap in r.itls], "e2el": [r.e2el for r in ok]}
 
 
 def _meets(result, slo: Slo) -> bool:
@@ -120,9 +122,7 @@ def format_table(summary: dict[str, float | int | None], errors: list[str] = ())
 def plot_cdfs(run: RunResult, path: Path) -> None:
     """One PNG: the empirical CDF of each latency of a run."""
     plt = _pyplot()
-    ok = [r for r in run.results if r.ok]
-    samples = {"ttft": [r.ttft for r in ok], "tpot": [t for r in ok if (t := r.tpot) is not None],
-               "itl": [g for r in ok for g in r.itls], "e2el": [r.e2el for r in ok]}
+    samples = _samples(run)
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     for ax, name in zip(axes, LATENCIES):
         ms = np.sort(np.asarray(samples[name]) * 1000.0)
