@@ -152,7 +152,9 @@ def _graph_ms(engine, bucket: int, key: str, profile: bool) -> dict[str, float]:
         return {}
     if hasattr(graphs, "tiers"):  # graphs per context tier: the one the last step used
         blocks = max((len(seq.block_ids) for seq in engine.scheduler.running), default=1024 // 16 + 1)
-        graph = graphs._graphs[bucket, next(w for w in graphs.tiers[bucket] if w >= blocks)].graph
+        width = next(w for w in graphs.tiers[bucket] if w >= blocks)
+        # Keyed (bucket, tokens per sequence, width) since verification steps have graphs too.
+        graph = graphs._graphs[(bucket, 1, width) if hasattr(graphs, "tokens_per_seq") else (bucket, width)].graph
     else:
         graph = graphs._graphs[bucket].graph
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

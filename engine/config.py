@@ -141,9 +141,12 @@ class SpecConfig:
     adaptive: pick each request's K from its measured acceptance rate (K=0, with
         an occasional probe, when speculation does not pay).
     verify_cost: what verifying one more token adds to a target pass, as a
-        fraction of a decode step (adaptive K weighs it with the draft's cost):
-        near 0 on a GPU at small batches, ~0.15 on a 2-core CPU
-        (benchmarks/spec.py measures it).
+        fraction of a decode step (adaptive K weighs it with the draft's cost
+        where no CUDA graphs time the passes): ~0.15 on a 2-core CPU
+        (benchmarks/spec.py measures it). On a GPU adaptive K uses the
+        replay times of the captured graphs instead.
+    max_graph_batch: the largest batch whose verification and draft steps get
+        CUDA graphs (larger ones run eagerly: speculation rarely pays there).
     """
 
     method: str = "none"
@@ -154,6 +157,7 @@ class SpecConfig:
     ngram_max: int = 4
     adaptive: bool = False
     verify_cost: float = 0.05
+    max_graph_batch: int = 64
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -165,6 +169,8 @@ class SpecConfig:
             raise ValueError("SpecConfig.method 'draft_model' needs SpecConfig.draft_model (a model source)")
         if self.num_draft_layers < 1:
             raise ValueError(f"SpecConfig.num_draft_layers must be >= 1, got {self.num_draft_layers}")
+        if self.max_graph_batch < 1:
+            raise ValueError(f"SpecConfig.max_graph_batch must be >= 1, got {self.max_graph_batch}")
         if self.verify_cost < 0:
             raise ValueError(f"SpecConfig.verify_cost must be >= 0, got {self.verify_cost}")
         if not 1 <= self.ngram_min <= self.ngram_max:

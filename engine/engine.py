@@ -18,19 +18,21 @@ import torch
 
 from pdserve.engine.attention import backend_for
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
+from pdserve.engine.cuda_graphs import StepGraphs
 from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
 from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
 from pdserve.engine.sampler import PendingSample, Sampler
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence, SequenceStatus
-from pdserve.engine.speculator import Proposal, Speculator
+from pdserve.engine.speculator import Proposals, Speculator
 from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
 from pdserve.engine.weights import load_model, load_tokenizer, resolve_model
+from pdserve.kernels.paged_decode import paged_verify_fits
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,15 @@ KVComputed = Callable[[str, tuple[int, ...], "torch.cuda.Event | None"], None]
 
 
 @dataclass(slots=True)
+class _StepProposals:
+    """What the drafter proposed this step: the batch's proposals and each sequence's row."""
+
+    proposals: Proposals
+    rows: dict[Sequence, int]
+    num_proposed: dict[Sequence, int]  # the real ones: `spec_token_ids` may be padded past them
+
+
+@dataclass(slots=True)
 class _LaunchedStep:
     """A step whose forward and sampling are queued on the device."""
 
@@ -60,7 +71,8 @@ class _LaunchedStep:
     seqs: list[Sequence]  # the sampled sequences, in the rows of `sample`
     rows: dict[Sequence, int]
     sample: PendingSample | None
-    verifying: dict[Sequence, tuple[torch.Tensor, Proposal]]  # logits [1 + K, vocab] and the proposal
+    verifying: dict[Sequence, torch.Tensor]  # logits [1 + K, vocab] of the sequences that proposed K tokens
+    proposals: _StepProposals | None = None
     free_after: list[Sequence] = field(default_factory=list)  # finished meanwhile: free once resolved
     batch_seqs: set[Sequence] = field(default_factory=set)
 
@@ -97,7 +109,7 @@ class Engine:
 
         layout = KVLayout(self.model_name, dtype, arch.num_layers, arch.num_kv_heads, arch.head_dim,
                           config.cache.block_size)
-        num_blocks = config.cache.num_blocks or _blocks_that_fit(config, layout, device)
+        num_blocks = config.cache.num_blocks or _blocks_that_fit(config, layout, device, _draft_memory(config, arch))
         self.pool = KVPool(layout, num_blocks, device)
         capacity = num_blocks * layout.block_size
         if config.model.max_model_len is not None and capacity < limit:
@@ -114,8 +126,13 @@ class Engine:
                                   sched_config.max_num_seqs, device)
         graphs = None
         if device.type == "cuda" and not config.model.enforce_eager:
-            graphs = DecodeGraphs(self.model, self.pool, backend, inputs, arch.head_dim ** -0.5,
-                                  sched_config.max_num_seqs)
+            # Verification steps of K + 1 tokens per sequence (every K adaptive K may pick).
+            spec = config.spec
+            group = arch.num_heads // arch.num_kv_heads
+            verify = tuple(k + 1 for k in range(1, spec.num_speculative_tokens + 1)
+                           if spec.enabled and paged_verify_fits(k + 1, group))
+            graphs = StepGraphs(self.model, self.pool, backend, inputs, arch.head_dim ** -0.5,
+                                sched_config.max_num_seqs, (1, *verify), spec.max_graph_batch)
             graphs.capture()
         self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, inputs, graphs)
         self.speculator: Speculator | None = None
@@ -253,7 +270,7 @@ class Engine:
             prefix_queried_tokens=bm.num_prefix_queries,
             prefix_hit_tokens=bm.num_prefix_hits,
             num_preemptions=sched.num_preemptions,
-            spec=dataclasses.replace(self.speculator.metrics) if self.speculator is not None else None,
+            spec=self.speculator.metrics.snapshot() if self.speculator is not None else None,
         )
 
     @property
@@ -289,7 +306,7 @@ class Engine:
             previous = None
         if self._kv_landing:
             self._admit_landed()
-        proposals = self._propose() if self.speculator is not None else {}
+        proposals = self._propose() if self.speculator is not None else None
         batch = self.scheduler.schedule()
         if self.speculator is not None:
             for seq in batch.preempted:
@@ -307,18 +324,23 @@ class Engine:
     def _can_overlap(self) -> bool:
         return self.config.scheduler.async_scheduling and self.speculator is None
 
-    def _launch(self, batch: ScheduledBatch, proposals: dict[Sequence, Proposal],
+    def _launch(self, batch: ScheduledBatch, proposals: _StepProposals | None,
                 previous: _LaunchedStep | None) -> _LaunchedStep:
         """Queue the batch's forward and sampling; advance each sequence as if the step had
         run, its sampled token a placeholder until the step resolves. `previous`: the step
-        before, still unresolved, whose tokens this one reads on the device."""
+        before, still unresolved, whose tokens this one reads on the device; `proposals`:
+        this step's draft tokens, which it verifies (read on the device too)."""
         in_flight = None
         if previous is not None and previous.sample is not None:
             in_flight = InFlightTokens(previous.sample.token_ids, previous.rows)
+        elif proposals is not None:
+            width = proposals.proposals.token_ids.shape[1]
+            in_flight = InFlightTokens(proposals.proposals.token_ids.view(-1),
+                                       {seq: row * width for seq, row in proposals.rows.items()})
         logits = self.runner.compute_logits(batch, in_flight)
         if self._on_kv_computed is not None:
             self._report_kv_computed(batch, self._on_kv_computed)
-        verifying = {seq: (logits.pop(seq), proposals[seq]) for seq in batch.seqs if seq.spec_token_ids}
+        verifying = {seq: logits.pop(seq) for seq in batch.seqs if seq.spec_token_ids}
         seqs, sample = self.runner.sample_async(logits)
         rows = {seq: i for i, seq in enumerate(seqs)}
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
@@ -331,18 +353,19 @@ class Engine:
                                  or seq.num_tokens >= self.max_model_len)
             # Now, not at resolve: the next step's admissions must find this one's prefix.
             self.block_manager.cache_full_blocks(seq)
-        return _LaunchedStep(batch, seqs, rows, sample, verifying)
+        return _LaunchedStep(batch, seqs, rows, sample, verifying, proposals)
 
     def _resolve(self, launched: _LaunchedStep) -> list[TokenDelta]:
         """Wait for a launched step's tokens and turn them into deltas."""
         out = launched.sample.resolve() if launched.sample is not None else None
         self._free_deferred(launched)
+        verified = self._verify_all(launched)
         deltas = []
         for seq in launched.batch.seqs:
             if seq.is_finished:  # finished or aborted while the step ran
                 continue
             if seq in launched.verifying:
-                deltas.append(self._verify(seq, *launched.verifying[seq]))
+                deltas.append(self._accept_verified(seq, launched.verifying[seq], verified[seq]))
                 continue
             row = launched.rows.get(seq)
             if row is not None:
@@ -364,37 +387,64 @@ class Engine:
         for seq in done:
             callback(seq.request_id, tuple(seq.block_ids), event)
 
-    def _propose(self) -> dict[Sequence, Proposal]:
+    def _propose(self) -> _StepProposals | None:
         """Draft tokens for every running sequence that is decoding (its last token
         is the only one without KV); they are verified in this step's pass."""
         assert self.speculator is not None
         seqs, limits = [], []
+        graphs = self.runner.graphs is not None
         for seq in self.scheduler.running:
             seq.spec_token_ids.clear()
             # The accepted tokens plus the target's own must fit max_tokens and the context.
             limit = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            if seq.num_computed_tokens == seq.num_tokens - 1 and limit > 0:
+            # With graphs a sequence at its last token verifies padding too (below): the batch stays uniform.
+            if seq.num_computed_tokens == seq.num_tokens - 1 and (limit > 0 or graphs):
                 seqs.append(seq)
-                limits.append(limit)
+                limits.append(max(limit, 0))
+        if not any(limits):
+            return None
+        proposals = self.speculator.propose(seqs, limits)
+        width = max(proposals.num_tokens, default=0)
+        if width == 0:
+            return None
+        rows, num_proposed = {}, {}
+        host = proposals.host_token_ids
+        for i, (seq, n) in enumerate(zip(seqs, proposals.num_tokens)):
+            # With CUDA graphs every sequence verifies as many tokens, so that one graph replays
+            # the step: a shorter proposal (one near max_tokens too) is padded with tokens never
+            # accepted (their KV is trimmed as a rejected guess's is; eagerly, on the CPU, they
+            # would cost compute). Drafted on the device: placeholders here, read there (zeros
+            # past a proposal).
+            num = min(width, self.max_model_len - seq.num_tokens) if graphs else n
+            seq.spec_token_ids.extend(host[i][:n] + [0] * (num - n) if host is not None
+                                      else [PLACEHOLDER_TOKEN_ID] * num)
+            if num:
+                rows[seq], num_proposed[seq] = i, n
+        return _StepProposals(proposals, rows, num_proposed) if rows else None
+
+    def _verify_all(self, launched: _LaunchedStep) -> dict[Sequence, list[int]]:
+        """The tokens each verifying sequence of the step emits (one read of the device)."""
+        if not launched.verifying:
+            return {}
+        assert self.speculator is not None and launched.proposals is not None
+        seqs = [seq for seq in launched.verifying if not seq.is_finished]
         if not seqs:
             return {}
-        proposals = [p.truncated(n) for p, n in zip(self.speculator.propose(seqs, limits), limits)]
-        for seq, proposal in zip(seqs, proposals):
-            seq.spec_token_ids.extend(proposal.token_ids)
-        return dict(zip(seqs, proposals))
+        step = launched.proposals
+        # The scheduler may have kept fewer than proposed (the token budget).
+        num_proposed = [min(step.num_proposed[s], len(s.spec_token_ids)) for s in seqs]
+        token_ids = self.speculator.verify(seqs, step.proposals, [step.rows[s] for s in seqs], num_proposed,
+                                           [launched.verifying[s] for s in seqs])
+        return dict(zip(seqs, token_ids))
 
-    def _verify(self, seq: Sequence, logits: torch.Tensor, proposal: Proposal) -> TokenDelta:
-        """Keep the proposed tokens the target accepts, plus one of its own.
+    def _accept_verified(self, seq: Sequence, logits: torch.Tensor, token_ids: list[int]) -> TokenDelta:
+        """Keep the proposed tokens the target accepted, plus one of its own.
 
         logits: [1 + K, vocab] from this step's pass over the last token and the
         K proposed tokens the scheduler kept (`seq.spec_token_ids`).
         """
-        assert self.speculator is not None
         params = seq.params
-        proposal = proposal.truncated(len(seq.spec_token_ids))
         seq.spec_token_ids.clear()
-        token_ids = self.speculator.verify(seq, proposal, self.sampler.probs(logits, params),
-                                           self.sampler.generator(seq.request_id, params))
         # The last token and the accepted proposals now have KV; the rejected
         # ones' slots are garbage and get overwritten or trimmed.
         seq.num_computed_tokens = seq.num_tokens + len(token_ids) - 1
@@ -530,14 +580,44 @@ def _merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
                       last.held_block_ids)
 
 
-def _blocks_that_fit(config: EngineConfig, layout: KVLayout, device: torch.device) -> int:
+@dataclass(frozen=True, slots=True)
+class DraftMemory:
+    """What a draft model of `config.spec` adds beside the target: its weights, and KV
+    bytes per block (a draft block for every target block, see `ModelDrafter`)."""
+
+    weight_bytes: int = 0
+    kv_bytes_per_block: int = 0
+
+
+def _draft_memory(config: EngineConfig, target: ModelArch) -> DraftMemory:
+    spec = config.spec
+    if not spec.enabled or spec.method not in ("draft_model", "self_draft"):
+        return DraftMemory()
+    itemsize = config.model.torch_dtype().itemsize
+    if spec.method == "self_draft":  # the target's own weights; KV for its first layers
+        arch, weight_bytes = target, 0
+        num_layers = min(spec.num_draft_layers, target.num_layers)
+    else:
+        assert spec.draft_model is not None
+        arch = resolve_model(dataclasses.replace(config.model, source=spec.draft_model)).arch
+        weight_bytes, num_layers = arch.num_params * itemsize, arch.num_layers
+    kv = 2 * num_layers * config.cache.block_size * arch.num_kv_heads * arch.head_dim * itemsize
+    return DraftMemory(weight_bytes, kv)
+
+
+def _blocks_that_fit(config: EngineConfig, layout: KVLayout, device: torch.device,
+                     draft: DraftMemory = DraftMemory()) -> int:
+    bytes_per_block = layout.bytes_per_block + draft.kv_bytes_per_block
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         reserve = config.cache.activation_reserve_gib * 2**30  # activations and logits of the largest step
-        budget = free - (1 - config.cache.gpu_memory_utilization) * total - reserve
+        budget = free - (1 - config.cache.gpu_memory_utilization) * total - reserve - draft.weight_bytes
+        # The draft's KV also holds the drafted tail of every running sequence.
+        tail_blocks = config.scheduler.max_num_seqs * -(-MAX_SPECULATIVE_TOKENS // layout.block_size)
+        budget -= draft.kv_bytes_per_block * tail_blocks
     else:
         budget = config.cache.cpu_kv_cache_gib * 2**30
-    num_blocks = int(budget // layout.bytes_per_block)
+    num_blocks = int(budget // bytes_per_block)
     if num_blocks < 1:
         raise ValueError("no memory left for the KV cache; lower the model size or raise the memory budget")
     return num_blocks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.attention import AttentionBackend
-from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.cuda_graphs import StepGraphs
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.sampler import PendingSample, Sampler, TokenLogprobs
@@ -16,15 +16,16 @@ from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend, sampler: Sampler,
-                 inputs: StepInputBuilder, graphs: DecodeGraphs | None = None) -> None:
+                 inputs: StepInputBuilder, graphs: StepGraphs | None = None) -> None:
         self.model = model
         self.inputs = inputs  # the one builder of step inputs (shared with the graphs)
-        self.graphs = graphs  # decode-only steps replay these (CUDA)
+        self.graphs = graphs  # uniform steps (decodes, verifications) replay these (CUDA)
         self.pool = pool
         self.backend = backend
         self.sampler = sampler
         self.device = pool.kv.device
         self.scale = model.arch.head_dim ** -0.5
+        self.num_eager_steps = 0  # forwards that no graph served
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[Sequence, tuple[int, TokenLogprobs | None]]:
@@ -43,12 +44,13 @@ class ModelRunner:
         in_flight: the tokens of the step before, if it has not resolved yet."""
         if not batch.seqs:
             return {}
-        graphs = self.graphs
-        if graphs is not None and _is_plain_decode(batch, graphs.max_batch):
-            key = graphs.key_for(batch.seqs)
+        key = self.graphs.key_for(batch) if self.graphs is not None else None
+        if key is not None:
+            assert self.graphs is not None
             inputs = self.inputs.build(batch.seqs, batch.num_new_tokens, pad_to=key[0], in_flight=in_flight)
-            logits = graphs.replay(key)
+            logits = self.graphs.replay(key)
         else:
+            self.num_eager_steps += 1
             order = _decodes_first(batch)
             inputs = self.inputs.build([batch.seqs[i] for i in order], [batch.num_new_tokens[i] for i in order],
                                        in_flight=in_flight)
@@ -74,24 +76,17 @@ class ModelRunner:
         seqs = list(logits)
         rows = [logits[s] for s in seqs]
         assert all(r.shape[0] == 1 for r in rows), "sequences with proposed tokens are verified, not sampled"
-        return seqs, self.sampler.sample_async(_rows_as_one(rows), [s.request_id for s in seqs],
+        return seqs, self.sampler.sample_async(rows_as_one(rows), [s.request_id for s in seqs],
                                                [s.params for s in seqs])
 
 
-def _rows_as_one(rows: list[torch.Tensor]) -> torch.Tensor:
+def rows_as_one(rows: list[torch.Tensor]) -> torch.Tensor:
     """The rows as one [N, vocab] tensor; a view when they are consecutive rows of one
     (every plain step), else a copy."""
     first = rows[0]
     if all(r.data_ptr() == first.data_ptr() + i * first.stride(0) * first.element_size() for i, r in enumerate(rows)):
         return first.as_strided((len(rows), first.shape[1]), first.stride())
     return torch.cat(rows)
-
-
-def _is_plain_decode(batch: ScheduledBatch, max_batch: int) -> bool:
-    """One new token per sequence, each its last, nothing proposed: what the graphs capture."""
-    return 0 < len(batch) <= max_batch and all(
-        n == 1 and s.num_computed_tokens == s.num_tokens - 1 and not s.spec_token_ids
-        for s, n in zip(batch.seqs, batch.num_new_tokens))
 
 
 def _decodes_first(batch: ScheduledBatch) -> list[int]:

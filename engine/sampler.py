@@ -79,16 +79,7 @@ class Sampler:
     def sample_async(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
                      ) -> PendingSample:
         """`sample` without waiting for the GPU: everything is queued on the current stream."""
-        greedy_ids = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            token_ids = greedy_ids
-        else:
-            probs = self._filtered_probs(logits, params)
-            noise = self._exponential_noise(probs.shape, request_ids, params)
-            # argmax(p / E) with E ~ Exp(1) is a draw from p (the exponential race).
-            sampled = (probs / noise).argmax(dim=-1)
-            is_greedy = _on_device([p.greedy for p in params], torch.bool, logits.device)
-            token_ids = torch.where(is_greedy, greedy_ids, sampled)
+        token_ids, _ = self.draw(logits, request_ids, params)
         pending_lp = _logprobs_async(logits, token_ids, params)
         on_gpu = logits.device.type == "cuda"
         host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=on_gpu)
@@ -99,13 +90,42 @@ class Sampler:
             ready.record()
         return PendingSample(token_ids, host_ids, pending_lp, ready)
 
-    def probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """The distribution `sample` draws from, for each row of one request's
-        logits [N, vocab]: [N, vocab] float32, one-hot on the argmax when greedy.
-        Speculative verification accepts draft tokens against it."""
-        if params.greedy:
-            return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-        return self._filtered_probs(logits, [params] * logits.shape[0])
+    def draw(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+             with_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row of logits [N, vocab], on the device, nothing read back: [N] int64,
+        and (with_probs, or when some row samples) the distributions they were drawn from,
+        [N, vocab] float32, one-hot on greedy rows."""
+        greedy_ids = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            if not with_probs:
+                return greedy_ids, None
+            return greedy_ids, torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).float()
+        probs = self._filtered_probs(logits, params)
+        noise = self.noise(probs.shape, request_ids, params, "exponential")
+        # argmax(p / E) with E ~ Exp(1) is a draw from p (the exponential race).
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = _on_device([p.greedy for p in params], torch.bool, logits.device)
+        token_ids = torch.where(is_greedy, greedy_ids, sampled)
+        if any(p.greedy for p in params):
+            one_hot = torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).float()
+            probs = torch.where(is_greedy[:, None], one_hot, probs)
+        return token_ids, probs
+
+    def filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """softmax of each row of logits [N, vocab] after row i's temperature, top-k, top-p
+        and min-p (greedy rows at temperature 1: callers take their argmax instead)."""
+        return self._filtered_probs(logits, params)
+
+    def noise(self, shape: torch.Size | tuple[int, ...], request_ids: list[str], params: list[SamplingParams],
+              kind: str) -> torch.Tensor:
+        """Random numbers [N, ...] ("uniform": U[0, 1), or "exponential": Exp(1)); row i from
+        request i's own stream when it is seeded, so that its draws do not depend on the batch."""
+        noise = torch.empty(shape, device=self.device)
+        _fill(noise, kind, self._generator)
+        for row, (rid, p) in enumerate(zip(request_ids, params)):
+            if p.seed is not None and not p.greedy:
+                _fill(noise[row], kind, self.generator(rid, p))
+        return noise
 
     def generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         """The random stream a request draws from: its own when seeded, else the shared one."""
@@ -130,13 +150,12 @@ class Sampler:
             logits = _apply_top_k_top_p_min_p(logits, params)
         return torch.softmax(logits, dim=-1)
 
-    def _exponential_noise(self, shape: torch.Size, request_ids: list[str],
-                           params: list[SamplingParams]) -> torch.Tensor:
-        noise = torch.empty(shape, device=self.device).exponential_(generator=self._generator)
-        for row, (rid, p) in enumerate(zip(request_ids, params)):
-            if p.seed is not None and not p.greedy:
-                noise[row].exponential_(generator=self.generator(rid, p))
-        return noise
+
+def _fill(t: torch.Tensor, kind: str, generator: torch.Generator) -> None:
+    if kind == "uniform":
+        t.uniform_(generator=generator)
+    else:
+        t.exponential_(generator=generator)
 
 
 def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -37,11 +37,12 @@ class StepInputs:
 
 @dataclass(slots=True)
 class InFlightTokens:
-    """Tokens sampled by a step that may still be running: a sequence whose last token is
-    one of them (still `PLACEHOLDER_TOKEN_ID` on the host) reads it on the device."""
+    """Tokens the host does not know yet, on the device: a sequence whose last token was
+    sampled by a step that may still be running, or whose proposals a drafter made there
+    (still `PLACEHOLDER_TOKEN_ID` on the host), reads them from `token_ids`."""
 
     token_ids: torch.Tensor  # [N] int64, on the device
-    rows: dict[Sequence, int]  # each sequence's row of token_ids
+    rows: dict[Sequence, int]  # each sequence's row of token_ids (its proposals: that row and on)
 
 
 @dataclass(slots=True)
@@ -79,11 +80,11 @@ class StepInputBuilder:
     def _allocate(self, max_num_tokens: int, max_num_seqs: int) -> None:
         self.max_tokens, self.max_seqs = max_num_tokens, max_num_seqs
         on_gpu = self.device.type == "cuda"
-        # int64: input ids | positions | slots | logits indices, each max_num_tokens long |
-        # in-flight tokens' destinations and sources (max_seqs each).
+        # int64: input ids | positions | slots | logits indices | in-flight tokens' destinations
+        # | and their sources, each max_num_tokens long.
         # int32: seq lens (max_seqs) | cu_seqlens of the prefills (max_seqs + 1) | block table
         # [n, width] packed (max_seqs * max_blocks).
-        n64, n32 = 4 * max_num_tokens + 2 * max_num_seqs, 2 * max_num_seqs + 1 + max_num_seqs * self.max_blocks
+        n64, n32 = 6 * max_num_tokens, 2 * max_num_seqs + 1 + max_num_seqs * self.max_blocks
         # Two staging sets, alternated, so that a step's host writes never race the copies
         # of the step before, which may still be in flight.
         self._staging = [(torch.zeros(n64, dtype=torch.int64, pin_memory=on_gpu),
@@ -100,13 +101,17 @@ class StepInputBuilder:
 
     # Graphs -------------------------------------------------------------
 
-    def graph_inputs(self, bucket: int, width: int) -> StepInputs:
-        """The views a CUDA graph of `bucket` decodes is captured over, its block table
-        `width` blocks wide (of the fixed table's `max_blocks`); `build(..., pad_to=bucket)`
-        fills them before each replay. Starts as padding (no slot written, nothing attended)."""
-        self._dev64[2 * self.max_tokens:2 * self.max_tokens + bucket].fill_(-1)
+    def graph_inputs(self, bucket: int, width: int, tokens_per_seq: int = 1) -> StepInputs:
+        """The views a CUDA graph of `bucket` sequences of `tokens_per_seq` new tokens each is
+        captured over, its block table `width` blocks wide (of the fixed table's `max_blocks`);
+        `build(..., pad_to=bucket)` fills them before each replay. Starts as padding (no slot
+        written, nothing attended)."""
+        t, s, q = self.max_tokens, self.max_seqs, tokens_per_seq
+        self._dev64[2 * t:2 * t + bucket * q].fill_(-1)
         self._dev32[:bucket].zero_()
-        return self._graph_views(bucket, width, [])
+        if q > 1:
+            self._dev32[s:s + bucket + 1].copy_(torch.arange(0, (bucket + 1) * q, q, dtype=torch.int32))
+        return self._graph_views(bucket, width, q, [])
 
     # Building -----------------------------------------------------------
 
@@ -116,8 +121,9 @@ class StepInputBuilder:
         tokens past `num_tokens` are its proposals, `spec_token_ids`).
 
         in_flight: where the last tokens still unknown on the host are (see InFlightTokens).
-        pad_to: a decode-only batch replayed by the graph of this bucket: inputs go into the
-            views of `graph_inputs(pad_to)`, padded rows write and attend to nothing.
+        pad_to: a uniform batch (every sequence's `num_new_tokens` the same q, reaching its
+            end) replayed by the graph of this bucket: inputs go into the views of
+            `graph_inputs(pad_to, width, q)`, padded sequences write and attend to nothing.
         """
         n, num_tokens = len(seqs), sum(num_new_tokens)
         if (num_tokens > self.max_tokens or n > self.max_seqs) and self.growable:
@@ -140,36 +146,42 @@ class StepInputBuilder:
         # int32 [seq lens | prefill cu_seqlens | block table n x width].
         host64, host32 = self._next_staging()
         h64, h32 = host64.numpy(), host32.numpy()
-        padded = num_tokens if pad_to is None else pad_to
+        q = num_new_tokens[0] if pad_to is not None else 0
+        padded = num_tokens if pad_to is None else pad_to * q
         h64[:num_tokens] = g.ids
         h64[t:t + num_tokens] = positions
         h64[2 * t:2 * t + num_tokens] = slots
         h64[num_tokens:padded] = 0
         h64[t + num_tokens:t + padded] = 0
         h64[2 * t + num_tokens:2 * t + padded] = -1
-        num_logits = len(g.logits_rows) if pad_to is None else pad_to  # a graph computes every row's logits
+        num_logits = len(g.logits_rows) if pad_to is None else padded  # a graph computes every row's logits
         h64[3 * t:3 * t + len(g.logits_rows)] = g.logits_rows
         num_carried, carry_at = len(g.carried_to), 4 * t
         h64[carry_at:carry_at + num_carried] = g.carried_to
-        h64[carry_at + s:carry_at + s + num_carried] = g.carried_from
+        h64[carry_at + t:carry_at + t + num_carried] = g.carried_from
         h32[:n] = seq_lens
-        h32[n:padded] = 0
         h32[s] = 0
         h32[s + 1:s + 1 + n - g.num_decodes] = np.cumsum(prefill_q_lens)
+        if pad_to is not None:
+            h32[n:pad_to] = 0
+            if q > 1:  # padded sequences keep q tokens each
+                h32[s + 1 + n:s + 1 + pad_to] = q * np.arange(n + 1, pad_to + 1)
         table_at = 2 * s + 1
         h32[table_at:table_at + n * width].reshape(n, width)[:] = self._rows.table[g.rows, :width]
-        self._upload(host64, host32, carry_at + s + num_carried if num_carried else 3 * t + num_logits,
+        self._upload(host64, host32, carry_at + t + num_carried if num_carried else 3 * t + num_logits,
                      table_at + n * width)
 
         d64, d32 = self._dev64, self._dev32
         if num_carried:
             assert in_flight is not None
             d64[:padded].index_copy_(0, d64[carry_at:carry_at + num_carried],
-                                     in_flight.token_ids.index_select(0, d64[carry_at + s:carry_at + s + num_carried]))
+                                     in_flight.token_ids.index_select(0, d64[carry_at + t:carry_at + t + num_carried]))
         tables = d32[table_at:table_at + n * width].view(n, width)
         if pad_to is not None:
             self.graph_block_tables[:n, :width].copy_(tables)
-            return self._graph_views(pad_to, width, g.spans)
+            # A graph's logits cover every token: a span starts at its first token's row.
+            spans = [(seq, g.logits_rows[first], count) for seq, first, count in g.spans]
+            return self._graph_views(pad_to, width, q, spans)
         nd = g.num_decodes
         return StepInputs(
             input_ids=d64[:num_tokens],
@@ -210,6 +222,11 @@ class StepInputBuilder:
             if end >= last:  # reaches the end: logits after the last token and each proposal kept
                 num_proposed = end - last
                 ids.extend(seq.spec_token_ids[:num_proposed])
+                if num_proposed and seq.spec_token_ids[0] == PLACEHOLDER_TOKEN_ID:  # drafted on the device
+                    assert in_flight is not None, "proposals drafted on the device need their InFlightTokens"
+                    row = in_flight.rows[seq]
+                    g.carried_to.extend(range(len(ids) - num_proposed, len(ids)))
+                    g.carried_from.extend(range(row, row + num_proposed))
                 g.spans.append((seq, len(logits_rows), 1 + num_proposed))
                 logits_rows.extend(range(len(ids) - 1 - num_proposed, len(ids)))
             if k == 1 and start > 0:
@@ -217,24 +234,41 @@ class StepInputBuilder:
             g.width = max(g.width, len(seq.block_ids))
         return g
 
-    def _graph_views(self, bucket: int, width: int, spans: list[tuple[Sequence, int, int]]) -> StepInputs:
+    def _graph_views(self, bucket: int, width: int, q: int, spans: list[tuple[Sequence, int, int]]) -> StepInputs:
         t, s = self.max_tokens, self.max_seqs
         d64, d32 = self._dev64, self._dev32
         empty = d32[:0]
-        meta = AttentionMetadata(
-            slot_mapping=d64[2 * t:2 * t + bucket],
-            num_decodes=bucket,
-            decode_block_tables=self.graph_block_tables[:bucket, :width],
-            decode_seq_lens=d32[:bucket],
-            prefill_cu_seqlens_q=d32[s:s + 1],
-            prefill_seq_lens=empty,
-            prefill_block_tables=self.graph_block_tables[:0],
-            prefill_max_seqlen_q=0,
-            decode_seq_lens_host=[],
-            prefill_q_lens_host=[],
-            prefill_seq_lens_host=[],
-        )
-        return StepInputs(d64[:bucket], d64[t:t + bucket], meta, d64[3 * t:3 * t + bucket], spans)
+        tables = self.graph_block_tables[:bucket, :width]
+        num_tokens = bucket * q
+        if q == 1:  # decodes
+            meta = AttentionMetadata(
+                slot_mapping=d64[2 * t:2 * t + bucket],
+                num_decodes=bucket,
+                decode_block_tables=tables,
+                decode_seq_lens=d32[:bucket],
+                prefill_cu_seqlens_q=d32[s:s + 1],
+                prefill_seq_lens=empty,
+                prefill_block_tables=self.graph_block_tables[:0],
+                prefill_max_seqlen_q=0,
+                decode_seq_lens_host=[],
+                prefill_q_lens_host=[],
+                prefill_seq_lens_host=[],
+            )
+        else:  # q tokens after each context: the backend's verification path (paged_verify)
+            meta = AttentionMetadata(
+                slot_mapping=d64[2 * t:2 * t + num_tokens],
+                num_decodes=0,
+                decode_block_tables=self.graph_block_tables[:0],
+                decode_seq_lens=empty,
+                prefill_cu_seqlens_q=d32[s:s + bucket + 1],
+                prefill_seq_lens=d32[:bucket],
+                prefill_block_tables=tables,
+                prefill_max_seqlen_q=q,
+                decode_seq_lens_host=[],
+                prefill_q_lens_host=[q] * bucket,
+                prefill_seq_lens_host=[],  # unknown at capture: never taken for a fresh prompt
+            )
+        return StepInputs(d64[:num_tokens], d64[t:t + num_tokens], meta, d64[3 * t:3 * t + num_tokens], spans)
 
     def _next_staging(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._turn = (self._turn + 1) % len(self._staging)

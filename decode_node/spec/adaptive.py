@@ -1,4 +1,4 @@
-"""How many tokens to propose: the expected-speedup model, and per-request adaptive K.
+"""How many tokens to propose: the expected-speedup model, and adaptive K per step.
 
 With a per-token acceptance rate α, the target keeps x_1..x_n (n < K) with
 probability α^n (1 - α) and all K with probability α^K, and always adds one
@@ -12,7 +12,12 @@ assumes the target verifies K+1 tokens as fast as it decodes one (memory-bound).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Protocol
+
+from pdserve.engine.cuda_graphs import StepGraphs
+from pdserve.engine.sequence import Sequence
 
 
 def expected_tokens_per_pass(alpha: float, k: int) -> float:
@@ -30,44 +35,98 @@ def best_k(alpha: float, max_k: int, cost_ratio: float) -> int:
     return max(range(max_k + 1), key=lambda k: (expected_speedup(alpha, k, cost_ratio), -k))
 
 
+class StepCosts(Protocol):
+    def step_ms(self, batch_size: int, k: int) -> float:
+        """Time of one step of `batch_size` sequences proposing k tokens each (k = 0: a
+        plain decode step): the target's pass over k + 1 tokens plus k draft steps. Any
+        unit, the same for every k; inf where such a step has no fast path."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RelativeCosts:
+    """Costs as fractions of a decode step, where nothing was timed (the CPU, no graphs):
+    each proposed token adds `cost_ratio` (its draft step plus one more verified position)."""
+
+    cost_ratio: float
+
+    def step_ms(self, batch_size: int, k: int) -> float:
+        return 1.0 + k * self.cost_ratio
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredCosts:
+    """Costs from the replay times of captured CUDA graphs, per bucket and tokens per sequence
+    (`StepGraphs.replay_ms`): the target's, and the draft model's (None: a drafter that costs
+    nothing on the device, n-gram lookup). The draft's first step re-reads two tokens (see
+    `ModelDrafter`), the rest one."""
+
+    target: StepGraphs
+    draft: StepGraphs | None = None
+
+    def step_ms(self, batch_size: int, k: int) -> float:
+        total = _replay_ms(self.target, batch_size, k + 1)
+        if k and self.draft is not None:
+            total += _replay_ms(self.draft, batch_size, 2) + (k - 1) * _replay_ms(self.draft, batch_size, 1)
+        return total
+
+
+def _replay_ms(graphs: StepGraphs, batch_size: int, q: int) -> float:
+    bucket = graphs.bucket_for(batch_size, q)
+    return math.inf if bucket is None else graphs.replay_ms.get((bucket, q), math.inf)
+
+
 @dataclass(slots=True)
 class _RequestStats:
     accepted: float
     judged: float
-    steps_at_zero: int = 0
 
 
 @dataclass(slots=True)
 class AdaptiveK:
-    """Per-request K from a moving estimate of its α.
+    """One K per step, from a moving estimate of each request's α and what a step costs at
+    this batch size: the K with the most expected tokens per unit of time,
+    sum_i (1 - α_i^(K+1)) / (1 - α_i) / step_ms(batch, K), K = 0 (no speculation) included.
 
-    cost_ratio: what one more proposed token costs, as a fraction of a target
-        decode step (the draft step plus verifying one more position).
-
-    A request at K=0 learns nothing more, so every `probe_interval` steps it
-    proposes one token again: text that turns predictable (a quote, a code
-    block) gets speculation back.
+    A step at K = 0 learns nothing more, so after `probe_interval` steps at K = 0 one step
+    proposes one token again: text that turns predictable (a quote, a code block) gets
+    speculation back. A probe is not free (the draft model catches up on every token it
+    skipped), so each probe that does not turn speculation back on doubles the interval,
+    up to `max_probe_interval`.
     """
 
     max_k: int
-    cost_ratio: float
+    costs: StepCosts
     prior_alpha: float = 0.7
     decay: float = 0.8  # weight of the past per pass: about the last five passes count
     probe_interval: int = 16
+    max_probe_interval: int = 256
     _stats: dict[str, _RequestStats] = field(default_factory=dict)
+    _steps_at_zero: int = 0
+    _interval: int = 0  # the current probe interval (0: probe_interval)
 
     def alpha(self, request_id: str) -> float:
         s = self._stats.get(request_id)
         return self.prior_alpha if s is None else s.accepted / s.judged
 
-    def k_for(self, request_id: str) -> int:
-        k = best_k(self.alpha(request_id), self.max_k, self.cost_ratio)
+    def k_for(self, seqs: list[Sequence]) -> int:
+        alphas = [self.alpha(s.request_id) for s in seqs]
+        n = len(seqs)
+
+        def rate(k: int) -> float:
+            return sum(expected_tokens_per_pass(a, k) for a in alphas) / self.costs.step_ms(n, k)
+
+        k = max(range(self.max_k + 1), key=lambda k: (rate(k), -k))
+        interval = self._interval or self.probe_interval
         if k > 0:
+            if self._steps_at_zero < interval:  # chosen, not probed: speculation pays again
+                self._interval = 0
+            self._steps_at_zero = 0
             return k
-        s = self._stats.setdefault(request_id, _RequestStats(self.prior_alpha, 1.0))
-        s.steps_at_zero += 1
-        if s.steps_at_zero >= self.probe_interval:
-            s.steps_at_zero = 0
+        self._steps_at_zero += 1
+        if self._steps_at_zero >= interval:
+            self._steps_at_zero = 0
+            self._interval = min(2 * interval, self.max_probe_interval)
             return 1
         return 0
 

@@ -19,16 +19,17 @@ from torch import nn
 from pdserve.engine.attention import backend_for
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import MAX_SPECULATIVE_TOKENS
+from pdserve.engine.cuda_graphs import StepGraphs
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_pool import KVLayout, KVPool
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import ModelRunner, rows_as_one
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculator import Proposal
-from pdserve.engine.step_inputs import StepInputBuilder
+from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
+from pdserve.engine.speculator import Proposals
+from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
 from pdserve.engine.weights import load_model, load_tokenizer, resolve_model
 
 
@@ -36,7 +37,8 @@ class ModelDrafter:
     def __init__(self, model: LlamaForCausalLM, target: Engine, name: str) -> None:
         arch = model.arch
         bs = target.pool.layout.block_size
-        # As many tokens as the target's pool, plus the drafted tail of every running sequence.
+        # As many tokens as the target's pool, plus the drafted tail of every running sequence
+        # (the engine counted them when it sized its own pool: `engine._draft_memory`).
         num_blocks = target.pool.num_blocks + target.config.scheduler.max_num_seqs * -(-MAX_SPECULATIVE_TOKENS // bs)
         layout = KVLayout(name, target.dtype, arch.num_layers, arch.num_kv_heads, arch.head_dim, bs)
         num_bytes = layout.bytes_per_block * num_blocks
@@ -44,49 +46,106 @@ class ModelDrafter:
             raise ValueError(f"no GPU memory left for the draft's KV cache ({num_blocks} blocks of "
                              f"{layout.bytes_per_block} bytes): lower CacheConfig.gpu_memory_utilization "
                              f"or set CacheConfig.num_blocks")
+        self.device = target.device
         self.pool = KVPool(layout, num_blocks, target.device)
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         # The target's sampler: the same filtering (temperature, top-k/p) and the request's own random stream.
         self.sampler: Sampler = target.sampler
-        sched = target.config.scheduler
-        inputs = StepInputBuilder(bs, -(-target.max_model_len // bs) + 1, sched.max_num_batched_tokens,
-                                  sched.max_num_seqs, target.device, growable=True)
-        self.runner = ModelRunner(model, self.pool, backend_for(target.device), target.sampler, inputs)
+        sched, spec = target.config.scheduler, target.config.spec
+        # A fixed token budget per draft step (a sequence's first catch-up, its whole prompt,
+        # goes in chunks of it), so that graphs can be captured over the buffers.
+        self.max_step_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs * 2)
+        inputs = StepInputBuilder(bs, -(-target.max_model_len // bs) + 1, self.max_step_tokens,
+                                  sched.max_num_seqs, target.device)
+        backend = backend_for(target.device)
+        graphs = None
+        if target.device.type == "cuda" and not target.config.model.enforce_eager:
+            graphs = StepGraphs(model, self.pool, backend, inputs, arch.head_dim ** -0.5,
+                                min(sched.max_num_seqs, spec.max_graph_batch), (1, 2))
+            graphs.capture()
+        self.runner = ModelRunner(model, self.pool, backend, target.sampler, inputs, graphs)
         self._shadows: dict[Sequence, Sequence] = {}
+        # The last proposal's tokens, still on the device: [(shadow, its row, tokens drafted)].
+        self._drafted: tuple[torch.Tensor, list[tuple[Sequence, int, int]]] | None = None
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
-        shadows = [self._sync(seq) for seq in seqs]
-        drafted: list[list[int]] = [[] for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        active = list(range(len(seqs)))
-        while active:
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposals:
+        """Drafts on the device: one forward per drafted token, each fed the tokens the step
+        before drew there, nothing read back until the engine verifies."""
+        self._learn_drafted()
+        n, width = len(seqs), max(num_tokens, default=0)
+        drafted = torch.zeros((n, width), dtype=torch.int64, device=self.device)
+        counts = [0] * n
+        active = [i for i in range(n) if num_tokens[i] > 0]
+        shadows = {i: self._sync(seqs[i]) for i in active}
+        want_probs = any(not seqs[i].params.greedy for i in active)
+        probs: torch.Tensor | None = None
+        in_flight: InFlightTokens | None = None
+        budget_left = self.max_step_tokens
+        for j in range(width):
             batch = ScheduledBatch()
             for i in active:
                 shadow = shadows[i]
-                num_new = shadow.num_tokens - shadow.num_computed_tokens
+                num_new = min(shadow.num_tokens - shadow.num_computed_tokens, budget_left)
                 if self.block_manager.allocate(shadow, num_new):  # else: the draft pool is full, propose less
                     batch.seqs.append(shadow)
                     batch.num_new_tokens.append(num_new)
+                    budget_left -= num_new
             if not batch.seqs:
                 break
-            logits = self.runner.compute_logits(batch)
+            logits = self.runner.compute_logits(batch, in_flight)
             for shadow, num_new in zip(batch.seqs, batch.num_new_tokens):
                 shadow.num_computed_tokens += num_new
+            # A sequence whose catch-up did not fit this step's budget proposes nothing.
             active = [i for i in active if shadows[i] in logits]
+            if not active:
+                break
+            rows = rows_as_one([logits[shadows[i]] for i in active])
+            tokens, q = self._draw([seqs[i] for i in active], j, rows, want_probs)
+            if len(active) == n:
+                drafted[:, j] = tokens
+            else:
+                drafted[:, j].index_copy_(0, _on_device(active, self.device), tokens)
+            if q is not None:
+                if probs is None:
+                    probs = torch.zeros((n, width, q.shape[1]), dtype=torch.float32, device=self.device)
+                probs[:, j].index_copy_(0, _on_device(active, self.device), q)
             for i in active:
-                token, q = self._draw(seqs[i], logits[shadows[i]])
-                shadows[i].token_ids.append(token)
-                drafted[i].append(token)
-                if q is not None:
-                    probs[i].append(q)
+                counts[i] += 1
+                shadows[i].token_ids.append(PLACEHOLDER_TOKEN_ID)  # learnt after verification
+            in_flight = InFlightTokens(tokens, {shadows[i]: r for r, i in enumerate(active)})
             # The last drafted token is not fed: the target computes its KV if it is accepted.
-            active = [i for i in active if len(drafted[i]) < num_tokens[i]]
-        return [Proposal(d, torch.cat(q) if q else None) for d, q in zip(drafted, probs)]
+            active = [i for i in active if counts[i] < num_tokens[i]]
+            budget_left = self.max_step_tokens
+        self._drafted = (drafted, [(shadows[i], i, counts[i]) for i in range(n) if counts[i]])
+        return Proposals(drafted, counts, probs)
+
+    def _draw(self, seqs: list[Sequence], step: int, logits: torch.Tensor, with_probs: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft token `step` of each of `seqs` from the draft's logits [len(seqs), vocab], on
+        the device, and the distributions they were drawn from (None: greedy)."""
+        return self.sampler.draw(logits, [s.request_id for s in seqs], [s.params for s in seqs], with_probs)
 
     def release(self, seq: Sequence) -> None:
         shadow = self._shadows.pop(seq, None)
         if shadow is not None:
             self.block_manager.free(shadow)
+
+    def _learn_drafted(self) -> None:
+        """The last proposal's tokens into their shadows, in place of the placeholders (one
+        read of the device, after the verification step has already read it)."""
+        if self._drafted is None:
+            return
+        drafted, entries = self._drafted
+        self._drafted = None
+        live = set(self._shadows.values())
+        entries = [e for e in entries if e[0] in live]
+        if not entries:
+            return
+        ids = drafted.tolist()
+        for shadow, row, count in entries:
+            tail = len(shadow.token_ids) - count
+            if shadow.token_ids[tail:] == [PLACEHOLDER_TOKEN_ID] * count:
+                shadow.token_ids[tail:] = ids[row][:count]
 
     def _sync(self, seq: Sequence) -> Sequence:
         """The shadow of `seq`, its KV kept only where the draft saw the target's tokens."""
@@ -96,26 +155,26 @@ class ModelDrafter:
             self._shadows[seq] = shadow
         # Positions past the target's last token, and drafted ones the target
         # replaced, hold KV of rejected guesses. Guesses only ever sit in the last
-        # MAX_SPECULATIVE_TOKENS positions, so the scan is short. The target's last
-        # token is always recomputed: its logits give the first proposal.
-        valid = min(shadow.num_computed_tokens, seq.num_tokens - 1)
-        for pos in range(max(0, valid - MAX_SPECULATIVE_TOKENS), valid):
+        # MAX_SPECULATIVE_TOKENS positions, so the scan is short. The target's last two
+        # tokens are always recomputed: the last one's logits give the first proposal, and
+        # every steady sequence then catches up by exactly two tokens (the last accepted
+        # one and the target's own), one shape that a CUDA graph replays.
+        valid = min(shadow.num_computed_tokens, seq.num_tokens - 2)
+        for pos in range(max(0, valid - MAX_SPECULATIVE_TOKENS), max(valid, 0)):
             if shadow.token_ids[pos] != seq.token_ids[pos]:
                 valid = pos
                 break
+        valid = max(valid, 0)
         shadow.num_computed_tokens = valid
         del shadow.token_ids[valid:]
         shadow.token_ids.extend(seq.token_ids[valid:])
         self.block_manager.trim(shadow, valid)
         return shadow
 
-    def _draw(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """The next draft token from logits [1, vocab], and the distribution it was drawn from."""
-        if seq.params.greedy:
-            return int(logits[0].argmax().item()), None
-        q = self.sampler.probs(logits, seq.params)
-        gen = self.sampler.generator(seq.request_id, seq.params)
-        return int(torch.multinomial(q[0], 1, generator=gen).item()), q
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.int64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def self_draft_model(target: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:

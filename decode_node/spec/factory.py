@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.decode_node.spec.adaptive import AdaptiveK
+from pdserve.decode_node.spec.adaptive import AdaptiveK, MeasuredCosts, RelativeCosts, StepCosts
 from pdserve.decode_node.spec.draft_model import ModelDrafter, load_draft_model, self_draft_model
 from pdserve.decode_node.spec.drafter import Drafter
 from pdserve.decode_node.spec.ngram import NgramDrafter
@@ -19,20 +19,29 @@ def build_speculator(engine: Engine, config: SpecConfig | None = None) -> SpecDe
     if not config.enabled:
         return None
     drafter: Drafter
+    draft_graphs = None
     if config.method == "ngram":
-        drafter, cost_ratio = NgramDrafter(config.ngram_min, config.ngram_max), 0.0
-    elif config.method == "self_draft":
-        model = self_draft_model(engine.model, config.num_draft_layers)
-        drafter = ModelDrafter(model, engine, f"{engine.model_name}[:{config.num_draft_layers}]")
-        cost_ratio = config.num_draft_layers / engine.arch.num_layers
+        drafter, cost_ratio = NgramDrafter(config.ngram_min, config.ngram_max, engine.device), 0.0
     else:
-        assert config.draft_model is not None  # SpecConfig checks it
-        model = load_draft_model(config.draft_model, engine)
-        drafter = ModelDrafter(model, engine, config.draft_model)
-        cost_ratio = model.arch.num_params / engine.arch.num_params
-    # Each proposed token costs a draft step and one more verified position.
-    adaptive = AdaptiveK(config.num_speculative_tokens, cost_ratio + config.verify_cost) if config.adaptive else None
-    return SpecDecoder(drafter, config.num_speculative_tokens, adaptive)
+        if config.method == "self_draft":
+            model = self_draft_model(engine.model, config.num_draft_layers)
+            name = f"{engine.model_name}[:{config.num_draft_layers}]"
+            cost_ratio = config.num_draft_layers / engine.arch.num_layers
+        else:
+            assert config.draft_model is not None  # SpecConfig checks it
+            model = load_draft_model(config.draft_model, engine)
+            name, cost_ratio = config.draft_model, model.arch.num_params / engine.arch.num_params
+        model_drafter = ModelDrafter(model, engine, name)
+        drafter, draft_graphs = model_drafter, model_drafter.runner.graphs
+    adaptive = None
+    if config.adaptive:
+        # Timed where the passes replay graphs; else each proposed token costs a draft step
+        # and one more verified position, as fractions of a decode step.
+        target_graphs = engine.runner.graphs
+        costs: StepCosts = (MeasuredCosts(target_graphs, draft_graphs) if target_graphs is not None
+                            else RelativeCosts(cost_ratio + config.verify_cost))
+        adaptive = AdaptiveK(config.num_speculative_tokens, costs)
+    return SpecDecoder(drafter, engine.sampler, config.num_speculative_tokens, adaptive)
 
 
 def speculative_engine(config: EngineConfig) -> Engine:

@@ -7,19 +7,23 @@ code edits repeat the code. Proposals are deterministic (a one-hot draft).
 
 from __future__ import annotations
 
+import torch
+
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculator import Proposal
+from pdserve.engine.speculator import Proposals
 
 
 class NgramDrafter:
-    def __init__(self, min_n: int, max_n: int) -> None:
+    def __init__(self, min_n: int, max_n: int, device: torch.device) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram drafter needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n = min_n
         self.max_n = max_n
+        self.device = device
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
-        return [Proposal(lookup(seq.token_ids, self.min_n, self.max_n, k)) for seq, k in zip(seqs, num_tokens)]
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposals:
+        ids = [lookup(seq.token_ids, self.min_n, self.max_n, k) if k else [] for seq, k in zip(seqs, num_tokens)]
+        return Proposals.from_lists(ids, self.device)
 
     def release(self, seq: Sequence) -> None:
         pass  # keeps nothing per sequence

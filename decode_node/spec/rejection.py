@@ -1,8 +1,11 @@
-"""The lossless acceptance rule of speculative sampling, as one pure function.
+"""The lossless acceptance rule of speculative sampling, as pure batched functions.
 
 Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative
 Decoding") and Chen et al. 2023: a draft distribution q proposes, the target
 distribution p decides, and every emitted token is distributed exactly as p.
+
+Everything stays on the device: one verification step reads the results back once for
+the whole batch, not once per sequence.
 """
 
 from __future__ import annotations
@@ -10,50 +13,87 @@ from __future__ import annotations
 import torch
 
 
-def rejection_sample(draft_token_ids: list[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
-                     generator: torch.Generator) -> list[int]:
-    """Accept a prefix of the draft tokens, then emit one token from the target.
+def greedy_verify(draft_ids: torch.Tensor, num_proposed: torch.Tensor, target_ids: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule under a greedy target: keep proposals while they equal its argmax.
 
     Args:
-        draft_token_ids: K proposed tokens x_1..x_K.
-        draft_probs: [K, vocab] float32, q_i that x_i was drawn from; None when the
-            drafter picked deterministically (q_i is one-hot on x_i: n-gram lookup,
-            greedy drafting).
-        target_probs: [K + 1, vocab] float32, p_i the target samples from at each
-            proposed position, and p_{K+1} after the last one (one-hot when greedy).
-        generator: the request's random stream.
+        draft_ids: [m, k] int64, row i's first num_proposed[i] entries are its proposals.
+        num_proposed: [m] int64.
+        target_ids: [m, k + 1] int64, the target's argmax after the last token and after
+            each proposal.
 
     Returns:
-        The accepted tokens x_1..x_n followed by one more token: 1 to K+1 tokens.
+        num_accepted [m] int64, and token_ids [m, k + 1]: row i's first num_accepted[i] + 1
+        entries are what it emits (the accepted proposals, then the target's token).
     """
-    k = len(draft_token_ids)
-    device = target_probs.device
-    rows = torch.arange(k, device=device)
-    ids = torch.tensor(draft_token_ids, dtype=torch.long, device=device)
-    p = target_probs[rows, ids]  # p_i(x_i)
-    q = torch.ones(k, device=device) if draft_probs is None else draft_probs[rows, ids]  # q_i(x_i)
+    k = draft_ids.shape[1]
+    positions = torch.arange(k, device=draft_ids.device)
+    ok = (draft_ids == target_ids[:, :k]) & (positions[None, :] < num_proposed[:, None])
+    num_accepted = ok.long().cumprod(dim=1).sum(dim=1)
+    return num_accepted, _emitted(draft_ids, num_accepted, target_ids.gather(1, num_accepted[:, None])[:, 0])
 
+
+def rejection_sample(draft_ids: torch.Tensor, num_proposed: torch.Tensor, draft_probs: torch.Tensor | None,
+                     target_probs: torch.Tensor, uniforms: torch.Tensor, exponentials: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept a prefix of each row's draft tokens, then emit one token from the target.
+
+    Args:
+        draft_ids: [m, k] int64 proposed tokens x_1..x_k (row i's first num_proposed[i]).
+        num_proposed: [m] int64.
+        draft_probs: [m, k, vocab] float32, q_i that x_i was drawn from; None, or a row of
+            zeros, when the drafter picked deterministically (q_i is one-hot on x_i: n-gram
+            lookup, greedy drafting).
+        target_probs: [m, k + 1, vocab] float32, p_i the target samples from at each
+            proposed position, and after the last one (one-hot for greedy requests).
+        uniforms: [m, k] U[0, 1) draws; exponentials: [m, vocab] Exp(1) draws (each row from
+            its request's random stream).
+
+    Returns:
+        num_accepted [m] int64, and token_ids [m, k + 1]: row i emits its first
+        num_accepted[i] + 1 entries.
+    """
+    m, k = draft_ids.shape
+    device = draft_ids.device
+    rows = torch.arange(m, device=device)
+    p = target_probs[:, :k].gather(2, draft_ids[:, :, None])[:, :, 0]  # p_i(x_i)
+    if draft_probs is None:
+        q = torch.ones_like(p)
+    else:
+        q = draft_probs.gather(2, draft_ids[:, :, None])[:, :, 0]  # q_i(x_i)
+        q = torch.where(draft_probs.sum(dim=2) > 0, q, 1.0)  # a zero row: deterministic
     # Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)): u < p/q for u ~ U[0, 1),
     # written u * q < p so that nothing divides by zero and a token the target
     # gives probability 0 is never accepted. Under greedy p is one-hot, so this is
     # "accept iff x_i is the target's argmax" and the draws do not matter.
-    u = torch.rand(k, generator=generator, device=device)
-    accepted = (u * q < p).tolist()
-    n = accepted.index(False) if False in accepted else k
+    ok = (uniforms * q < p) & (torch.arange(k, device=device)[None, :] < num_proposed[:, None])
+    num_accepted = ok.long().cumprod(dim=1).sum(dim=1)
 
-    if n == k:
-        # Every proposal accepted: the pass also gave p_{K+1} for free (the bonus token).
-        residual = target_probs[k]
+    # Every proposal accepted: the pass also gave p_{k+1} for free (the bonus token).
+    # x_{n+1} rejected: draw from normalize(max(0, p - q)). Why this is exact:
+    # P(emit y) = q(y) min(1, p(y)/q(y)) + P(reject) r(y)
+    #           = min(p, q)(y) + (1 - sum min(p, q)) * max(0, p - q)(y) / sum max(0, p - q)
+    # and sum max(0, p - q) = 1 - sum min(p, q), so P(emit y) = min(p, q)(y) + max(0, p - q)(y) = p(y).
+    # With a one-hot q this is p with x_{n+1} removed; under greedy, the argmax.
+    p_next = target_probs[rows, num_accepted]  # [m, vocab]
+    rejected = num_accepted < num_proposed
+    at = num_accepted.clamp(max=max(k - 1, 0))
+    one_hot = torch.nn.functional.one_hot(draft_ids[rows, at], target_probs.shape[-1]).float() if k else p_next
+    if draft_probs is None:
+        q_next = one_hot
     else:
-        # x_{n+1} rejected: draw from normalize(max(0, p - q)). Why this is exact:
-        # P(emit y) = q(y) min(1, p(y)/q(y)) + P(reject) r(y)
-        #           = min(p, q)(y) + (1 - sum min(p, q)) * max(0, p - q)(y) / sum max(0, p - q)
-        # and sum max(0, p - q) = 1 - sum min(p, q), so P(emit y) = min(p, q)(y) + max(0, p - q)(y) = p(y).
-        # With a one-hot q this is p with x_{n+1} removed; under greedy, the argmax.
-        q_row = (torch.nn.functional.one_hot(ids[n], target_probs.shape[-1]).float()
-                 if draft_probs is None else draft_probs[n])
-        residual = (target_probs[n] - q_row).clamp_min(0.0)
-        if residual.sum() <= 0:  # p == q up to rounding: rejection had probability ~0
-            residual = target_probs[n]
-    token = int(torch.multinomial(residual, 1, generator=generator).item())
-    return list(draft_token_ids[:n]) + [token]
+        q_next = draft_probs[rows, at]
+        q_next = torch.where(q_next.sum(dim=1, keepdim=True) > 0, q_next, one_hot)
+    residual = torch.where(rejected[:, None], (p_next - q_next).clamp_min(0.0), p_next)
+    # p == q up to rounding: rejection had probability ~0; draw from p.
+    residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p_next)
+    # argmax(r / E) with E ~ Exp(1) is a draw from normalize(r) (the exponential race).
+    token = (residual / exponentials).argmax(dim=1)
+    return num_accepted, _emitted(draft_ids, num_accepted, token)
+
+
+def _emitted(draft_ids: torch.Tensor, num_accepted: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """[m, k + 1]: the draft tokens with `token` written after the accepted ones."""
+    out = torch.cat([draft_ids, torch.zeros_like(draft_ids[:, :1])], dim=1)
+    return out.scatter_(1, num_accepted[:, None], token[:, None])

@@ -4,48 +4,106 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.decode_node.spec import rejection
 from pdserve.decode_node.spec.adaptive import AdaptiveK
 from pdserve.decode_node.spec.drafter import Drafter
-from pdserve.decode_node.spec.rejection import rejection_sample
+from pdserve.engine.sampler import Sampler
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculator import Proposal, SpecMetrics
+from pdserve.engine.speculator import Proposals, SpecMetrics
 
 
 class SpecDecoder:
     """Implements `engine.speculator.Speculator`.
 
-    num_speculative_tokens: K for every request, or the most any request
-        proposes when `adaptive` picks each request's K.
+    num_speculative_tokens: K for every step, or the most a step proposes when
+        `adaptive` picks each step's K.
     """
 
-    def __init__(self, drafter: Drafter, num_speculative_tokens: int, adaptive: AdaptiveK | None = None) -> None:
+    def __init__(self, drafter: Drafter, sampler: Sampler, num_speculative_tokens: int,
+                 adaptive: AdaptiveK | None = None) -> None:
         self.drafter = drafter
+        self.sampler = sampler
         self.num_speculative_tokens = num_speculative_tokens
         self.adaptive = adaptive
         self.metrics = SpecMetrics()
 
-    def propose(self, seqs: list[Sequence], max_num_tokens: list[int]) -> list[Proposal]:
-        ks = [min(self._k(seq), limit) for seq, limit in zip(seqs, max_num_tokens)]
-        chosen = [i for i, k in enumerate(ks) if k > 0]
-        proposals = [Proposal([]) for _ in seqs]
-        drafted = self.drafter.propose([seqs[i] for i in chosen], [ks[i] for i in chosen]) if chosen else []
-        for i, proposal in zip(chosen, drafted):
-            proposals[i] = proposal
-        return proposals
-
-    def verify(self, seq: Sequence, proposal: Proposal, target_probs: torch.Tensor,
-               generator: torch.Generator) -> list[int]:
-        token_ids = rejection_sample(proposal.token_ids, proposal.draft_probs, target_probs, generator)
-        num_proposed, num_accepted = len(proposal.token_ids), len(token_ids) - 1
-        self.metrics.record(num_proposed, num_accepted)
+    def propose(self, seqs: list[Sequence], max_num_tokens: list[int]) -> Proposals:
+        k = self.num_speculative_tokens
         if self.adaptive is not None:
-            self.adaptive.update(seq.request_id, num_proposed, num_accepted)
-        return token_ids
+            k = self.adaptive.k_for(seqs)
+        self.metrics.record_step(k)
+        return self.drafter.propose(seqs, [min(k, limit) for limit in max_num_tokens])
+
+    def verify(self, seqs: list[Sequence], proposals: Proposals, rows: list[int], num_proposed: list[int],
+               logits: list[torch.Tensor]) -> list[list[int]]:
+        device = proposals.token_ids.device
+        # Every row verified as many positions (padded proposals), whatever it really proposed.
+        k = max(x.shape[0] for x in logits) - 1
+        m = len(seqs)
+        target = _stacked(logits, k + 1)  # [m, k + 1, vocab]
+        index = _on_device(rows, device)
+        draft_ids = _widened(proposals.token_ids.index_select(0, index), k)
+        counts = _on_device(num_proposed, device)
+        params = [s.params for s in seqs]
+        if all(p.greedy for p in params):
+            num_accepted, token_ids = rejection.greedy_verify(draft_ids, counts, target.argmax(dim=2))
+        else:
+            vocab = target.shape[2]
+            request_ids = [s.request_id for s in seqs]
+            per_row = [p for p in params for _ in range(k + 1)]
+            probs = self.sampler.filtered_probs(target.reshape(m * (k + 1), vocab), per_row).view(m, k + 1, vocab)
+            if any(p.greedy for p in params):
+                greedy = _on_device([p.greedy for p in params], device).bool()
+                one_hot = torch.nn.functional.one_hot(target.argmax(dim=2), vocab).float()
+                probs = torch.where(greedy[:, None, None], one_hot, probs)
+            draft_probs = proposals.draft_probs
+            if draft_probs is not None:
+                draft_probs = _widened(draft_probs.index_select(0, index), k)
+            uniforms = self.sampler.noise((m, k), request_ids, params, "uniform")
+            exponentials = self.sampler.noise((m, vocab), request_ids, params, "exponential")
+            num_accepted, token_ids = rejection.rejection_sample(draft_ids, counts, draft_probs, probs,
+                                                                 uniforms, exponentials)
+        # The one read back of the step: every sequence's count and tokens together.
+        host = torch.cat([num_accepted[:, None], token_ids], dim=1).tolist()
+        out = []
+        for seq, proposed, row in zip(seqs, num_proposed, host):
+            n = row[0]
+            out.append(row[1:n + 2])
+            if not proposed:  # a padded row: a plain decode
+                continue
+            self.metrics.record(proposed, n)
+            if self.adaptive is not None:
+                self.adaptive.update(seq.request_id, proposed, n)
+        return out
 
     def release(self, seq: Sequence) -> None:
         self.drafter.release(seq)
         if self.adaptive is not None:
             self.adaptive.forget(seq.request_id)
 
-    def _k(self, seq: Sequence) -> int:
-        return self.num_speculative_tokens if self.adaptive is None else self.adaptive.k_for(seq.request_id)
+
+def _stacked(logits: list[torch.Tensor], rows: int) -> torch.Tensor:
+    """[m, rows, vocab] from m tensors of up to `rows` rows: a view when they are
+    consecutive blocks of one tensor (a graph's or an eager step's uniform batch), else a
+    copy padded with zeros (rows past a sequence's proposals are never accepted)."""
+    first = logits[0]
+    stride = first.stride(0) * first.element_size()
+    if all(x.shape[0] == rows and x.data_ptr() == first.data_ptr() + i * rows * stride for i, x in enumerate(logits)):
+        return first.as_strided((len(logits), rows, first.shape[1]), (rows * first.stride(0), first.stride(0), 1))
+    out = first.new_zeros((len(logits), rows, first.shape[1]))
+    for i, x in enumerate(logits):
+        out[i, :x.shape[0]] = x
+    return out
+
+
+def _widened(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [m, w, ...] cut or zero-padded to [m, width, ...] along its second dim."""
+    if x.shape[1] >= width:
+        return x[:, :width]
+    pad = x.new_zeros((x.shape[0], width - x.shape[1], *x.shape[2:]))
+    return torch.cat([x, pad], dim=1)
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.int64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host

@@ -32,3 +32,16 @@ def resample_from_target(draft, q, p, gen):
         if float(torch.rand((), generator=gen)) * qx >= float(p[i, x]):
             return list(draft[:i]) + [int(torch.multinomial(p[i], 1, generator=gen))]
     return list(draft) + [int(torch.multinomial(p[len(draft)], 1, generator=gen))]
+
+
+def resample_from_target_batched(draft_ids, num_proposed, draft_probs, target_probs, uniforms, exponentials):
+    """`resample_from_target` in the batched form of `decode_node.spec.rejection.rejection_sample`."""
+    m, k = draft_ids.shape
+    rows = torch.arange(m)
+    p = target_probs[:, :k].gather(2, draft_ids[:, :, None])[:, :, 0]
+    q = torch.ones_like(p) if draft_probs is None else draft_probs.gather(2, draft_ids[:, :, None])[:, :, 0]
+    ok = (uniforms * q < p) & (torch.arange(k)[None, :] < num_proposed[:, None])
+    n = ok.long().cumprod(dim=1).sum(dim=1)
+    token = (target_probs[rows.to(n.device), n] / exponentials).argmax(dim=1)
+    out = torch.cat([draft_ids, torch.zeros_like(draft_ids[:, :1])], dim=1)
+    return n, out.scatter_(1, n[:, None], token[:, None])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.decode_node.spec.rejection import rejection_sample
+from pdserve.decode_node.spec.rejection import greedy_verify, rejection_sample
 from tests.decode_node.stats import chi_square_pvalue, resample_from_target
 
 VOCAB = 8
@@ -21,6 +21,29 @@ P = torch.stack([_dist(8, 4, 2, 1, 1, 1, 1, 1), _dist(1, 1, 1, 1, 1, 2, 4, 8), _
 Q = torch.stack([_dist(1, 1, 1, 1, 2, 4, 8, 8), _dist(8, 4, 2, 1, 1, 1, 1, 1)])
 
 
+def _one(draft: list[int], q: torch.Tensor | None, p: torch.Tensor, gen: torch.Generator) -> list[int]:
+    """The batched rule on one sequence: what it emits."""
+    k = len(draft)
+    uniforms = torch.rand((1, k), generator=gen)
+    exponentials = torch.empty((1, p.shape[-1])).exponential_(generator=gen)
+    n, tokens = rejection_sample(torch.tensor([draft]), torch.tensor([k]), None if q is None else q[None],
+                                 p[None], uniforms, exponentials)
+    return tokens[0, :int(n[0]) + 1].tolist()
+
+
+def test_batched_rows_are_judged_independently_and_only_up_to_their_proposals():
+    target = _greedy(P)  # argmaxes 0, 7, 1
+    draft = torch.tensor([[0, 7], [0, 3], [5, 7], [0, 7]])
+    counts = torch.tensor([2, 2, 2, 1])
+    n, tokens = greedy_verify(draft, counts, target.argmax(-1).expand(4, 3))
+    assert n.tolist() == [2, 1, 0, 1]
+    assert [row[:k + 1] for row, k in zip(tokens.tolist(), n.tolist())] == [[0, 7, 1], [0, 7], [0], [0, 7]]
+    gen = torch.Generator().manual_seed(0)
+    n2, tokens2 = rejection_sample(draft, counts, None, target.expand(4, 3, VOCAB), torch.rand((4, 2), generator=gen),
+                                   torch.empty((4, VOCAB)).exponential_(generator=gen))
+    assert n2.tolist() == n.tolist() and tokens2.tolist() == tokens.tolist()
+
+
 def _greedy(probs: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.one_hot(probs.argmax(-1), VOCAB).float()
 
@@ -28,11 +51,11 @@ def _greedy(probs: torch.Tensor) -> torch.Tensor:
 def test_greedy_accepts_exactly_the_target_argmax_prefix():
     target = _greedy(P)  # argmaxes 0, 7, 1
     gen = torch.Generator().manual_seed(0)
-    assert rejection_sample([0, 7], None, target, gen) == [0, 7, 1]
-    assert rejection_sample([0, 3], None, target, gen) == [0, 7]
-    assert rejection_sample([5, 7], None, target, gen) == [0]
+    assert _one([0, 7], None, target, gen) == [0, 7, 1]
+    assert _one([0, 3], None, target, gen) == [0, 7]
+    assert _one([5, 7], None, target, gen) == [0]
     # A sampled draft (q not one-hot) changes nothing under a greedy target.
-    assert rejection_sample([0, 6], Q, target, gen) == [0, 7]
+    assert _one([0, 6], Q, target, gen) == [0, 7]
 
 
 def _emitted(rule, num_samples: int, one_hot_draft: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +64,7 @@ def _emitted(rule, num_samples: int, one_hot_draft: bool) -> tuple[torch.Tensor,
     for seed in range(num_samples):
         gen = torch.Generator().manual_seed(seed)
         draft = [int(torch.multinomial(Q[i], 1, generator=gen)) for i in range(2)]
-        out = rejection_sample(draft, None if one_hot_draft else Q, P, gen) if rule is None else \
+        out = _one(draft, None if one_hot_draft else Q, P, gen) if rule is None else \
             rule(draft, None if one_hot_draft else Q, P, gen)
         first[out[0]] += 1
         if len(out) > 1:

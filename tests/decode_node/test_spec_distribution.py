@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pdserve.decode_node.spec.speculator as speculator_module
+import pdserve.decode_node.spec.rejection as rejection_module
 from pdserve.decode_node.spec import SpecDecoder, build_speculator
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from pdserve.engine.engine import Engine
@@ -21,8 +21,8 @@ from pdserve.engine.models.arch import DUMMY_SHAPES, ModelArch
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculator import Proposal
-from tests.decode_node.stats import chi_square_pvalue, resample_from_target
+from pdserve.engine.speculator import Proposals
+from tests.decode_node.stats import chi_square_pvalue, resample_from_target_batched
 
 VOCAB = 16
 PROMPT = [1, 2, 3, 4, 5, 6]
@@ -81,13 +81,13 @@ class UniformDrafter:
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
-        out = []
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposals:
+        ids, probs = [], []
         for seq, k in zip(seqs, num_tokens):
             gen = self.sampler.generator(seq.request_id, seq.params)
-            ids = torch.randint(VOCAB, (k,), generator=gen).tolist()
-            out.append(Proposal(ids, torch.full((k, VOCAB), 1.0 / VOCAB)))
-        return out
+            ids.append(torch.randint(VOCAB, (k,), generator=gen).tolist())
+            probs.append(torch.full((k, VOCAB), 1.0 / VOCAB))
+        return Proposals.from_lists(ids, self.sampler.device, probs)
 
     def release(self, seq: Sequence) -> None:
         pass
@@ -95,7 +95,7 @@ class UniformDrafter:
 
 def _speculator(engine: Engine, method: str):
     if method == "uniform":
-        return SpecDecoder(UniformDrafter(engine.sampler), 3)
+        return SpecDecoder(UniformDrafter(engine.sampler), engine.sampler, 3)
     with pytest.MonkeyPatch.context() as mp:
         for name, arch in SHAPES.items():
             mp.setitem(DUMMY_SHAPES, name, arch)
@@ -126,7 +126,7 @@ def test_speculative_sampling_keeps_the_target_distribution(engine, exact_margin
 
 
 def test_the_test_fails_when_the_acceptance_rule_is_broken(engine, exact_marginals, monkeypatch):
-    monkeypatch.setattr(speculator_module, "rejection_sample", resample_from_target)
+    monkeypatch.setattr(rejection_module, "rejection_sample", resample_from_target_batched)
     engine.set_speculator(_speculator(engine, "uniform"))
     try:
         second, third = _sample_marginals(engine)

@@ -16,7 +16,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.models.arch import DUMMY_SHAPES
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculator import Proposal
+from pdserve.engine.speculator import Proposals
 from tests.engine.prompts import PASSAGE, prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -39,12 +39,10 @@ class OnlySome:
         self.request_ids = request_ids
         self.proposed_for: set[str] = set()
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
-        chosen = [i for i, s in enumerate(seqs) if s.request_id in self.request_ids]
-        out = [Proposal([]) for _ in seqs]
-        for i, p in zip(chosen, self.inner.propose([seqs[i] for i in chosen], [num_tokens[i] for i in chosen])):
-            out[i] = p
-            self.proposed_for.add(seqs[i].request_id)
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposals:
+        num_tokens = [k if s.request_id in self.request_ids else 0 for s, k in zip(seqs, num_tokens)]
+        out = self.inner.propose(seqs, num_tokens)
+        self.proposed_for.update(s.request_id for s, k in zip(seqs, out.num_tokens) if k)
         return out
 
     def release(self, seq: Sequence) -> None:

@@ -7,7 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.decode_node.spec.adaptive import AdaptiveK, best_k, expected_speedup, expected_tokens_per_pass
+from pdserve.decode_node.spec.adaptive import (
+    AdaptiveK,
+    RelativeCosts,
+    best_k,
+    expected_speedup,
+    expected_tokens_per_pass,
+)
 from pdserve.decode_node.spec.draft_model import check_draft
 from pdserve.decode_node.spec.ngram import lookup
 from pdserve.engine.block_manager import BlockManager
@@ -72,17 +78,45 @@ def test_metrics_count_passes_and_rejections():
 
 
 def test_adaptive_k_backs_off_and_probes():
-    ada = AdaptiveK(max_k=8, cost_ratio=0.5, probe_interval=4)
-    assert ada.k_for("a") > 0
+    seqs = [Sequence("a", (1, 2), SamplingParams(), 16)]
+    ada = AdaptiveK(max_k=8, costs=RelativeCosts(0.5), probe_interval=4)
+    assert ada.k_for(seqs) > 0
     for _ in range(20):
         ada.update("a", 4, 4)
-    assert ada.k_for("a") == 8
+    assert ada.k_for(seqs) == 8
     for _ in range(20):
         ada.update("a", 4, 0)
-    ks = [ada.k_for("a") for _ in range(8)]
-    assert ks == [0, 0, 0, 1, 0, 0, 0, 1]
+    ks = [ada.k_for(seqs) for _ in range(16)]
+    # A probe every 4 steps, then every 8 (a probe that finds nothing doubles the interval).
+    assert ks == [0, 0, 0, 1] + [0] * 7 + [1] + [0] * 4
+    for _ in range(20):
+        ada.update("a", 4, 4)
+    assert ada.k_for(seqs) == 8  # chosen again: the interval is back to 4
+    for _ in range(20):
+        ada.update("a", 4, 0)
+    assert [ada.k_for(seqs) for _ in range(4)] == [0, 0, 0, 1]
     ada.forget("a")
     assert ada.alpha("a") == ada.prior_alpha
+
+
+class _Costs:
+    """A device where verifying more tokens gets dear once the batch is large."""
+
+    def step_ms(self, batch_size: int, k: int) -> float:
+        return 10.0 + k * (0.5 if batch_size <= 8 else 20.0)
+
+
+def test_adaptive_k_weighs_the_step_cost_of_this_batch_size():
+    ada = AdaptiveK(max_k=4, costs=_Costs(), prior_alpha=0.8)
+    small = [Sequence(str(i), (1,), SamplingParams(), 16) for i in range(4)]
+    large = [Sequence(str(i), (1,), SamplingParams(), 16) for i in range(64)]
+    assert ada.k_for(small) == 4  # (1 - 0.8^5) / 0.2 = 3.36 tokens for 12 ms, against 1 for 10
+    assert ada.k_for(large) == 0  # 1.8 tokens for 30 ms at K = 1 does not beat 1 for 10
+    # The requests' own α decides, not the prior: hopeless requests turn it off at any size.
+    for s in small:
+        for _ in range(10):
+            ada.update(s.request_id, 4, 0)
+    assert ada.k_for(small) == 0
 
 
 def _tokenizer(vocab: dict[str, int]) -> SimpleNamespace:

@@ -129,3 +129,46 @@ def test_bf16_attention_step_matches_the_reference_with_and_without_context(monk
     else:
         want = "flash_prefill"
     assert calls == [want]
+
+
+@pytest.mark.parametrize("method", ["self_draft", "draft_model", "ngram"])
+def test_speculation_under_cuda_graphs_keeps_greedy_output(tmp_path, method):
+    """Verification and draft steps replay their graphs (K + 1 and 2 tokens per sequence),
+    proposals stay on the device, and greedy output is what plain decoding gives, with
+    graphs and without."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from pdserve.decode_node.spec import speculative_engine
+    from pdserve.engine.config import SpecConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=2048, initializer_range=0.2, eos_token_id=None)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(tmp_path))
+    gen = torch.Generator().manual_seed(2)
+    # Repetitive prompts, so that the n-gram drafter and the early exit get some accepted.
+    prompts = [(torch.randint(0, 500, (n,), generator=gen).tolist() * 3)[:3 * n] for n in (7, 40, 130, 300)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outputs = {}
+    for eager in (True, False):
+        for spec in (SpecConfig(), SpecConfig(method=method, num_speculative_tokens=3, num_draft_layers=2,
+                                              draft_model=str(tmp_path))):
+            engine = speculative_engine(EngineConfig(
+                model=ModelConfig(source=str(tmp_path), device="cuda", dtype="float32", enforce_eager=eager),
+                cache=CacheConfig(num_blocks=512), scheduler=SchedulerConfig(max_num_batched_tokens=256), spec=spec))
+            outputs[eager, spec.method] = [o.token_ids for o in engine.generate(prompts, params)]
+            if spec.enabled:
+                assert engine.speculator.metrics.num_passes > 0
+                if not eager:  # verification steps replayed graphs (shorter proposals padded)
+                    assert sum(n for q, n in engine.runner.graphs.num_replays.items() if q > 1) > 0
+                    if method != "ngram":
+                        assert engine.runner.graphs.num_replays.get(4, 0) > 0  # K + 1 = 4
+                    drafter = getattr(engine.speculator.drafter, "runner", None)
+                    if drafter is not None:
+                        assert drafter.graphs.num_replays.get(1, 0) > 0 and drafter.graphs.num_replays.get(2, 0) > 0
+            assert engine.block_manager.num_free_blocks == 512
+    want = outputs[True, "none"]
+    assert outputs[False, "none"] == want
+    assert outputs[True, method] == want
+    assert outputs[False, method] == want
