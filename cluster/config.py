@@ -159,7 +159,12 @@ class RayConfig:
 @dataclass(frozen=True, slots=True)
 class KVTransportSettings:
     """Transport settings without the secret, which comes from $PDSERVE_CLUSTER_SECRET
-    (or is generated for a local cluster) and never from a file in the repo."""
+    (or is generated for a local cluster) and never from a file in the repo.
+
+    transfer_timeout_s: bound on a KV transfer, measured from the sender's last sign of
+        life (a prefill worker keeps its requests' waits alive while it computes them, so
+        a prefill longer than this does not fail its transfer). See TransportConfig.
+    """
 
     transfer_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0

@@ -16,6 +16,7 @@ Modules (only the ucx_* ones and transport_info import ucxx):
     pool_writer    direct writes: scattered blocks into a peer's mapped pool (one graph replay)
     cuda_ipc       the receiver's pool shared with same-host senders (CUDA IPC handle)
     receive_table  receiver bookkeeping shared by every transport (either arrival order)
+    keepalive      a sender's "still computing" beat for the requests it prepared
     loopback       in-process fake with the same semantics, for tests above
     ucx_link       ucxx setup, control frames, the handshake over UCX
     ucx_sender     UcxKVSender (one connection per receiver)
@@ -40,7 +41,10 @@ CUDA IPC handle when the pool is on a GPU), then one of two data paths per conne
   unpack on CUDA streams of their own and wait for them off the event loop; the receiver's
   result carries `ready` as on the direct path.
 Either way the sender may cancel (it gave up); a granted writer that cancels has no copy
-in flight, so the receiver may free the blocks.
+in flight, so the receiver may free the blocks. From `prepare()` until `send()` ends or
+`forget()`, the sender names the request in an alive frame (ids, every quarter of the
+transfer timeout): the receiver's wait for it starts over, so that the bound measures the
+sender's silence, not the length of the prefill that computes the KV.
 """
 
 from __future__ import annotations

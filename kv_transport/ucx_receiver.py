@@ -70,6 +70,10 @@ class _Connection:
                         ready = self._copy_event(msg.get("event"))  # a bad index closes us, failing it too
                         self._writing.discard(request_id)
                         self._table.written(request_id, "cuda_ipc", ready)
+                elif msg["t"] == "alive":  # the sender still computes these requests' KV
+                    ids = msg.get("ids")
+                    if isinstance(ids, list):
+                        self._table.touch([str(i) for i in ids])
                 elif msg["t"] == "cancel":
                     request_id = str(msg["id"])
                     self._writing.discard(request_id)  # a writer that cancels has no copy in flight

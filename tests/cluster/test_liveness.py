@@ -1,5 +1,6 @@
 """Liveness over real Ray actors on the CPU: a worker busy in a step far longer than
-the ping timeout is kept; a worker killed with SIGKILL is found and replaced."""
+the ping timeout (and the KV transfer timeout) is kept and its request completes; a
+worker killed with SIGKILL is found and replaced."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ HEALTH = {"interval_s": 0.5, "ping_timeout_s": 0.5, "unresponsive_after_s": 8.0}
 
 @pytest.fixture(scope="module")
 def server(start):
-    # The receiver's bound runs from the reservation, which is made beside the prefill.
-    return start(pools={"mode": "disaggregated"}, health=HEALTH, kv_transport={"transfer_timeout_s": 300.0})
+    # A KV transfer bound far below the prefill, too: the decode worker's wait for the KV,
+    # which starts beside the prefill, is kept alive by the prefill worker while it computes.
+    return start(pools={"mode": "disaggregated"}, health=HEALTH, kv_transport={"transfer_timeout_s": 8.0})
 
 
 def _lost(srv) -> float:

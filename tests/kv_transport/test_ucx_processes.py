@@ -302,3 +302,26 @@ def test_direct_write_block_count_mismatch(direct_pair: tuple[Peer, Peer]) -> No
     assert sent["error"] == "TransferRejected" and "expects 2" in sent["message"], sent
     assert landed["error"] == "TransferCancelled", landed
     assert receiver.stats()["stray_blocks"] == 0 and sender.stats()["held"] == 0
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["messages", "direct-writes"])
+def test_a_prepared_request_outlasts_the_transfer_timeout(direct: bool) -> None:
+    """A prefill longer than the receiver's transfer timeout (3x here) lands: the sender's
+    "alive" frames restart the receiver's wait while it computes; an expect that no sender
+    works on still times out."""
+    spec = PeerSpec(num_blocks=64, timeout_s=1.5, direct=direct)
+    with peers(("receiver", spec), ("sender", spec.with_(seed=3))) as (receiver, sender):
+        receiver.command("expect", requests=[("warm", [1])])
+        sender.command("send", requests=[("warm", [2])], peer=receiver.address)  # connects
+        assert sender.wait_results(["warm"], 10 + SLACK_S)["warm"]["ok"]
+        receiver.command("expect", requests=[("slow", [10, 11, 12]), ("orphan", [13])])
+        sender.command("prepare", prepare=["slow"], peer=receiver.address)
+        time.sleep(4.5)  # "the prefill"
+        sender.command("send", requests=[("slow", [20, 21, 22])], peer=receiver.address)
+        sent = sender.wait_results(["slow"], 10 + SLACK_S)["slow"]
+        landed = receiver.wait_results(["slow", "orphan"], 10 + SLACK_S)
+        assert sent["ok"] and landed["slow"]["ok"], (sent, landed)
+        assert landed["slow"]["digest"] == sent["digest"]
+        assert landed["orphan"]["error"] == "TransferTimeout", landed["orphan"]
+        stats = receiver.stats()
+        assert stats["pending"] == 0 and stats["held"] == 0
