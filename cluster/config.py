@@ -72,17 +72,26 @@ class CoordinatorConfig:
     seat_recheck_s: a request waiting for a decode seat looks again this often, besides
         being woken when one frees (a replaced worker's seats are found this way).
     abort_timeout_s: bound on aborting a request on a worker.
+    max_migrations: how often one request may continue on another worker after losing
+        one (its prompt plus the tokens streamed so far prefilled again); 0 fails it with
+        UNAVAILABLE at once, as before.
+    migration_wait_s: a continued request waits this long for a healthy worker (the
+        lost one's replacement, when it was the only one) before UNAVAILABLE.
     """
 
     poll_wait_s: float = 0.5
     load_refresh_s: float = 0.25
     seat_recheck_s: float = 1.0
     abort_timeout_s: float = 10.0
+    max_migrations: int = 3
+    migration_wait_s: float = 120.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) <= 0:
+            if f.name != "max_migrations" and getattr(self, f.name) <= 0:
                 raise ValueError(f"CoordinatorConfig.{f.name} must be > 0, got {getattr(self, f.name)}")
+        if self.max_migrations < 0:
+            raise ValueError(f"CoordinatorConfig.max_migrations must be >= 0, got {self.max_migrations}")
 
 
 @dataclass(frozen=True, slots=True)
