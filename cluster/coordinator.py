@@ -60,7 +60,7 @@ def _continuation(req: WorkerRequest, generated: list[int], attempt: int) -> Wor
 
 def _transfer_failed(decode: Worker, error: TransferError) -> WorkerUnavailable:
     """A refused handshake or slow path is the cluster's configuration: trying again will not
-    help. Any other failure (a peer lost, a timeout) may go better elsewhere."""
+    help. Any other failure (a peer lost or replaced, a timeout) may go better elsewhere."""
     message = f"KV transfer to {decode.worker_id} failed: {error}"
     if isinstance(error, (HandshakeRefused, SlowPathRefused)):
         return WorkerUnavailable(message)

@@ -25,7 +25,8 @@ Modules (only the ucx_* ones and transport_info import ucxx):
     wire           errors in control frames
 
 Wire protocol per connection: control endpoint (listener-made, UCX error handling on)
-carries JSON frames: hello/challenge/auth/accept (handshake; accept carries the pool's
+carries JSON frames: hello/challenge/auth/accept (handshake; the challenge names the
+receiver's incarnation, and a sender that addressed another one refuses: PeerReplaced; accept carries the pool's
 CUDA IPC handle when the pool is on a GPU), then one of two data paths per connection:
 - direct writes (GPUs of one host that can map the handle): xfer(mode=write, the
   sender's interprocess CUDA events) -> grant (the receiver's block ids) -> the sender
@@ -55,6 +56,7 @@ from pdserve.kv_transport.api import (
     KVSender,
     PeerAddress,
     PeerLost,
+    PeerReplaced,
     SlowPathRefused,
     TransferCancelled,
     TransferError,
@@ -76,6 +78,7 @@ __all__ = [
     "LoopbackSender",
     "PeerAddress",
     "PeerLost",
+    "PeerReplaced",
     "SlowPathRefused",
     "TransferCancelled",
     "TransferError",

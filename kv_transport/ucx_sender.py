@@ -419,7 +419,7 @@ class UcxKVSender:
         ctl = Control(ep)
         data_ep = ep
         try:
-            session = await client_handshake(ctl, self._fields, self._config, str(peer))
+            session = await client_handshake(ctl, self._fields, self._config, str(peer), peer.incarnation)
             peer_kv = self._open_peer_pool(session, peer)
             if peer_kv is not None:
                 # KV goes straight into the mapped pool; the probe only completes the handshake.

@@ -325,3 +325,22 @@ def test_a_prepared_request_outlasts_the_transfer_timeout(direct: bool) -> None:
         assert landed["orphan"]["error"] == "TransferTimeout", landed["orphan"]
         stats = receiver.stats()
         assert stats["pending"] == 0 and stats["held"] == 0
+
+
+def test_a_stale_incarnation_is_refused_at_once(pair: tuple[Peer, Peer]) -> None:
+    """KV addressed to an earlier incarnation of the receiver at its address (a replaced
+    worker whose port was reused) is refused at the handshake, not parked until a timeout;
+    the current incarnation's traffic is unaffected."""
+    import dataclasses
+
+    receiver, sender = pair
+    stale = dataclasses.replace(receiver.address, incarnation="an-old-one")
+    assert receiver.address.incarnation and stale != receiver.address
+    sender.command("send", requests=[("stale", [3, 4])], peer=stale)
+    sent = sender.wait_results(["stale"], TIMEOUT_S + SLACK_S)["stale"]
+    assert sent["error"] == "PeerReplaced" and "replaced" in sent["message"], sent
+    receiver.command("expect", requests=[("current", [70, 71])])
+    sender.command("send", requests=[("current", [5, 6])], peer=receiver.address)
+    assert sender.wait_results(["current"], TIMEOUT_S + SLACK_S)["current"]["ok"]
+    assert receiver.wait_results(["current"], TIMEOUT_S + SLACK_S)["current"]["ok"]
+    assert sender.stats()["held"] == 0 and receiver.stats()["pending"] == 0
