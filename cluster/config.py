@@ -16,6 +16,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, Schedu
 MODES = ("disaggregated", "colocated")
 POLICIES = ("prefix_aware", "least_load", "round_robin")
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+API_KEY_ENV = "PDSERVE_API_KEY"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,13 @@ class ServerConfig:
     http_port: its port (0 picks a free one).
     metrics_port: Prometheus /metrics on the same host; 0 disables it.
     default_timeout_s: bound on a request without a client deadline.
+    tls_cert/tls_key: PEM files of the server's certificate (chain) and private key: gRPC and
+        the HTTP API then speak TLS only. Both or neither ("" = plaintext, loopback by default).
+    api_key_file: a file holding the bearer token clients must send (gRPC metadata
+        `authorization: Bearer <token>`, HTTP header `Authorization: Bearer <token>`; the
+        OpenAI clients' api_key). Without it, $PDSERVE_API_KEY; without either, no token is
+        asked. The token is never logged. The health checks (gRPC health service, HTTP
+        /health) answer without it, for probes.
     """
 
     host: str = "127.0.0.1"
@@ -35,8 +43,13 @@ class ServerConfig:
     http_port: int = 8000
     metrics_port: int = 9400
     default_timeout_s: float = 600.0
+    tls_cert: str = ""
+    tls_key: str = ""
+    api_key_file: str = ""
 
     def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("ServerConfig.tls_cert and tls_key go together: give both or neither")
         ports = (self.port, self.http_port, self.metrics_port)
         if not all(0 <= p <= 65535 for p in ports):
             raise ValueError(f"ServerConfig ports must be in [0, 65535], got port={self.port}, "
@@ -206,6 +219,40 @@ def cluster_secret() -> bytes:
             raise ValueError(f"${SECRET_ENV} must be at least 16 bytes")
         return value.encode()
     return secrets.token_hex(32).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class ClientAuth:
+    """What the frontends ask of clients (see ServerConfig): TLS key material and the token."""
+
+    tls_cert_chain: bytes | None = field(default=None, repr=False)
+    tls_private_key: bytes | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_chain is not None
+
+
+def client_auth(server: ServerConfig) -> ClientAuth:
+    """Read the files and $PDSERVE_API_KEY that `server` names; a missing or empty one is a ValueError."""
+
+    def read(path: str, what: str) -> bytes:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read the {what} {path!r}: {e.strerror}") from e
+        if not data.strip():
+            raise ValueError(f"the {what} {path!r} is empty")
+        return data
+
+    cert = read(server.tls_cert, "TLS certificate (server.tls_cert)") if server.tls_cert else None
+    key = read(server.tls_key, "TLS key (server.tls_key)") if server.tls_key else None
+    if server.api_key_file:
+        token: str | None = read(server.api_key_file, "API key file (server.api_key_file)").decode().strip()
+    else:
+        token = os.environ.get(API_KEY_ENV) or None
+    return ClientAuth(cert, key, token)
 
 
 _SECTIONS: dict[str, type] = {
