@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from pdserve.engine.config import SPEC_METHODS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.sampling import SamplingParams
 
 
@@ -27,8 +27,8 @@ def _add_model_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: from memory)")
     g.add_argument("--max-num-batched-tokens", type=int, default=default(sched.max_num_batched_tokens))
     g.add_argument("--max-num-seqs", type=int, default=default(sched.max_num_seqs))
-    g.add_argument("--spec-method", choices=["none", "draft_model", "self_draft", "ngram"], default=None,
-                   help="speculative decoding drafter (default: none)")
+    g.add_argument("--spec-method", default=None,
+                   help=f"speculative decoding drafter: {', '.join(SPEC_METHODS)} (default: none)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, help="K, tokens proposed per step")
     g.add_argument("--draft-model", default=None, help="draft model source (--spec-method draft_model)")
 
@@ -166,7 +166,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ray={"address": args.address},
         health={"interval_s": args.health_interval_s, "ping_timeout_s": args.ping_timeout_s,
                 "unresponsive_after_s": args.unresponsive_after_s, "stuck_after_s": args.stuck_after_s},
+        admission={"max_waiting_per_worker": args.max_waiting_per_worker, "retry_after_s": args.retry_after_s},
+        coordinator={"max_migrations": args.max_migrations, "migration_wait_s": args.migration_wait_s},
+        kv_transport={"transfer_timeout_s": args.transfer_timeout_s},
     )
+    if args.check_config:
+        print(config)
+        return 0
     import uvloop
 
     uvloop.run(serve_forever(config))
@@ -184,6 +190,17 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pdserve.cluster.config import (
+        MODES,
+        POLICIES,
+        AdmissionConfig,
+        CoordinatorConfig,
+        KVTransportSettings,
+        PoolConfig,
+    )
+
+    admission, coordinator, kv, pools = AdmissionConfig(), CoordinatorConfig(), KVTransportSettings(), PoolConfig()
+
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -211,11 +228,27 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     a.add_argument("--api-key-file", default=None, help="file with the bearer token every client must send "
                                                         "(default: $PDSERVE_API_KEY; unset: none asked)")
-    serve.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
+    serve.add_argument("--check-config", action="store_true", help="print the resulting config and exit")
+    serve.add_argument("--mode", default=None, help=f"{' or '.join(MODES)} (default {pools.mode})")
     serve.add_argument("--num-prefill", type=int, default=None)
     serve.add_argument("--num-decode", type=int, default=None)
     serve.add_argument("--gpus-per-worker", type=float, default=None)
-    serve.add_argument("--routing", choices=["prefix_aware", "least_load", "round_robin"], default=None)
+    serve.add_argument("--routing", default=None, help=f"{', '.join(POLICIES)} (default {pools.routing})")
+    r = serve.add_argument_group("admission, migration and KV transfer (see AdmissionConfig, CoordinatorConfig)")
+    r.add_argument("--max-waiting-per-worker", type=int, default=None,
+                   help=f"requests queued per decode worker beyond its running seats (default "
+                        f"{admission.max_waiting_per_worker}); beyond them RESOURCE_EXHAUSTED")
+    r.add_argument("--retry-after-s", type=float, default=None,
+                   help=f"retry hint of a refused request (default {admission.retry_after_s:g})")
+    r.add_argument("--max-migrations", type=int, default=None,
+                   help=f"times a request may continue elsewhere after losing its worker (default "
+                        f"{coordinator.max_migrations}; 0 = fail it)")
+    r.add_argument("--migration-wait-s", type=float, default=None,
+                   help=f"a continued request waits this long for a healthy worker (default "
+                        f"{coordinator.migration_wait_s:g})")
+    r.add_argument("--transfer-timeout-s", type=float, default=None,
+                   help="bound on a KV transfer from its sender's last sign of life (default "
+                        f"{kv.transfer_timeout_s:g})")
     h = serve.add_argument_group("worker health (a busy worker is alive; see HealthConfig)")
     h.add_argument("--health-interval-s", type=float, default=None, help="ping every worker this often (default 2)")
     h.add_argument("--ping-timeout-s", type=float, default=None, help="bound on one ping (default 5)")

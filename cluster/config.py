@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig, WorkerConfig
 
 MODES = ("disaggregated", "colocated")
 POLICIES = ("prefix_aware", "least_load", "round_robin")
@@ -140,6 +140,30 @@ class PoolConfig:
             raise ValueError(f"PoolConfig.routing must be one of {POLICIES}, got {self.routing!r}")
 
 @dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """How the router weighs a worker's load. Its score (lower wins) is its requests in
+    flight + `kv_usage_weight` x the used fraction of its KV blocks + its queued prefill
+    tokens / `queued_tokens_per_request`. Prefix-aware routing (`pools.routing`) takes the
+    worker with the longest cached prefix of the prompt unless its score exceeds the least
+    loaded worker's by more than `max_imbalance`, and remembers up to
+    `max_hashes_per_worker` block hashes per worker.
+    """
+
+    kv_usage_weight: float = 4.0
+    queued_tokens_per_request: float = 4096.0
+    max_imbalance: float = 8.0
+    max_hashes_per_worker: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.kv_usage_weight < 0 or self.max_imbalance < 0:
+            raise ValueError(f"RouterConfig weights must be >= 0, got kv_usage_weight={self.kv_usage_weight}, "
+                             f"max_imbalance={self.max_imbalance}")
+        if self.queued_tokens_per_request <= 0 or self.max_hashes_per_worker < 1:
+            raise ValueError(f"RouterConfig.queued_tokens_per_request must be > 0 and max_hashes_per_worker >= 1, "
+                             f"got {self.queued_tokens_per_request}, {self.max_hashes_per_worker}")
+
+
+@dataclass(frozen=True, slots=True)
 class HealthConfig:
     """How workers are found dead or stuck, and replaced. Busy is not dead: a ping is
     answered on the worker's own health thread, never behind an engine step.
@@ -209,6 +233,8 @@ class ServeConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
 
 
 def cluster_secret() -> bytes:
@@ -258,6 +284,7 @@ def client_auth(server: ServerConfig) -> ClientAuth:
 _SECTIONS: dict[str, type] = {
     "server": ServerConfig, "pools": PoolConfig, "ray": RayConfig, "kv_transport": KVTransportSettings,
     "health": HealthConfig, "admission": AdmissionConfig, "coordinator": CoordinatorConfig,
+    "router": RouterConfig, "worker": WorkerConfig,
 }
 _ENGINE_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                                      "spec": SpecConfig}

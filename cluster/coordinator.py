@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from pdserve.cluster.config import CoordinatorConfig
+from pdserve.cluster.config import CoordinatorConfig, RouterConfig
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ACTOR_LOST, Pool, Worker
 from pdserve.cluster.router import LeastLoad, RoutingPolicy
@@ -76,7 +76,7 @@ class _Stream:
 class Coordinator:
     def __init__(self, prefill: Pool | None, decode: Pool, policy: RoutingPolicy, block_size: int,
                  metrics: Metrics, seats_per_worker: int, max_waiting_per_worker: int,
-                 config: CoordinatorConfig | None = None) -> None:
+                 config: CoordinatorConfig | None = None, router: RouterConfig | None = None) -> None:
         self.prefill = prefill  # None: colocated, decode workers prefill themselves
         self.decode = decode
         self.policy = policy
@@ -86,7 +86,7 @@ class Coordinator:
         self.max_waiting_per_worker = max_waiting_per_worker
         self.config = config or CoordinatorConfig()
         self._seat_freed = asyncio.Condition()
-        self._decode_policy = LeastLoad()
+        self._decode_policy = LeastLoad(router)
         for pool in self.pools():
             pool.on_lost = self.on_worker_lost
         self._streams: dict[str, _Stream] = {}

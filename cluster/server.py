@@ -110,12 +110,12 @@ def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool
     gpus = p.gpus_per_worker
     engine_config, health = config.engine, config.health
     if p.mode == "colocated":
-        spec = ActorSpec(DecodeWorker, (engine_config, None), 1, gpus, p.decode_resource)
+        spec = ActorSpec(DecodeWorker, (engine_config, None, config.worker), 1, gpus, p.decode_resource)
         return None, Pool("mixed", p.num_decode, spec, health)
-    prefill = Pool("prefill", p.num_prefill, ActorSpec(PrefillWorker, (engine_config, transport), 1, gpus,
-                                                       p.prefill_resource), health)
-    decode = Pool("decode", p.num_decode, ActorSpec(DecodeWorker, (engine_config, transport), 1, gpus,
-                                                    p.decode_resource), health)
+    prefill = Pool("prefill", p.num_prefill, ActorSpec(PrefillWorker, (engine_config, transport, config.worker), 1,
+                                                       gpus, p.prefill_resource), health)
+    decode = Pool("decode", p.num_decode, ActorSpec(DecodeWorker, (engine_config, transport, config.worker), 1,
+                                                    gpus, p.decode_resource), health)
     return prefill, decode
 
 
@@ -133,9 +133,9 @@ async def start_server(config: ServeConfig) -> Server:
                                     direct_writes=kv.direct_writes)
     prefill, decode = _pools(config, transport)
     metrics = Metrics()
-    coordinator = Coordinator(prefill, decode, make_policy(config.pools.routing), config.engine.cache.block_size,
-                              metrics, config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker,
-                              config.coordinator)
+    coordinator = Coordinator(prefill, decode, make_policy(config.pools.routing, config.router),
+                              config.engine.cache.block_size, metrics, config.engine.scheduler.max_num_seqs,
+                              config.admission.max_waiting_per_worker, config.coordinator, config.router)
     await coordinator.start(config.health.interval_s)
     # Workers may cap the context below the model's (KV pool size): take the smallest.
     lens = [await w.actor.max_model_len.remote() for p in coordinator.pools() for w in p.workers]
