@@ -22,6 +22,7 @@ from pdserve.cluster.config import ServeConfig, client_auth, cluster_secret, fit
 from pdserve.cluster.coordinator import Coordinator
 from pdserve.cluster.frontend import Frontend
 from pdserve.cluster.http_api import HttpServer
+from pdserve.cluster.interceptors import MalformedRequestInterceptor
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ActorSpec, Pool
 from pdserve.cluster.router import make_policy
@@ -143,7 +144,9 @@ async def start_server(config: ServeConfig) -> Server:
 
     frontend = Frontend(coordinator, processor, metrics, config.server.default_timeout_s,
                         config.admission.retry_after_s)
-    server = grpc.aio.server(interceptors=[BearerTokenInterceptor(auth.api_key)] if auth.api_key else None)
+    # The token is checked before a request is parsed; a request that does not parse is INVALID_ARGUMENT.
+    interceptors = [BearerTokenInterceptor(auth.api_key)] if auth.api_key else []
+    server = grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()])
     service = GenerationService(frontend)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
