@@ -31,8 +31,11 @@ def server(start):
 
 
 def _lost(srv) -> float:
-    return sum(s.value for m in srv.server.metrics.workers_lost.collect() for s in m.samples
-               if s.name.endswith("_total"))
+    return _count(srv.server.metrics.workers_lost)
+
+
+def _count(counter) -> float:
+    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
 
 
 def test_a_long_prefill_step_completes_and_no_worker_is_replaced(server, tokenizer):
@@ -45,6 +48,8 @@ def test_a_long_prefill_step_completes_and_no_worker_is_replaced(server, tokeniz
     assert [list(p.workers) for p in coordinator.pools()] == before
     assert all(w.state.healthy for p in coordinator.pools() for w in p.workers)
     assert _lost(server) == 0
+    # ...and it ran once: a KV transfer that timed out would have been retried (migrated).
+    assert _count(server.server.metrics.migrations) == 0
     wait_until(lambda: pools_are_full(server.target), 10, "every block to be free")
 
 
