@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import grpc
 import pytest
@@ -158,6 +159,50 @@ def test_a_stream_whose_decode_worker_is_sigkilled_continues_on_its_replacement(
     wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
 
 
+def test_a_request_whose_prefill_worker_is_sigkilled_mid_prefill_is_retried(disaggregated, engine, tokenizer):
+    """The prefill worker dies while it computes the prompt: the request is prefilled again
+    on the replacement and the client's stream is the undisturbed run's."""
+    import ray
+
+    coordinator = disaggregated.server.coordinator
+    prompt = prompt_ids(tokenizer, 1500, variant=7)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = engine.generate([prompt], params)[0].token_ids
+    victim = coordinator.prefill.workers[0]
+    pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    before = _migrations(disaggregated)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(collect(disaggregated.target, prompt, params, 300)))
+    waiter.start()
+    wait_until(lambda: victim.state.inflight == 1, 30, "the prefill to start")
+    os.kill(pid, signal.SIGKILL)
+    waiter.join(300)
+    assert got and got[0].token_ids == want
+    assert _migrations(disaggregated) == before + 1
+    assert coordinator.prefill.workers[0] is not victim
+    wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
+
+
+def test_a_colocated_stream_whose_worker_is_sigkilled_continues(start, engine):
+    import ray
+
+    srv = start(pools={"mode": "colocated"})
+    coordinator = srv.server.coordinator
+    prompt, params = "Tell me a very long story.", SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    want = engine.generate([prompt], params)[0].token_ids
+    victim = coordinator.decode.workers[0]
+    pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    got: list[int] = []
+    with Client(srv.target) as client:
+        for resp in client.generate(prompt, params, timeout_s=300):
+            got.extend(resp.token_ids)
+            if len(got) >= 4 and pid:
+                os.kill(pid, signal.SIGKILL)
+                pid = 0
+    assert got == want and _migrations(srv) == 1
+    wait_until(lambda: pools_are_full(srv.target), 30, "every block to be free")
+
+
 def _migrations(srv) -> float:
     return sum(s.value for m in srv.server.metrics.migrations.collect() for s in m.samples
                if s.name.endswith("_total"))
@@ -168,7 +213,6 @@ def test_admission_queues_up_to_capacity_and_refuses_beyond_it_at_once(start):
     request waits for the seat (no refusal although the seat is taken), the third is
     refused at once with RESOURCE_EXHAUSTED and a retry hint; the queued one then runs, and
     every block on both sides comes back."""
-    import threading
 
     srv = start(pools={"mode": "disaggregated"}, engine={"scheduler": {"max_num_seqs": 1}},
                 admission={"max_waiting_per_worker": 1, "retry_after_s": 2.5})
