@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from pdserve.engine.config import SPEC_METHODS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.sampling import SamplingParams
 
 
@@ -27,8 +27,8 @@ def _add_model_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: from memory)")
     g.add_argument("--max-num-batched-tokens", type=int, default=default(sched.max_num_batched_tokens))
     g.add_argument("--max-num-seqs", type=int, default=default(sched.max_num_seqs))
-    g.add_argument("--spec-method", choices=["none", "draft_model", "self_draft", "ngram"], default=None,
-                   help="speculative decoding drafter (default: none)")
+    g.add_argument("--spec-method", default=None,
+                   help=f"speculative decoding drafter: {', '.join(SPEC_METHODS)} (default: none)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, help="K, tokens proposed per step")
     g.add_argument("--draft-model", default=None, help="draft model source (--spec-method draft_model)")
 
@@ -89,9 +89,7 @@ def _generate_remote(args: argparse.Namespace, params: SamplingParams) -> int:
         return _generate_http(args, params)
     import grpc
 
-    from pdserve.cluster.client import Client
-
-    with Client(args.target) as client:
+    with _client(args) as client:
         for i, prompt in enumerate(args.prompts):
             if len(args.prompts) > 1:
                 print(f"--- [{i}]")
@@ -107,14 +105,39 @@ def _generate_remote(args: argparse.Namespace, params: SamplingParams) -> int:
     return 0
 
 
+def _client(args: argparse.Namespace):  # -> pdserve.cluster.client.Client
+    """A gRPC client for --target with the server's CA (--tls-ca) and token (--api-key-file or
+    $PDSERVE_API_KEY, read where the server reads its own)."""
+    from pdserve.cluster.client import Client
+    from pdserve.cluster.config import ServerConfig, client_auth
+
+    ca = None
+    if args.tls_ca:
+        try:
+            with open(args.tls_ca, "rb") as f:
+                ca = f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read the CA file {args.tls_ca!r}: {e.strerror}") from e
+    return Client(args.target, ca, client_auth(ServerConfig(api_key_file=args.api_key_file or "")).api_key)
+
+
+def _add_client_auth_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=None, help="PEM file of the CA (or self-signed certificate) the gRPC "
+                                                  "server's certificate must chain to: connect over TLS")
+    p.add_argument("--api-key-file", default=None, help="file with the server's bearer token "
+                                                        "(default: $PDSERVE_API_KEY, if set)")
+
+
 def _generate_http(args: argparse.Namespace, params: SamplingParams) -> int:
+    from pdserve.cluster.config import ServerConfig, client_auth
     from pdserve.cluster.http_client import HttpApiError, stream_text
 
+    api_key = client_auth(ServerConfig(api_key_file=args.api_key_file or "")).api_key
     for i, prompt in enumerate(args.prompts):
         if len(args.prompts) > 1:
             print(f"--- [{i}]")
         try:
-            for text in stream_text(args.target, prompt, params, args.chat, args.timeout):
+            for text in stream_text(args.target, prompt, params, args.chat, args.timeout, api_key, args.tls_ca):
                 sys.stdout.write(text)
                 sys.stdout.flush()
         except HttpApiError as e:
@@ -136,13 +159,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         scheduler={"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs},
         spec=_spec_overrides(args),
         server={"host": args.host, "port": args.port, "metrics_port": args.metrics_port,
-                "http_port": args.http_port, "http": False if args.no_http else None},
+                "http_port": args.http_port, "http": False if args.no_http else None,
+                "tls_cert": args.tls_cert, "tls_key": args.tls_key, "api_key_file": args.api_key_file},
         pools={"mode": args.mode, "num_prefill": args.num_prefill, "num_decode": args.num_decode,
                "routing": args.routing, "gpus_per_worker": args.gpus_per_worker},
         ray={"address": args.address},
         health={"interval_s": args.health_interval_s, "ping_timeout_s": args.ping_timeout_s,
                 "unresponsive_after_s": args.unresponsive_after_s, "stuck_after_s": args.stuck_after_s},
+        admission={"max_waiting_per_worker": args.max_waiting_per_worker, "retry_after_s": args.retry_after_s},
+        coordinator={"max_migrations": args.max_migrations, "migration_wait_s": args.migration_wait_s},
+        kv_transport={"transfer_timeout_s": args.transfer_timeout_s},
     )
+    if args.check_config:
+        print(config)
+        return 0
     import uvloop
 
     uvloop.run(serve_forever(config))
@@ -150,9 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from pdserve.cluster.client import Client
-
-    with Client(args.target) as client:
+    with _client(args) as client:
         info = client.server_info()
         print(f"pdserve {info.version}, {info.mode}, model {info.model}")
         for w in info.workers:
@@ -162,6 +190,17 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pdserve.cluster.config import (
+        MODES,
+        POLICIES,
+        AdmissionConfig,
+        CoordinatorConfig,
+        KVTransportSettings,
+        PoolConfig,
+    )
+
+    admission, coordinator, kv, pools = AdmissionConfig(), CoordinatorConfig(), KVTransportSettings(), PoolConfig()
+
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -171,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", help="host:port of a pdserve server's gRPC API, or http://host:port of its "
                                       "OpenAI HTTP API (default: run the engine in-process)")
     gen.add_argument("--timeout", type=float, default=None, help="deadline per request, seconds (--target)")
+    _add_client_auth_args(gen)
     _add_model_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -183,11 +223,32 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (default 8000)")
     serve.add_argument("--no-http", action="store_true", help="serve gRPC only")
     serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default 9400, 0 = off)")
-    serve.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
+    a = serve.add_argument_group("client authentication (off by default; see ServerConfig)")
+    a.add_argument("--tls-cert", default=None, help="PEM certificate (chain): gRPC and HTTP speak TLS only")
+    a.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    a.add_argument("--api-key-file", default=None, help="file with the bearer token every client must send "
+                                                        "(default: $PDSERVE_API_KEY; unset: none asked)")
+    serve.add_argument("--check-config", action="store_true", help="print the resulting config and exit")
+    serve.add_argument("--mode", default=None, help=f"{' or '.join(MODES)} (default {pools.mode})")
     serve.add_argument("--num-prefill", type=int, default=None)
     serve.add_argument("--num-decode", type=int, default=None)
     serve.add_argument("--gpus-per-worker", type=float, default=None)
-    serve.add_argument("--routing", choices=["prefix_aware", "least_load", "round_robin"], default=None)
+    serve.add_argument("--routing", default=None, help=f"{', '.join(POLICIES)} (default {pools.routing})")
+    r = serve.add_argument_group("admission, migration and KV transfer (see AdmissionConfig, CoordinatorConfig)")
+    r.add_argument("--max-waiting-per-worker", type=int, default=None,
+                   help=f"requests queued per decode worker beyond its running seats (default "
+                        f"{admission.max_waiting_per_worker}); beyond them RESOURCE_EXHAUSTED")
+    r.add_argument("--retry-after-s", type=float, default=None,
+                   help=f"retry hint of a refused request (default {admission.retry_after_s:g})")
+    r.add_argument("--max-migrations", type=int, default=None,
+                   help=f"times a request may continue elsewhere after losing its worker (default "
+                        f"{coordinator.max_migrations}; 0 = fail it)")
+    r.add_argument("--migration-wait-s", type=float, default=None,
+                   help=f"a continued request waits this long for a healthy worker (default "
+                        f"{coordinator.migration_wait_s:g})")
+    r.add_argument("--transfer-timeout-s", type=float, default=None,
+                   help="bound on a KV transfer from its sender's last sign of life (default "
+                        f"{kv.transfer_timeout_s:g})")
     h = serve.add_argument_group("worker health (a busy worker is alive; see HealthConfig)")
     h.add_argument("--health-interval-s", type=float, default=None, help="ping every worker this often (default 2)")
     h.add_argument("--ping-timeout-s", type=float, default=None, help="bound on one ping (default 5)")
@@ -206,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="show a server's mode, model and workers")
     info.add_argument("--target", default="127.0.0.1:50051")
+    _add_client_auth_args(info)
     info.set_defaults(func=cmd_info)
     return parser
 

@@ -23,8 +23,15 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
 
 
 class Client:
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.insecure_channel(target)
+    """`root_certificates`: PEM of the CA (or the self-signed certificate) to trust: the
+    channel speaks TLS. `api_key`: sent as `authorization: Bearer <api_key>` on every call."""
+
+    def __init__(self, target: str, root_certificates: bytes | None = None, api_key: str | None = None) -> None:
+        if root_certificates is None:
+            self.channel = grpc.insecure_channel(target)
+        else:
+            self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self.stub = pb_grpc.GenerationStub(self.channel)
 
     def close(self) -> None:
@@ -46,10 +53,10 @@ class Client:
             req.prompt = prompt
         else:
             req.prompt_token_ids.ids.extend(prompt or [])
-        return self.stub.Generate(req, timeout=timeout_s)
+        return self.stub.Generate(req, timeout=timeout_s, metadata=self._metadata)
 
     def server_info(self, timeout_s: float = 10.0) -> pb.ServerInfo:
-        return self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout_s)
+        return self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout_s, metadata=self._metadata)
 
     def list_models(self, timeout_s: float = 10.0) -> pb.ListModelsResponse:
-        return self.stub.ListModels(pb.ListModelsRequest(), timeout=timeout_s)
+        return self.stub.ListModels(pb.ListModelsRequest(), timeout=timeout_s, metadata=self._metadata)

@@ -11,11 +11,12 @@ from typing import Any
 
 import yaml
 
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig, WorkerConfig
 
 MODES = ("disaggregated", "colocated")
 POLICIES = ("prefix_aware", "least_load", "round_robin")
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+API_KEY_ENV = "PDSERVE_API_KEY"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,13 @@ class ServerConfig:
     http_port: its port (0 picks a free one).
     metrics_port: Prometheus /metrics on the same host; 0 disables it.
     default_timeout_s: bound on a request without a client deadline.
+    tls_cert/tls_key: PEM files of the server's certificate (chain) and private key: gRPC and
+        the HTTP API then speak TLS only. Both or neither ("" = plaintext, loopback by default).
+    api_key_file: a file holding the bearer token clients must send (gRPC metadata
+        `authorization: Bearer <token>`, HTTP header `Authorization: Bearer <token>`; the
+        OpenAI clients' api_key). Without it, $PDSERVE_API_KEY; without either, no token is
+        asked. The token is never logged. The health checks (gRPC health service, HTTP
+        /health) answer without it, for probes.
     """
 
     host: str = "127.0.0.1"
@@ -35,8 +43,13 @@ class ServerConfig:
     http_port: int = 8000
     metrics_port: int = 9400
     default_timeout_s: float = 600.0
+    tls_cert: str = ""
+    tls_key: str = ""
+    api_key_file: str = ""
 
     def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("ServerConfig.tls_cert and tls_key go together: give both or neither")
         ports = (self.port, self.http_port, self.metrics_port)
         if not all(0 <= p <= 65535 for p in ports):
             raise ValueError(f"ServerConfig ports must be in [0, 65535], got port={self.port}, "
@@ -72,17 +85,26 @@ class CoordinatorConfig:
     seat_recheck_s: a request waiting for a decode seat looks again this often, besides
         being woken when one frees (a replaced worker's seats are found this way).
     abort_timeout_s: bound on aborting a request on a worker.
+    max_migrations: how often one request may continue on another worker after losing
+        one (its prompt plus the tokens streamed so far prefilled again); 0 fails it with
+        UNAVAILABLE at once, as before.
+    migration_wait_s: a continued request waits this long for a healthy worker (the
+        lost one's replacement, when it was the only one) before UNAVAILABLE.
     """
 
     poll_wait_s: float = 0.5
     load_refresh_s: float = 0.25
     seat_recheck_s: float = 1.0
     abort_timeout_s: float = 10.0
+    max_migrations: int = 3
+    migration_wait_s: float = 120.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) <= 0:
+            if f.name != "max_migrations" and getattr(self, f.name) <= 0:
                 raise ValueError(f"CoordinatorConfig.{f.name} must be > 0, got {getattr(self, f.name)}")
+        if self.max_migrations < 0:
+            raise ValueError(f"CoordinatorConfig.max_migrations must be >= 0, got {self.max_migrations}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +138,30 @@ class PoolConfig:
             raise ValueError(f"PoolConfig.gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
         if self.routing not in POLICIES:
             raise ValueError(f"PoolConfig.routing must be one of {POLICIES}, got {self.routing!r}")
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """How the router weighs a worker's load. Its score (lower wins) is its requests in
+    flight + `kv_usage_weight` x the used fraction of its KV blocks + its queued prefill
+    tokens / `queued_tokens_per_request`. Prefix-aware routing (`pools.routing`) takes the
+    worker with the longest cached prefix of the prompt unless its score exceeds the least
+    loaded worker's by more than `max_imbalance`, and remembers up to
+    `max_hashes_per_worker` block hashes per worker.
+    """
+
+    kv_usage_weight: float = 4.0
+    queued_tokens_per_request: float = 4096.0
+    max_imbalance: float = 8.0
+    max_hashes_per_worker: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.kv_usage_weight < 0 or self.max_imbalance < 0:
+            raise ValueError(f"RouterConfig weights must be >= 0, got kv_usage_weight={self.kv_usage_weight}, "
+                             f"max_imbalance={self.max_imbalance}")
+        if self.queued_tokens_per_request <= 0 or self.max_hashes_per_worker < 1:
+            raise ValueError(f"RouterConfig.queued_tokens_per_request must be > 0 and max_hashes_per_worker >= 1, "
+                             f"got {self.queued_tokens_per_request}, {self.max_hashes_per_worker}")
+
 
 @dataclass(frozen=True, slots=True)
 class HealthConfig:
@@ -159,7 +205,12 @@ class RayConfig:
 @dataclass(frozen=True, slots=True)
 class KVTransportSettings:
     """Transport settings without the secret, which comes from $PDSERVE_CLUSTER_SECRET
-    (or is generated for a local cluster) and never from a file in the repo."""
+    (or is generated for a local cluster) and never from a file in the repo.
+
+    transfer_timeout_s: bound on a KV transfer, measured from the sender's last sign of
+        life (a prefill worker keeps its requests' waits alive while it computes them, so
+        a prefill longer than this does not fail its transfer). See TransportConfig.
+    """
 
     transfer_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
@@ -182,6 +233,8 @@ class ServeConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
 
 
 def cluster_secret() -> bytes:
@@ -194,9 +247,44 @@ def cluster_secret() -> bytes:
     return secrets.token_hex(32).encode()
 
 
+@dataclass(frozen=True, slots=True)
+class ClientAuth:
+    """What the frontends ask of clients (see ServerConfig): TLS key material and the token."""
+
+    tls_cert_chain: bytes | None = field(default=None, repr=False)
+    tls_private_key: bytes | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_chain is not None
+
+
+def client_auth(server: ServerConfig) -> ClientAuth:
+    """Read the files and $PDSERVE_API_KEY that `server` names; a missing or empty one is a ValueError."""
+
+    def read(path: str, what: str) -> bytes:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read the {what} {path!r}: {e.strerror}") from e
+        if not data.strip():
+            raise ValueError(f"the {what} {path!r} is empty")
+        return data
+
+    cert = read(server.tls_cert, "TLS certificate (server.tls_cert)") if server.tls_cert else None
+    key = read(server.tls_key, "TLS key (server.tls_key)") if server.tls_key else None
+    if server.api_key_file:
+        token: str | None = read(server.api_key_file, "API key file (server.api_key_file)").decode().strip()
+    else:
+        token = os.environ.get(API_KEY_ENV) or None
+    return ClientAuth(cert, key, token)
+
+
 _SECTIONS: dict[str, type] = {
     "server": ServerConfig, "pools": PoolConfig, "ray": RayConfig, "kv_transport": KVTransportSettings,
     "health": HealthConfig, "admission": AdmissionConfig, "coordinator": CoordinatorConfig,
+    "router": RouterConfig, "worker": WorkerConfig,
 }
 _ENGINE_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                                      "spec": SpecConfig}

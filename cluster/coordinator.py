@@ -5,20 +5,23 @@ out to per-request queues. A disaggregated request waits here for a running seat
 decode worker (the service admits no more than `capacity()`: seats plus a bounded queue
 per worker); a colocated one queues in its worker's scheduler. Every request's cleanup (abort on the workers that
 hold it) runs in one `finally`, whether it finished, was cancelled by the
-client, hit its deadline or lost a worker.
+client, hit its deadline or lost a worker. A request whose worker is lost continues on
+another (`generate`: re-prefill of its prompt plus the tokens streamed so far).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import ray
 
-from pdserve.cluster.config import CoordinatorConfig
+from pdserve.cluster.config import CoordinatorConfig, RouterConfig
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ACTOR_LOST, Pool, Worker
 from pdserve.cluster.router import LeastLoad, RoutingPolicy
@@ -26,7 +29,7 @@ from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.engine import NoCapacity
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import TokenDelta
-from pdserve.kv_transport import TransferError
+from pdserve.kv_transport import HandshakeRefused, SlowPathRefused, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +39,32 @@ class WorkerUnavailable(Exception):
     """No healthy worker could take the request, or its worker was lost mid-request."""
 
 
+class WorkerLost(WorkerUnavailable):
+    """A worker the request ran on was lost, or its KV transfer failed: it may continue elsewhere."""
+
+
 class Overloaded(Exception):
     """Every worker is full: the caller should back off (RESOURCE_EXHAUSTED)."""
+
+
+def _continuation(req: WorkerRequest, generated: list[int], attempt: int) -> WorkerRequest:
+    """`req` from where its stream stands: the tokens streamed so far join the prompt and
+    leave the budget. A fresh id per attempt, so that nothing of an earlier one (a late
+    delta, a transfer, an abort) can touch it."""
+    remaining = req.params.max_tokens - len(generated)
+    if remaining < 1:
+        raise WorkerUnavailable(f"request {req.request_id}: nothing left to generate after a lost worker")
+    return WorkerRequest(f"{req.request_id}~{attempt}", (*req.prompt_token_ids, *generated),
+                         dataclasses.replace(req.params, max_tokens=remaining))
+
+
+def _transfer_failed(decode: Worker, error: TransferError) -> WorkerUnavailable:
+    """A refused handshake or slow path is the cluster's configuration: trying again will not
+    help. Any other failure (a peer lost or replaced, a timeout) may go better elsewhere."""
+    message = f"KV transfer to {decode.worker_id} failed: {error}"
+    if isinstance(error, (HandshakeRefused, SlowPathRefused)):
+        return WorkerUnavailable(message)
+    return WorkerLost(message)
 
 
 @dataclass(slots=True)
@@ -49,7 +76,7 @@ class _Stream:
 class Coordinator:
     def __init__(self, prefill: Pool | None, decode: Pool, policy: RoutingPolicy, block_size: int,
                  metrics: Metrics, seats_per_worker: int, max_waiting_per_worker: int,
-                 config: CoordinatorConfig | None = None) -> None:
+                 config: CoordinatorConfig | None = None, router: RouterConfig | None = None) -> None:
         self.prefill = prefill  # None: colocated, decode workers prefill themselves
         self.decode = decode
         self.policy = policy
@@ -59,7 +86,7 @@ class Coordinator:
         self.max_waiting_per_worker = max_waiting_per_worker
         self.config = config or CoordinatorConfig()
         self._seat_freed = asyncio.Condition()
-        self._decode_policy = LeastLoad()
+        self._decode_policy = LeastLoad(router)
         for pool in self.pools():
             pool.on_lost = self.on_worker_lost
         self._streams: dict[str, _Stream] = {}
@@ -95,15 +122,48 @@ class Coordinator:
     async def generate(self, req: WorkerRequest) -> AsyncIterator[TokenDelta]:
         """Yields the request's token deltas; the last one has a finish reason.
 
+        A request whose worker is lost (decode worker mid-stream, prefill worker, or its KV
+        transfer) continues on another (or the lost one's replacement): its prompt plus the
+        tokens already streamed are prefilled again (the prefill worker's prefix cache holds
+        the prompt's blocks where it still can) and decoding goes on from there, so the
+        caller's stream neither repeats nor drops a token; greedy output is the same as an
+        undisturbed run's. At most `config.max_migrations` times, then WorkerUnavailable.
+
         Raises WorkerUnavailable, Overloaded or ValueError. Closing the
         iterator early (client cancel, deadline) aborts the request everywhere.
         """
+        generated: list[int] = []
+        for attempt in itertools.count():
+            run = req if attempt == 0 else _continuation(req, generated, attempt)
+            try:
+                # aclosing: a caller that stops early ends the attempt (and its cleanup) at once.
+                async with contextlib.aclosing(self._run(run, migrated=attempt > 0)) as deltas:
+                    async for delta in deltas:
+                        if attempt:  # the caller knows one request: its id, its prompt
+                            delta = dataclasses.replace(delta, request_id=req.request_id, num_cached_tokens=0,
+                                                        num_prompt_tokens=len(req.prompt_token_ids))
+                        generated.extend(delta.token_ids)
+                        yield delta
+                return
+            except WorkerLost as e:
+                if attempt >= self.config.max_migrations:
+                    raise WorkerUnavailable(f"{e} (gave up after {attempt + 1} attempts)") from e
+                logger.warning("request %s: %s; continuing it elsewhere after %d tokens", req.request_id, e,
+                               len(generated))
+                self.metrics.migrations.inc()
+
+    async def _run(self, req: WorkerRequest, migrated: bool) -> AsyncIterator[TokenDelta]:
+        """One attempt at `req` on one decode worker (and one prefill worker). A `migrated`
+        one waits (`config.migration_wait_s`) for a healthy worker, e.g. a lost one's replacement."""
         rid = req.request_id
         hashes = prefix_block_hashes(req.prompt_token_ids, self.block_size)
+        wait_s = self.config.migration_wait_s if migrated else 0.0
         if self.prefill is None:
-            decode = self._pick(self.decode, [], self._decode_policy)
+            decode = await self._pick_waiting(self.decode, [], self._decode_policy, wait_s)
         else:
-            decode = await self._take_seat()
+            decode = await self._take_seat(wait_s)
+        if decode.worker_id not in self._pollers:  # a replacement: do not wait for the health loop
+            self._start_poller(decode)
         stream = self._streams[rid] = _Stream(decode)
         decode.state.inflight += 1  # no await since the choice: the seat is ours
         finished = False
@@ -113,9 +173,9 @@ class Coordinator:
                     await decode.actor.submit.remote(req)
                 except ACTOR_LOST as e:
                     await self.decode.replace(decode)
-                    raise WorkerUnavailable(f"worker {decode.worker_id} was lost") from e
+                    raise WorkerLost(f"worker {decode.worker_id} was lost") from e
             else:
-                first = await self._prefill(req, decode, hashes)
+                first = await self._prefill(req, decode, hashes, wait_s)
                 if first is not None:
                     finished = first.finished
                     yield first
@@ -137,13 +197,15 @@ class Coordinator:
             async with self._seat_freed:
                 self._seat_freed.notify()
 
-    async def _take_seat(self) -> Worker:
+    async def _take_seat(self, wait_s: float) -> Worker:
         """A decode worker with a free running seat; waits for one (in arrival order). The
-        wait re-checks now and then, so that a replaced worker's seats are found too."""
+        wait re-checks now and then, so that a replaced worker's seats are found too. With
+        no healthy decode worker, waits up to `wait_s` for one, then WorkerUnavailable."""
+        give_up = asyncio.get_running_loop().time() + wait_s
         async with self._seat_freed:
             while True:
                 healthy = self.decode.healthy()
-                if not healthy:
+                if not healthy and asyncio.get_running_loop().time() >= give_up:
                     raise WorkerUnavailable("no healthy decode worker")
                 free = [w for w in healthy if w.state.inflight < self.seats_per_worker]
                 if free:
@@ -152,12 +214,13 @@ class Coordinator:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._seat_freed.wait(), self.config.seat_recheck_s)
 
-    async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int]) -> TokenDelta | None:
+    async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int],
+                       wait_s: float) -> TokenDelta | None:
         """Reserve on `decode` and prefill elsewhere at once, hand the KV over; returns the
         first token's delta. The receiver holds KV that arrives before its reservation, so
         the reservation (a call that waits for the decode engine's current step) is not on
         the first token's path; a refused one cancels the prefill."""
-        prefill = self._pick(self.prefill, hashes, self.policy)
+        prefill = await self._pick_waiting(self.prefill, hashes, self.policy, wait_s)
         prefill.state.inflight += 1
         ref = prefill.actor.prefill.remote(req, decode.address)
         try:
@@ -173,9 +236,9 @@ class Coordinator:
             raise
         except ACTOR_LOST as e:
             await self.prefill.replace(prefill)
-            raise WorkerUnavailable(f"prefill worker {prefill.worker_id} was lost") from e
+            raise WorkerLost(f"prefill worker {prefill.worker_id} was lost") from e
         except TransferError as e:
-            raise WorkerUnavailable(f"KV transfer to {decode.worker_id} failed: {e}") from e
+            raise _transfer_failed(decode, e) from e
         finally:
             prefill.state.inflight -= 1
         if out.transfer is not None:
@@ -186,10 +249,10 @@ class Coordinator:
         try:
             await decode.actor.admit.remote(req.request_id, out.first.token_ids[0])
         except TransferError as e:
-            raise WorkerUnavailable(f"KV transfer to {decode.worker_id} failed: {e}") from e
+            raise _transfer_failed(decode, e) from e
         except ACTOR_LOST as e:
             await self.decode.replace(decode)
-            raise WorkerUnavailable(f"decode worker {decode.worker_id} was lost") from e
+            raise WorkerLost(f"decode worker {decode.worker_id} was lost") from e
         return out.first
 
     async def _reserve(self, req: WorkerRequest, decode: Worker) -> None:
@@ -199,7 +262,14 @@ class Coordinator:
             raise Overloaded(str(e)) from e
         except ACTOR_LOST as e:
             await self.decode.replace(decode)
-            raise WorkerUnavailable(f"decode worker {decode.worker_id} was lost") from e
+            raise WorkerLost(f"decode worker {decode.worker_id} was lost") from e
+
+    async def _pick_waiting(self, pool: Pool, hashes: list[int], policy: RoutingPolicy, wait_s: float) -> Worker:
+        """`_pick`, waiting up to `wait_s` for a healthy worker (a lost one's replacement)."""
+        give_up = asyncio.get_running_loop().time() + wait_s
+        while not pool.healthy() and asyncio.get_running_loop().time() < give_up:
+            await asyncio.sleep(min(self.config.seat_recheck_s, wait_s))
+        return self._pick(pool, hashes, policy)
 
     def _pick(self, pool: Pool, hashes: list[int], policy: RoutingPolicy) -> Worker:
         healthy = pool.healthy()
@@ -228,7 +298,8 @@ class Coordinator:
                 return
             for delta in deltas:
                 stream = self._streams.get(delta.request_id)
-                if stream is not None:
+                # Fenced: a request continued elsewhere takes nothing more from this worker.
+                if stream is not None and stream.decode is worker:
                     stream.queue.put_nowait(delta)
 
     async def on_worker_lost(self, worker: Worker) -> None:
@@ -236,7 +307,7 @@ class Coordinator:
         self._pollers.pop(worker.worker_id, None)
         for rid, stream in self._streams.items():
             if stream.decode is worker:
-                stream.queue.put_nowait(WorkerUnavailable(f"{worker.role} worker {worker.worker_id} was lost"))
+                stream.queue.put_nowait(WorkerLost(f"{worker.role} worker {worker.worker_id} was lost"))
         self.metrics.worker_lost(worker.role)
 
     async def _health_loop(self, interval_s: float) -> None:

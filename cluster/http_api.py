@@ -30,6 +30,7 @@ from starlette.routing import Route
 from starlette.types import Send
 
 from pdserve.cluster import openai_models as m
+from pdserve.cluster.auth import BearerTokenMiddleware
 from pdserve.cluster.frontend import Frontend, RequestFailed, Status
 from pdserve.cluster.openai_protocol import ChatRenderer, Choice, CompletionRenderer, chat_choices, completion_choices
 from pdserve.engine.outputs import TextDelta
@@ -299,8 +300,10 @@ class _Uvicorn(uvicorn.Server):
 class HttpServer:
     """uvicorn serving the API on the running event loop; `start` binds, `stop` drains."""
 
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, tls: tuple[str, str] | None = None, api_key: str | None = None) -> None:
         self.api = OpenAIApi(frontend)
+        self._tls = tls  # (certificate file, key file): HTTPS only
+        self._api_key = api_key  # asked of every call but /health (cluster/auth.py)
         self._server: _Uvicorn | None = None
         self._task: asyncio.Task | None = None
         self.port = 0
@@ -315,8 +318,13 @@ class HttpServer:
             raise ValueError(f"cannot bind the HTTP API to {host}:{port}: {e}") from e
         self.port = sock.getsockname()[1]
         # log_config=None: uvicorn's loggers propagate to pdserve's logging, which it leaves as it is.
-        config = uvicorn.Config(self.api.app(), lifespan="off", log_config=None, log_level="warning",
-                                access_log=False, timeout_graceful_shutdown=2, ws="none")
+        app = self.api.app()
+        if self._api_key:
+            app = BearerTokenMiddleware(app, self._api_key)
+        cert, key = self._tls or (None, None)
+        config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning",
+                                access_log=False, timeout_graceful_shutdown=2, ws="none",
+                                ssl_certfile=cert, ssl_keyfile=key)
         self._server = _Uvicorn(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -20,8 +21,10 @@ class HttpApiError(Exception):
 
 
 def stream_text(base_url: str, prompt: str, params: SamplingParams, chat: bool = False,
-                timeout_s: float | None = None) -> Iterator[str]:
-    """Yields the text of one completion (chat completion with `chat`) as the server streams it."""
+                timeout_s: float | None = None, api_key: str | None = None,
+                ca_file: str | None = None) -> Iterator[str]:
+    """Yields the text of one completion (chat completion with `chat`) as the server streams it.
+    `api_key`: the server's bearer token; `ca_file`: the CA to trust for an https:// URL."""
     body: dict[str, object] = {
         "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
         "top_k": params.top_k, "min_p": params.min_p, "stream": True, "ignore_eos": params.ignore_eos,
@@ -35,10 +38,13 @@ def stream_text(base_url: str, prompt: str, params: SamplingParams, chat: bool =
     else:
         body["prompt"] = prompt
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    req = urllib.request.Request(base_url.rstrip("/") + path, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json", "Accept": "text/event-stream"})
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(base_url.rstrip("/") + path, json.dumps(body).encode(), headers)
+    context = ssl.create_default_context(cafile=ca_file) if ca_file else None
     try:
-        resp = urllib.request.urlopen(req, timeout=timeout_s)
+        resp = urllib.request.urlopen(req, timeout=timeout_s, context=context)
     except urllib.error.HTTPError as e:
         raise HttpApiError(e.code, _message(e.read())) from e
     except urllib.error.URLError as e:

@@ -42,6 +42,8 @@ class Metrics:
                                 ["worker"], registry=r)
         self.spec_mean_accepted = Gauge("pdserve_spec_mean_accepted_length", "Accepted draft tokens per pass",
                                         ["worker"], registry=r)
+        self.migrations = Counter("pdserve_request_migrations", "Requests continued on another worker after "
+                                  "losing theirs", registry=r)
         self.workers_lost = Counter("pdserve_workers_lost", "Workers found dead and replaced", ["role"], registry=r)
 
     def serve(self, host: str, port: int) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pdserve.cluster.config import RouterConfig
 from pdserve.engine.outputs import EngineLoad
 
 
@@ -26,13 +27,12 @@ class WorkerState:
     inflight: int = 0  # requests placed here and not yet finished, counted by the frontend
     cached_hashes: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
-    @property
-    def score(self) -> float:
-        """Lower is less loaded: queued work plus KV pressure."""
+    def score(self, weights: RouterConfig) -> float:
+        """Lower is less loaded: requests in flight, queued work and KV pressure (see RouterConfig)."""
         load = self.load
         used = 0.0 if load is None else 1.0 - load.num_free_blocks / max(1, load.num_blocks)
         queued = 0 if load is None else load.queued_prefill_tokens
-        return self.inflight + used * 4 + queued / 4096
+        return self.inflight + used * weights.kv_usage_weight + queued / weights.queued_tokens_per_request
 
 
 class RoutingPolicy(Protocol):
@@ -50,25 +50,28 @@ class RoundRobin:
 
 
 class LeastLoad:
+    def __init__(self, config: RouterConfig | None = None) -> None:
+        self.config = config or RouterConfig()
+
     def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[int]) -> WorkerState:
-        return min(workers, key=lambda w: w.score)
+        return min(workers, key=lambda w: w.score(self.config))
 
 
 class PrefixAware:
     """Longest cached prefix wins unless that worker is much busier than the least busy one."""
 
-    def __init__(self, max_hashes_per_worker: int = 65536, imbalance: float = 8.0) -> None:
-        self.max_hashes = max_hashes_per_worker
-        self.imbalance = imbalance
+    def __init__(self, config: RouterConfig | None = None) -> None:
+        self.config = config or RouterConfig()
 
     def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[int]) -> WorkerState:
-        least = min(workers, key=lambda w: w.score)
+        scores = {id(w): w.score(self.config) for w in workers}
+        least = min(workers, key=lambda w: scores[id(w)])
         best, best_len = least, 0
         for w in workers:
             n = matched_blocks(w, block_hashes)
-            if n > best_len and w.score - least.score <= self.imbalance:
+            if n > best_len and scores[id(w)] - scores[id(least)] <= self.config.max_imbalance:
                 best, best_len = w, n
-        remember(best, block_hashes, self.max_hashes)
+        remember(best, block_hashes, self.config.max_hashes_per_worker)
         return best
 
 
@@ -90,8 +93,12 @@ def remember(worker: WorkerState, block_hashes: Sequence[int], limit: int) -> No
         cache.popitem(last=False)
 
 
-def make_policy(name: str) -> RoutingPolicy:
-    policies: dict[str, type] = {"round_robin": RoundRobin, "least_load": LeastLoad, "prefix_aware": PrefixAware}
-    if name not in policies:
-        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(policies)}")
-    return policies[name]()
+def make_policy(name: str, config: RouterConfig | None = None) -> RoutingPolicy:
+    config = config or RouterConfig()
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_load":
+        return LeastLoad(config)
+    if name == "prefix_aware":
+        return PrefixAware(config)
+    raise ValueError(f"unknown routing policy {name!r}; known: least_load, prefix_aware, round_robin")

@@ -17,10 +17,12 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.cluster.config import ServeConfig, cluster_secret, fit_pools_to_gpus
+from pdserve.cluster.auth import BearerTokenInterceptor
+from pdserve.cluster.config import ServeConfig, client_auth, cluster_secret, fit_pools_to_gpus
 from pdserve.cluster.coordinator import Coordinator
 from pdserve.cluster.frontend import Frontend
 from pdserve.cluster.http_api import HttpServer
+from pdserve.cluster.interceptors import MalformedRequestInterceptor
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ActorSpec, Pool
 from pdserve.cluster.router import make_policy
@@ -109,16 +111,17 @@ def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool
     gpus = p.gpus_per_worker
     engine_config, health = config.engine, config.health
     if p.mode == "colocated":
-        spec = ActorSpec(DecodeWorker, (engine_config, None), 1, gpus, p.decode_resource)
+        spec = ActorSpec(DecodeWorker, (engine_config, None, config.worker), 1, gpus, p.decode_resource)
         return None, Pool("mixed", p.num_decode, spec, health)
-    prefill = Pool("prefill", p.num_prefill, ActorSpec(PrefillWorker, (engine_config, transport), 1, gpus,
-                                                       p.prefill_resource), health)
-    decode = Pool("decode", p.num_decode, ActorSpec(DecodeWorker, (engine_config, transport), 1, gpus,
-                                                    p.decode_resource), health)
+    prefill = Pool("prefill", p.num_prefill, ActorSpec(PrefillWorker, (engine_config, transport, config.worker), 1,
+                                                       gpus, p.prefill_resource), health)
+    decode = Pool("decode", p.num_decode, ActorSpec(DecodeWorker, (engine_config, transport, config.worker), 1,
+                                                    gpus, p.decode_resource), health)
     return prefill, decode
 
 
 async def start_server(config: ServeConfig) -> Server:
+    auth = client_auth(config.server)  # bad paths fail before anything starts
     init_ray(config)
     files = resolve_model(config.engine.model)  # converts a GGUF once, before the workers need it
     tokenizer = load_tokenizer(files)  # None for dummy weights: token ids in and out, no text
@@ -131,9 +134,9 @@ async def start_server(config: ServeConfig) -> Server:
                                     direct_writes=kv.direct_writes)
     prefill, decode = _pools(config, transport)
     metrics = Metrics()
-    coordinator = Coordinator(prefill, decode, make_policy(config.pools.routing), config.engine.cache.block_size,
-                              metrics, config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker,
-                              config.coordinator)
+    coordinator = Coordinator(prefill, decode, make_policy(config.pools.routing, config.router),
+                              config.engine.cache.block_size, metrics, config.engine.scheduler.max_num_seqs,
+                              config.admission.max_waiting_per_worker, config.coordinator, config.router)
     await coordinator.start(config.health.interval_s)
     # Workers may cap the context below the model's (KV pool size): take the smallest.
     lens = [await w.actor.max_model_len.remote() for p in coordinator.pools() for w in p.workers]
@@ -141,14 +144,21 @@ async def start_server(config: ServeConfig) -> Server:
 
     frontend = Frontend(coordinator, processor, metrics, config.server.default_timeout_s,
                         config.admission.retry_after_s)
-    server = grpc.aio.server()
+    # The token is checked before a request is parsed; a request that does not parse is INVALID_ARGUMENT.
+    interceptors = [BearerTokenInterceptor(auth.api_key)] if auth.api_key else []
+    server = grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()])
     service = GenerationService(frontend)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{config.server.host}:{config.server.port}")
+    address = f"{config.server.host}:{config.server.port}"
+    if auth.tls:
+        port = server.add_secure_port(address, grpc.ssl_server_credentials([(auth.tls_private_key,
+                                                                             auth.tls_cert_chain)]))
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise ValueError(f"cannot bind {config.server.host}:{config.server.port}")
     await server.start()
@@ -156,7 +166,8 @@ async def start_server(config: ServeConfig) -> Server:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     http = None
     if config.server.http:
-        http = HttpServer(frontend)
+        tls = (config.server.tls_cert, config.server.tls_key) if auth.tls else None
+        http = HttpServer(frontend, tls, auth.api_key)
         try:
             await http.start(config.server.host, config.server.http_port)
         except BaseException:
@@ -165,14 +176,17 @@ async def start_server(config: ServeConfig) -> Server:
             raise
     if config.server.metrics_port:
         metrics.serve(config.server.host, config.server.metrics_port)
-    logger.info("pdserve serving %s on %s:%d, HTTP %s (%s, %s)", files.name, config.server.host, port,
-                http.port if http else "off", coordinator.mode, "GPU" if torch.cuda.is_available() else "CPU")
+    logger.info("pdserve serving %s on %s:%d, HTTP %s (%s, %s; TLS %s, bearer token %s)", files.name,
+                config.server.host, port, http.port if http else "off", coordinator.mode,
+                "GPU" if torch.cuda.is_available() else "CPU", "on" if auth.tls else "off",
+                "asked" if auth.api_key else "not asked")
     return Server(server, coordinator, health_servicer, metrics, port, frontend, http)
 
 
 async def serve_forever(config: ServeConfig) -> None:
     server = await start_server(config)
-    http = f", OpenAI HTTP API on http://{config.server.host}:{server.http_port}/v1" if server.http else ""
+    scheme = "https" if config.server.tls_cert else "http"
+    http = f", OpenAI HTTP API on {scheme}://{config.server.host}:{server.http_port}/v1" if server.http else ""
     print(f"pdserve: serving gRPC on {config.server.host}:{server.port}{http} ({server.coordinator.mode}); "
           "Ctrl-C stops", flush=True)
     stop = asyncio.Event()

@@ -11,7 +11,7 @@ import asyncio
 import logging
 
 from pdserve.decode_node.spec import speculative_engine
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, WorkerConfig
 from pdserve.engine.loop import LoopWorker, log_failure
 from pdserve.engine.messages import KVTransferInfo, WorkerRequest
 from pdserve.engine.outputs import TokenDelta
@@ -21,9 +21,11 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeWorker(LoopWorker):
-    def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig | None) -> None:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig | None,
+                 worker_config: WorkerConfig | None = None) -> None:
         super().__init__(worker_id, speculative_engine(engine_config))  # speculates when engine_config.spec says
         self._transport = transport
+        self._config = worker_config or WorkerConfig()
         self._receiver = None
         self._landing: dict[str, asyncio.Task] = {}
 
@@ -70,7 +72,7 @@ class DecodeWorker(LoopWorker):
         landing = self._landing.pop(request_id, None)
         if landing is not None and self._receiver is not None:
             self._receiver.cancel(request_id)
-            await asyncio.wait([landing], timeout=5.0)
+            await asyncio.wait([landing], timeout=self._config.abort_landing_wait_s)
         return await self.loop.call(lambda e: e.abort(request_id))
 
     async def poll(self, max_wait_s: float) -> list[TokenDelta]:

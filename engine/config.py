@@ -182,6 +182,26 @@ class SpecConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """The workers' own waits around their engine (the `worker` section of `pdserve serve`'s
+    config; the engine itself does not read it).
+
+    delta_wait_s: a prefill worker's thread waits up to this long for its engine's token
+        deltas before looking again (it is woken as soon as one comes: no latency cost).
+    abort_landing_wait_s: bound on a decode worker's wait, when a request is aborted while
+        its KV is landing, for the landing to give its blocks back before they are freed.
+    """
+
+    delta_wait_s: float = 0.5
+    abort_landing_wait_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("delta_wait_s", "abort_landing_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

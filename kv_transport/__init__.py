@@ -16,6 +16,7 @@ Modules (only the ucx_* ones and transport_info import ucxx):
     pool_writer    direct writes: scattered blocks into a peer's mapped pool (one graph replay)
     cuda_ipc       the receiver's pool shared with same-host senders (CUDA IPC handle)
     receive_table  receiver bookkeeping shared by every transport (either arrival order)
+    keepalive      a sender's "still computing" beat for the requests it prepared
     loopback       in-process fake with the same semantics, for tests above
     ucx_link       ucxx setup, control frames, the handshake over UCX
     ucx_sender     UcxKVSender (one connection per receiver)
@@ -24,7 +25,8 @@ Modules (only the ucx_* ones and transport_info import ucxx):
     wire           errors in control frames
 
 Wire protocol per connection: control endpoint (listener-made, UCX error handling on)
-carries JSON frames: hello/challenge/auth/accept (handshake; accept carries the pool's
+carries JSON frames: hello/challenge/auth/accept (handshake; the challenge names the
+receiver's incarnation, and a sender that addressed another one refuses: PeerReplaced; accept carries the pool's
 CUDA IPC handle when the pool is on a GPU), then one of two data paths per connection:
 - direct writes (GPUs of one host that can map the handle): xfer(mode=write, the
   sender's interprocess CUDA events) -> grant (the receiver's block ids) -> the sender
@@ -40,7 +42,10 @@ CUDA IPC handle when the pool is on a GPU), then one of two data paths per conne
   unpack on CUDA streams of their own and wait for them off the event loop; the receiver's
   result carries `ready` as on the direct path.
 Either way the sender may cancel (it gave up); a granted writer that cancels has no copy
-in flight, so the receiver may free the blocks.
+in flight, so the receiver may free the blocks. From `prepare()` until `send()` ends or
+`forget()`, the sender names the request in an alive frame (ids, every quarter of the
+transfer timeout): the receiver's wait for it starts over, so that the bound measures the
+sender's silence, not the length of the prefill that computes the KV.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from pdserve.kv_transport.api import (
     KVSender,
     PeerAddress,
     PeerLost,
+    PeerReplaced,
     SlowPathRefused,
     TransferCancelled,
     TransferError,
@@ -72,6 +78,7 @@ __all__ = [
     "LoopbackSender",
     "PeerAddress",
     "PeerLost",
+    "PeerReplaced",
     "SlowPathRefused",
     "TransferCancelled",
     "TransferError",

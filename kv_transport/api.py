@@ -39,16 +39,24 @@ class SlowPathRefused(TransferError):
     """The only transport UCX found to the peer is not in `allowed_transports`."""
 
 
+class PeerReplaced(TransferError):
+    """The receiver at the request's address is not the incarnation it was addressed to
+    (that worker was replaced, and its address reused): refused at once, not parked."""
+
+
 class TransferRejected(TransferError):
     """The receiver refused this request: unknown id, or a block-count mismatch."""
 
 
 @dataclass(frozen=True, slots=True)
 class PeerAddress:
-    """Where a receiver listens (host and port of its control listener)."""
+    """Where a receiver listens (host and port of its control listener), and which
+    incarnation of it: a receiver started again at the same address is a new one, and a
+    sender refuses to send what was addressed to the old (PeerReplaced). "" matches any."""
 
     host: str
     port: int
+    incarnation: str = ""
 
 
 @dataclass(frozen=True, slots=True)

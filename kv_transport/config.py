@@ -21,7 +21,10 @@ class TransportConfig:
             every interface whatever this says, which is why peers must authenticate.
         listen_port: receiver's listening port; 0 lets UCX pick a free one.
         connect_timeout_s: bound on connecting plus the handshake.
-        transfer_timeout_s: bound on one transfer, from `send()`/`expect()` to its result.
+        transfer_timeout_s: bound on one transfer, from `send()`/`expect()` to its result,
+            measured from the sender's last sign of life: a sender keeps the waits of the
+            requests it has prepared (whose KV it is still computing) alive every quarter
+            of this (`keepalive_interval_s`), so a long prefill does not time out its decode side.
         allowed_transports: transport classes (see TRANSPORT_CLASSES) a sender may use;
             a peer reachable only over another one is refused with SlowPathRefused.
         fast_data_path: send KV bytes over an endpoint made from the receiver's worker
@@ -66,6 +69,12 @@ class TransportConfig:
         object.__setattr__(self, "allowed_transports", allowed)
         if self.progress_mode not in PROGRESS_MODES:
             raise ValueError(f"TransportConfig.progress_mode must be one of {PROGRESS_MODES}")
+
+    @property
+    def keepalive_interval_s(self) -> float:
+        """How often a sender names its prepared requests to their receivers: well inside
+        the receivers' bound, so that a late beat or two does not time anything out."""
+        return self.transfer_timeout_s / 4
 
     @property
     def is_loopback(self) -> bool:

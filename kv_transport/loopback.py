@@ -23,6 +23,7 @@ from pdserve.kv_transport.api import (
 )
 from pdserve.kv_transport.config import TransportConfig
 from pdserve.kv_transport.handshake import check_proof, describe_mismatch, fingerprint, layout_fields, new_nonce, prove
+from pdserve.kv_transport.keepalive import KeepAlive
 from pdserve.kv_transport.receive_table import Ack, ReceiveTable
 from pdserve.kv_transport.staging import check_block_ids, gather_blocks
 
@@ -86,6 +87,9 @@ class LoopbackReceiver:
     def server_proof(self, client_nonce: bytes, server_nonce: bytes, fp: str) -> str:
         return prove(self._config.secret, "server", client_nonce, server_nonce, fp)
 
+    def touch(self, request_ids: list[str]) -> None:
+        self._table.touch(request_ids)
+
     def deliver(self, request_id: str, staging: torch.Tensor, ack: Ack) -> None:
         self._table.landed(request_id, staging.to(self._kv.device), TRANSPORT, ack)
 
@@ -100,6 +104,7 @@ class LoopbackSender:
         self._fields = layout_fields(layout)
         self._bytes_per_block = kv[:, :, 0].numel() * kv.element_size()
         self._in_flight: set[str] = set()
+        self._alive = KeepAlive(config.keepalive_interval_s, self._keep_alive)
 
     async def send(
         self, request_id: str, block_ids: Sequence[int], peer: PeerAddress, after: torch.cuda.Event | None = None
@@ -115,18 +120,26 @@ class LoopbackSender:
             error = await self._send(request_id, ids, peer)
         finally:
             self._in_flight.discard(request_id)
+            self._alive.discard(request_id)
         return TransferResult(
             request_id, ids.numel() * self._bytes_per_block, TRANSPORT, time.perf_counter() - started, error
         )
 
     def prepare(self, request_id: str, peer: PeerAddress) -> None:
-        """Nothing to get ready in one process."""
+        """Nothing to connect in one process; keeps the receiver's wait alive, as UCX's does."""
+        self._alive.add(request_id, peer)
 
     def forget(self, request_id: str) -> None:
-        """Nothing was prepared."""
+        self._alive.discard(request_id)
 
     async def close(self) -> None:
-        """Nothing to release: loopback holds no connections."""
+        """Loopback holds no connections; the keep-alive stops."""
+        self._alive.close()
+
+    async def _keep_alive(self, peer: PeerAddress, request_ids: list[str]) -> None:
+        receiver = self._network.lookup(peer)
+        if receiver is not None:
+            receiver.touch(request_ids)
 
     async def _send(self, request_id: str, ids: torch.Tensor, peer: PeerAddress) -> TransferError | None:
         receiver = self._network.lookup(peer)

@@ -3,7 +3,9 @@
 Data and `expect()` may arrive in either order: a request's KV can land before the
 decode worker has registered its blocks. Whatever the order, every expect resolves
 exactly once, every landed payload is acknowledged exactly once, and nothing waits
-longer than the transfer timeout.
+longer than the transfer timeout past its sender's last sign of life: a sender that is
+still computing a request's KV says so (`touch`, the "alive" frames of the sender's
+`KeepAlive`), so a prefill that takes minutes does not time its decode side out.
 """
 
 from __future__ import annotations
@@ -111,6 +113,20 @@ class ReceiveTable:
             early_write.timer.cancel()
             self.grant(request_id, early_write.grant, early_write.abort)
         return future
+
+    def touch(self, request_ids: Sequence[str]) -> None:
+        """The sender of `request_ids` is still working on them (computing their KV): their
+        waits start over. Unknown ids are ignored (their expect() may come later)."""
+        loop = asyncio.get_running_loop()
+        for request_id in request_ids:
+            entry = self._expected.get(request_id)
+            if entry is not None:
+                entry.timer.cancel()
+                entry.timer = loop.call_later(self._timeout_s, self._expire, request_id)
+            early_write = self._early_writes.get(request_id)
+            if early_write is not None:
+                early_write.timer.cancel()
+                early_write.timer = loop.call_later(self._timeout_s, self._expire_early, request_id)
 
     def cancel(self, request_id: str, reason: str = "cancelled by the receiver", writer_done: bool = False) -> None:
         """Fail `request_id` now, or, while a granted writer may be copying, once it is done.
@@ -267,7 +283,8 @@ class ReceiveTable:
     def _expire(self, request_id: str) -> None:
         # A writer silent for the whole timeout is hung: break its link, then the blocks are free.
         abort = self._stop_writer(request_id)
-        self._fail(request_id, TransferTimeout(f"request {request_id!r}: no KV within {self._timeout_s}s"))
+        self._fail(request_id, TransferTimeout(f"request {request_id!r}: no KV and no word from its sender "
+                                                   f"within {self._timeout_s}s"))
         if abort is not None:
             abort()
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import ucxx
 
-from pdserve.kv_transport.api import HandshakeRefused
+from pdserve.kv_transport.api import HandshakeRefused, PeerReplaced
 from pdserve.kv_transport.config import TransportConfig
 from pdserve.kv_transport.handshake import check_proof, describe_mismatch, fingerprint, new_nonce, prove
 
@@ -111,9 +111,10 @@ class Session:
 
 
 async def client_handshake(
-    ctl: Control, fields: dict[str, str | int], config: TransportConfig, where: str
+    ctl: Control, fields: dict[str, str | int], config: TransportConfig, where: str, incarnation: str = "",
 ) -> Session:
-    """Sender side. Raises HandshakeRefused (after telling the peer why)."""
+    """Sender side. Raises HandshakeRefused, or PeerReplaced when the receiver is not the
+    `incarnation` we address ("" takes any), after telling the peer why."""
     client_nonce = new_nonce()
     await ctl.send({"t": "hello", "layout": fields, "nonce": client_nonce.hex()})
     challenge = await ctl.expect("challenge")
@@ -127,6 +128,10 @@ async def client_handshake(
     if reason:
         await ctl.send({"t": "refuse", "reason": reason})
         raise HandshakeRefused(reason)
+    if incarnation and challenge.get("incarnation") != incarnation:
+        reason = f"{where} is incarnation {challenge.get('incarnation')!r}, not {incarnation!r}: it was replaced"
+        await ctl.send({"t": "refuse", "reason": reason})
+        raise PeerReplaced(reason)
     proof = prove(config.secret, "client", client_nonce, server_nonce, fingerprint(fields))
     await ctl.send({"t": "auth", "proof": proof})
     accept = await ctl.expect("accept")
@@ -136,7 +141,7 @@ async def client_handshake(
 
 async def server_handshake(
     ctl: Control, fields: dict[str, str | int], config: TransportConfig, num_blocks: int,
-    pool: Callable[[], dict[str, Any] | None],
+    pool: Callable[[], dict[str, Any] | None], incarnation: str = "",
 ) -> Session:
     """Receiver side. Raises HandshakeRefused (after telling the peer why).
 
@@ -147,7 +152,8 @@ async def server_handshake(
     client_nonce, client_fields = bytes.fromhex(hello["nonce"]), hello["layout"]
     server_nonce = new_nonce()
     proof = prove(config.secret, "server", client_nonce, server_nonce, fingerprint(fields))
-    await ctl.send({"t": "challenge", "layout": fields, "nonce": server_nonce.hex(), "proof": proof})
+    await ctl.send({"t": "challenge", "layout": fields, "nonce": server_nonce.hex(), "proof": proof,
+                    "incarnation": incarnation})
     auth = await ctl.expect("auth")
     reason = ""
     if not check_proof(config.secret, "client", client_nonce, server_nonce, fingerprint(client_fields),

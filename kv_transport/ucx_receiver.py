@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,6 +71,10 @@ class _Connection:
                         ready = self._copy_event(msg.get("event"))  # a bad index closes us, failing it too
                         self._writing.discard(request_id)
                         self._table.written(request_id, "cuda_ipc", ready)
+                elif msg["t"] == "alive":  # the sender still computes these requests' KV
+                    ids = msg.get("ids")
+                    if isinstance(ids, list):
+                        self._table.touch([str(i) for i in ids])
                 elif msg["t"] == "cancel":
                     request_id = str(msg["id"])
                     self._writing.discard(request_id)  # a writer that cancels has no copy in flight
@@ -171,6 +176,8 @@ class UcxKVReceiver:
         self._conns: set[_Connection] = set()
         self._listener: Any = None
         self._port = 0
+        # This receiver's life: one restarted at the same address is another (see PeerAddress).
+        self._incarnation = secrets.token_hex(8)
 
     @classmethod
     async def start(cls, kv: torch.Tensor, layout: KVLayout, config: TransportConfig) -> UcxKVReceiver:
@@ -184,7 +191,7 @@ class UcxKVReceiver:
 
     @property
     def address(self) -> PeerAddress:
-        return PeerAddress(self._config.listen_host, self._port)
+        return PeerAddress(self._config.listen_host, self._port, self._incarnation)
 
     @property
     def num_connections(self) -> int:
@@ -237,7 +244,8 @@ class UcxKVReceiver:
         self._conns.add(_Connection(ctl, session, self._kv, self._table, self._conns.discard))
 
     async def _accept(self, ctl: Control) -> Session:
-        session = await server_handshake(ctl, self._fields, self._config, self._kv.shape[2], self._offer_pool)
+        session = await server_handshake(ctl, self._fields, self._config, self._kv.shape[2], self._offer_pool,
+                                         self._incarnation)
         probe = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=self._kv.device)
         await ctl.ep.recv(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True)
         return session

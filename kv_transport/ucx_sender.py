@@ -29,6 +29,7 @@ from pdserve.kv_transport.api import (
 from pdserve.kv_transport.config import TransportConfig
 from pdserve.kv_transport.cuda_ipc import open_pool
 from pdserve.kv_transport.handshake import data_tag, layout_fields
+from pdserve.kv_transport.keepalive import KeepAlive
 from pdserve.kv_transport.pool_writer import PoolWriter
 from pdserve.kv_transport.staging import as_bytes, check_block_ids, gather_blocks, has_repeats, staging_num_blocks
 from pdserve.kv_transport.transport_info import ep_info, transport_from_ep_info
@@ -104,6 +105,11 @@ class _Connection:
             return self.error
         finally:
             self._acks.pop(request_id, None)
+
+    async def keep_alive(self, request_ids: list[str]) -> None:
+        """Tell the receiver we still work on `request_ids` (see keepalive.py)."""
+        if not self.closed:
+            await self._ctl.send({"t": "alive", "ids": request_ids})
 
     def request_grant(self, request_id: str) -> None:
         """Ask the receiver for the blocks of `request_id` now; `write` uses the answer."""
@@ -272,6 +278,8 @@ class UcxKVSender:
         self._prepared: dict[str, _Connection] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stream: torch.cuda.Stream | None = None  # message-path gathers (GPU pools)
+        # Prepared requests, named to their receivers until sent, so their waits outlast the prefill.
+        self._alive = KeepAlive(config.keepalive_interval_s, self._keep_alive)
 
     @property
     def num_connections(self) -> int:
@@ -282,7 +290,9 @@ class UcxKVSender:
         return [peer for peer, conn in self._conns.items() if conn.peer_kv is not None]
 
     def prepare(self, request_id: str, peer: PeerAddress) -> None:
-        """See KVSender.prepare: asks a direct-write peer for its blocks now, or starts connecting."""
+        """See KVSender.prepare: asks a direct-write peer for its blocks now, or starts connecting;
+        keeps the receiver's wait for `request_id` alive until it is sent or forgotten."""
+        self._alive.add(request_id, peer)
         conn = self._conns.get(peer)
         if conn is None:
             spawn(self._connect_ahead(peer), self._tasks)
@@ -291,9 +301,15 @@ class UcxKVSender:
             self._prepared[request_id] = conn
 
     def forget(self, request_id: str) -> None:
+        self._alive.discard(request_id)
         conn = self._prepared.pop(request_id, None)
         if conn is not None:
             conn.withdraw(request_id)
+
+    async def _keep_alive(self, peer: PeerAddress, request_ids: list[str]) -> None:
+        conn = self._conns.get(peer)
+        if conn is not None:  # still connecting: the receiver's bound outlasts the connect timeout
+            await conn.keep_alive(request_ids)
 
     async def _connect_ahead(self, peer: PeerAddress) -> None:
         with contextlib.suppress(TransferError):  # send() reports it
@@ -323,6 +339,7 @@ class UcxKVSender:
             error = e
         finally:
             self._in_flight.discard(request_id)
+            self._alive.discard(request_id)
         transport = attempt.conn.transport if attempt.conn is not None else "unknown"
         direct = attempt.conn is not None and attempt.conn.peer_kv is not None
         return TransferResult(request_id, ids.numel() * self._bytes_per_block, transport,
@@ -330,6 +347,7 @@ class UcxKVSender:
 
     async def close(self) -> None:
         self._prepared.clear()
+        self._alive.close()
         for task in (*self._connecting.values(), *self._tasks):
             task.cancel()
         for conn in list(self._conns.values()):
@@ -401,7 +419,7 @@ class UcxKVSender:
         ctl = Control(ep)
         data_ep = ep
         try:
-            session = await client_handshake(ctl, self._fields, self._config, str(peer))
+            session = await client_handshake(ctl, self._fields, self._config, str(peer), peer.incarnation)
             peer_kv = self._open_peer_pool(session, peer)
             if peer_kv is not None:
                 # KV goes straight into the mapped pool; the probe only completes the handshake.

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, WorkerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.loop import LoopWorker, log_failure
 from pdserve.engine.messages import KVTransferInfo, PrefillOutput, WorkerRequest
@@ -19,13 +19,12 @@ from pdserve.kv_transport import PeerAddress, TransferResult, TransportConfig
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.5
-
-
 class PrefillWorker(LoopWorker):
-    def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig) -> None:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig,
+                 worker_config: WorkerConfig | None = None) -> None:
         super().__init__(worker_id, Engine(engine_config))
         self._transport = transport
+        self._config = worker_config or WorkerConfig()
         self._sender = None
         self._waiters: dict[str, asyncio.Future[TokenDelta]] = {}
         self._peers: dict[str, PeerAddress] = {}  # where each request in prefill sends its KV
@@ -56,7 +55,7 @@ class PrefillWorker(LoopWorker):
 
     async def _pump_deltas(self) -> None:
         while True:
-            for delta in await asyncio.to_thread(self.loop.take_deltas, POLL_S):
+            for delta in await asyncio.to_thread(self.loop.take_deltas, self._config.delta_wait_s):
                 waiter = self._waiters.pop(delta.request_id, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(delta)

@@ -34,3 +34,20 @@ def test_missing_model_path():
     proc = pdserve("generate", "--model", "/no/such/model", "hi")
     assert proc.returncode == 2
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_serve_flags_land_in_the_config_sections():
+    proc = pdserve("serve", "--check-config", "--max-waiting-per-worker", "7", "--retry-after-s", "2.5",
+                   "--max-migrations", "0", "--migration-wait-s", "9", "--transfer-timeout-s", "11",
+                   "--routing", "least_load", "--api-key-file", "token")
+    assert proc.returncode == 0, proc.stderr
+    for words in ("max_waiting_per_worker=7", "retry_after_s=2.5", "max_migrations=0", "migration_wait_s=9.0",
+                  "transfer_timeout_s=11.0", "routing='least_load'", "api_key_file='token'"):
+        assert words in proc.stdout, words
+
+
+def test_a_bad_mode_is_the_configs_one_clear_line():
+    proc = pdserve("serve", "--check-config", "--mode", "mixed")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("pdserve: error: PoolConfig.mode must be one of ('disaggregated', 'colocated'), "
+                                   "got 'mixed'")

@@ -27,6 +27,8 @@ def test_yaml_sections_build_the_same_objects_as_flags(tmp_path):
     ({"engine": {"model": {"dtype": "int3"}}}, "ModelConfig.dtype"),
     ({"routers": {}}, "unknown config sections"),
     ({"kv_transport": {"direct_writes": "no"}}, "direct_writes must be true or false"),
+    ({"server": {"tls_cert": "cert.pem"}}, "tls_cert and tls_key go together"),
+    ({"coordinator": {"max_migrations": -1}}, "max_migrations must be >= 0"),
 ])
 def test_bad_config_is_a_clear_value_error(data, words):
     with pytest.raises(ValueError, match=words):
@@ -46,3 +48,21 @@ def test_pools_fit_the_gpus(gpus, want):
 def test_explicit_gpus_per_worker_is_kept():
     pools = PoolConfig(gpus_per_worker=0.5)
     assert fit_pools_to_gpus(pools, 1) is pools
+
+
+def test_client_auth_reads_the_files_and_the_env(tmp_path, monkeypatch):
+    from pdserve.cluster.config import API_KEY_ENV, ServerConfig, client_auth
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert client_auth(ServerConfig()).api_key is None and not client_auth(ServerConfig()).tls
+    monkeypatch.setenv(API_KEY_ENV, "from-the-env")
+    assert client_auth(ServerConfig()).api_key == "from-the-env"
+    token = tmp_path / "token"
+    token.write_text("from-a-file\n")
+    auth = client_auth(ServerConfig(api_key_file=str(token)))
+    assert auth.api_key == "from-a-file" and "from-a-file" not in repr(auth)
+    with pytest.raises(ValueError, match="cannot read the TLS certificate"):
+        client_auth(ServerConfig(tls_cert=str(tmp_path / "none.pem"), tls_key=str(token)))
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        client_auth(ServerConfig(api_key_file=str(tmp_path / "empty")))

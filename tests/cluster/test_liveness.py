@@ -1,5 +1,6 @@
 """Liveness over real Ray actors on the CPU: a worker busy in a step far longer than
-the ping timeout is kept; a worker killed with SIGKILL is found and replaced."""
+the ping timeout (and the KV transfer timeout) is kept and its request completes; a
+worker killed with SIGKILL is found and replaced."""
 
 from __future__ import annotations
 
@@ -24,13 +25,17 @@ HEALTH = {"interval_s": 0.5, "ping_timeout_s": 0.5, "unresponsive_after_s": 8.0}
 
 @pytest.fixture(scope="module")
 def server(start):
-    # The receiver's bound runs from the reservation, which is made beside the prefill.
-    return start(pools={"mode": "disaggregated"}, health=HEALTH, kv_transport={"transfer_timeout_s": 300.0})
+    # A KV transfer bound far below the prefill, too: the decode worker's wait for the KV,
+    # which starts beside the prefill, is kept alive by the prefill worker while it computes.
+    return start(pools={"mode": "disaggregated"}, health=HEALTH, kv_transport={"transfer_timeout_s": 8.0})
 
 
 def _lost(srv) -> float:
-    return sum(s.value for m in srv.server.metrics.workers_lost.collect() for s in m.samples
-               if s.name.endswith("_total"))
+    return _count(srv.server.metrics.workers_lost)
+
+
+def _count(counter) -> float:
+    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
 
 
 def test_a_long_prefill_step_completes_and_no_worker_is_replaced(server, tokenizer):
@@ -43,6 +48,8 @@ def test_a_long_prefill_step_completes_and_no_worker_is_replaced(server, tokeniz
     assert [list(p.workers) for p in coordinator.pools()] == before
     assert all(w.state.healthy for p in coordinator.pools() for w in p.workers)
     assert _lost(server) == 0
+    # ...and it ran once: a KV transfer that timed out would have been retried (migrated).
+    assert _count(server.server.metrics.migrations) == 0
     wait_until(lambda: pools_are_full(server.target), 10, "every block to be free")
 
 

@@ -1,11 +1,15 @@
 """pdserve over real Ray actors, real UCX (TCP/shm) and real gRPC, on the CPU.
 
 Token parity with the single-process engine, in disaggregated and colocated
-modes; cancel, deadline and lost workers free every block; bad input gets a
-precise status while the server keeps serving.
+modes; cancel, deadline and lost workers free every block; a stream whose decode worker
+dies continues on another; bad input gets a precise status while the server keeps serving.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import threading
 
 import grpc
 import pytest
@@ -129,24 +133,79 @@ def assert_invalid(target: str, req: pb.GenerateRequest, words: str) -> None:
     assert collect(target, "Hi", SamplingParams(temperature=0.0, max_tokens=2)).token_ids
 
 
-def test_lost_decode_worker_fails_its_requests_and_is_replaced(disaggregated):
+def test_a_stream_whose_decode_worker_is_sigkilled_continues_on_its_replacement(disaggregated, engine):
+    """The decode worker's process is SIGKILLed mid-stream: the request continues (prompt
+    plus the tokens streamed so far prefilled again) on the lost worker's replacement, the
+    only decode worker there is; the client's stream has exactly the undisturbed run's tokens."""
     import ray
 
     coordinator = disaggregated.server.coordinator
+    prompt, params = "Tell me a very long story.", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    want = engine.generate([prompt], params)[0].token_ids
     victim = coordinator.decode.workers[0]
+    pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    before = _migrations(disaggregated)
+    got: list[int] = []
     with Client(disaggregated.target) as client:
-        call = client.generate("Tell me a very long story.", SamplingParams(max_tokens=2000, ignore_eos=True),
-                               timeout_s=60)
-        next(call)
-        ray.kill(victim.actor, no_restart=True)
-        with pytest.raises(grpc.RpcError) as err:
-            for _ in call:
-                pass
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
-    wait_until(lambda: coordinator.decode.workers[0] is not victim and coordinator.decode.workers[0].state.healthy,
-               120, "the pool to replace the lost decode worker")
-    assert collect(disaggregated.target, "Hi there", SamplingParams(temperature=0.0, max_tokens=4)).token_ids
-    wait_until(lambda: pools_are_full(disaggregated.target), 10, "every block to be free")
+        for resp in client.generate(prompt, params, timeout_s=300):
+            got.extend(resp.token_ids)
+            if len(got) >= 4 and victim.state.healthy and pid:
+                os.kill(pid, signal.SIGKILL)
+                pid = 0
+            finish = resp.finish_reason
+    assert got == want and finish == pb.FINISH_REASON_LENGTH
+    assert _migrations(disaggregated) == before + 1
+    assert coordinator.decode.workers[0] is not victim and coordinator.decode.workers[0].state.healthy
+    wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
+
+
+def test_a_request_whose_prefill_worker_is_sigkilled_mid_prefill_is_retried(disaggregated, engine, tokenizer):
+    """The prefill worker dies while it computes the prompt: the request is prefilled again
+    on the replacement and the client's stream is the undisturbed run's."""
+    import ray
+
+    coordinator = disaggregated.server.coordinator
+    prompt = prompt_ids(tokenizer, 1500, variant=7)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = engine.generate([prompt], params)[0].token_ids
+    victim = coordinator.prefill.workers[0]
+    pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    before = _migrations(disaggregated)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(collect(disaggregated.target, prompt, params, 300)))
+    waiter.start()
+    wait_until(lambda: victim.state.inflight == 1, 30, "the prefill to start")
+    os.kill(pid, signal.SIGKILL)
+    waiter.join(300)
+    assert got and got[0].token_ids == want
+    assert _migrations(disaggregated) == before + 1
+    assert coordinator.prefill.workers[0] is not victim
+    wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
+
+
+def test_a_colocated_stream_whose_worker_is_sigkilled_continues(start, engine):
+    import ray
+
+    srv = start(pools={"mode": "colocated"})
+    coordinator = srv.server.coordinator
+    prompt, params = "Tell me a very long story.", SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    want = engine.generate([prompt], params)[0].token_ids
+    victim = coordinator.decode.workers[0]
+    pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    got: list[int] = []
+    with Client(srv.target) as client:
+        for resp in client.generate(prompt, params, timeout_s=300):
+            got.extend(resp.token_ids)
+            if len(got) >= 4 and pid:
+                os.kill(pid, signal.SIGKILL)
+                pid = 0
+    assert got == want and _migrations(srv) == 1
+    wait_until(lambda: pools_are_full(srv.target), 30, "every block to be free")
+
+
+def _migrations(srv) -> float:
+    return sum(s.value for m in srv.server.metrics.migrations.collect() for s in m.samples
+               if s.name.endswith("_total"))
 
 
 def test_admission_queues_up_to_capacity_and_refuses_beyond_it_at_once(start):
@@ -154,7 +213,6 @@ def test_admission_queues_up_to_capacity_and_refuses_beyond_it_at_once(start):
     request waits for the seat (no refusal although the seat is taken), the third is
     refused at once with RESOURCE_EXHAUSTED and a retry hint; the queued one then runs, and
     every block on both sides comes back."""
-    import threading
 
     srv = start(pools={"mode": "disaggregated"}, engine={"scheduler": {"max_num_seqs": 1}},
                 admission={"max_waiting_per_worker": 1, "retry_after_s": 2.5})

@@ -186,3 +186,20 @@ def test_cluster_secret_comes_from_a_secret(render: Render) -> None:
 
 def test_ray_token_auth_is_on(render: Render) -> None:
     assert one(render(), "RayCluster")["spec"]["authOptions"] == {"mode": "token"}
+
+
+def test_tls_and_an_api_key_from_secrets(render: Render, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render(sets=("auth.tlsSecret=pdserve-tls", "auth.apiKeySecret=pdserve-token"))
+    server = served_config(docs, tmp_path, monkeypatch).server
+    assert (server.tls_cert, server.tls_key) == ("/etc/pdserve-tls/tls.crt", "/etc/pdserve-tls/tls.key")
+    assert server.api_key_file == "/etc/pdserve-api-key/api-key"
+    head = head_container(docs)
+    mounts = {m["name"]: m["mountPath"] for m in head["volumeMounts"]}
+    assert mounts["tls"] == "/etc/pdserve-tls" and mounts["api-key"] == "/etc/pdserve-api-key"
+    volumes = {v["name"]: v for v in one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "pdserve-tls"
+    assert volumes["api-key"]["secret"]["secretName"] == "pdserve-token"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # kubelet's gRPC probes speak no TLS
+        assert head[probe]["tcpSocket"] == {"port": 50051} and "grpc" not in head[probe]
+    default = served_config(render(), tmp_path, monkeypatch).server
+    assert (default.tls_cert, default.api_key_file) == ("", "")

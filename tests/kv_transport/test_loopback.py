@@ -200,3 +200,30 @@ def test_duplicate_expect_is_a_caller_bug() -> None:
         await receiver.close()
 
     run(test)
+
+
+def test_a_prepared_request_outlasts_the_transfer_timeout() -> None:
+    """The receiver's bound runs from its sender's last word, not from the reservation: a
+    prefill far longer than the timeout (here 5x) lands, while a request that no sender
+    prepared, or one its sender forgot, times out as before."""
+    async def test() -> None:
+        src, dst = pools()
+        config = dataclasses.replace(CONFIG, transfer_timeout_s=0.2)
+        net = LoopbackNetwork()
+        receiver, sender = net.receiver(dst.kv, LAYOUT, config), net.sender(src.kv, LAYOUT, config)
+        slow, orphan, dropped = receiver.expect("slow", [1, 2]), receiver.expect("orphan", [3]), \
+            receiver.expect("dropped", [4])
+        sender.prepare("slow", receiver.address)
+        sender.prepare("dropped", receiver.address)
+        await asyncio.sleep(0.1)
+        sender.forget("dropped")
+        await asyncio.sleep(0.9)  # "the prefill"
+        sent = await sender.send("slow", [5, 6], receiver.address)
+        assert sent.ok and (await slow).ok
+        assert torch.equal(dst.kv[:, :, [1, 2]], src.kv[:, :, [5, 6]])
+        assert isinstance((await orphan).error, TransferTimeout)
+        assert isinstance((await dropped).error, TransferTimeout)
+        assert receiver.num_pending == 0
+        await sender.close()
+
+    run(test)

@@ -302,3 +302,45 @@ def test_direct_write_block_count_mismatch(direct_pair: tuple[Peer, Peer]) -> No
     assert sent["error"] == "TransferRejected" and "expects 2" in sent["message"], sent
     assert landed["error"] == "TransferCancelled", landed
     assert receiver.stats()["stray_blocks"] == 0 and sender.stats()["held"] == 0
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["messages", "direct-writes"])
+def test_a_prepared_request_outlasts_the_transfer_timeout(direct: bool) -> None:
+    """A prefill longer than the receiver's transfer timeout (3x here) lands: the sender's
+    "alive" frames restart the receiver's wait while it computes; an expect that no sender
+    works on still times out."""
+    spec = PeerSpec(num_blocks=64, timeout_s=1.5, direct=direct)
+    with peers(("receiver", spec), ("sender", spec.with_(seed=3))) as (receiver, sender):
+        receiver.command("expect", requests=[("warm", [1])])
+        sender.command("send", requests=[("warm", [2])], peer=receiver.address)  # connects
+        assert sender.wait_results(["warm"], 10 + SLACK_S)["warm"]["ok"]
+        receiver.command("expect", requests=[("slow", [10, 11, 12]), ("orphan", [13])])
+        sender.command("prepare", prepare=["slow"], peer=receiver.address)
+        time.sleep(4.5)  # "the prefill"
+        sender.command("send", requests=[("slow", [20, 21, 22])], peer=receiver.address)
+        sent = sender.wait_results(["slow"], 10 + SLACK_S)["slow"]
+        landed = receiver.wait_results(["slow", "orphan"], 10 + SLACK_S)
+        assert sent["ok"] and landed["slow"]["ok"], (sent, landed)
+        assert landed["slow"]["digest"] == sent["digest"]
+        assert landed["orphan"]["error"] == "TransferTimeout", landed["orphan"]
+        stats = receiver.stats()
+        assert stats["pending"] == 0 and stats["held"] == 0
+
+
+def test_a_stale_incarnation_is_refused_at_once(pair: tuple[Peer, Peer]) -> None:
+    """KV addressed to an earlier incarnation of the receiver at its address (a replaced
+    worker whose port was reused) is refused at the handshake, not parked until a timeout;
+    the current incarnation's traffic is unaffected."""
+    import dataclasses
+
+    receiver, sender = pair
+    stale = dataclasses.replace(receiver.address, incarnation="an-old-one")
+    assert receiver.address.incarnation and stale != receiver.address
+    sender.command("send", requests=[("stale", [3, 4])], peer=stale)
+    sent = sender.wait_results(["stale"], TIMEOUT_S + SLACK_S)["stale"]
+    assert sent["error"] == "PeerReplaced" and "replaced" in sent["message"], sent
+    receiver.command("expect", requests=[("current", [70, 71])])
+    sender.command("send", requests=[("current", [5, 6])], peer=receiver.address)
+    assert sender.wait_results(["current"], TIMEOUT_S + SLACK_S)["current"]["ok"]
+    assert receiver.wait_results(["current"], TIMEOUT_S + SLACK_S)["current"]["ok"]
+    assert sender.stats()["held"] == 0 and receiver.stats()["pending"] == 0

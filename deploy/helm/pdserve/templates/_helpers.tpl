@@ -52,6 +52,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $pools "prefill_resource" "prefill" -}}
 {{- $_ := set $pools "decode_resource" "decode" -}}
 {{- $_ := set (get $cfg "server") "host" "0.0.0.0" -}}
+{{- if .Values.auth.tlsSecret -}}
+{{- $_ := set (get $cfg "server") "tls_cert" "/etc/pdserve-tls/tls.crt" -}}
+{{- $_ := set (get $cfg "server") "tls_key" "/etc/pdserve-tls/tls.key" -}}
+{{- end -}}
+{{- if .Values.auth.apiKeySecret -}}
+{{- $_ := set (get $cfg "server") "api_key_file" (printf "/etc/pdserve-api-key/%s" .Values.auth.apiKeySecretKey) -}}
+{{- end -}}
 {{- $_ := set $cfg "ray" (dict "address" "auto" "node_ip_address" (include "pdserve.podIpPlaceholder" .)) -}}
 {{- toYaml $cfg -}}
 {{- end -}}

@@ -1,0 +1,91 @@
+"""Bearer tokens for the client APIs: a gRPC server interceptor and an ASGI middleware.
+
+Both compare in constant time and let the health checks through (probes carry no token).
+The token itself is never logged or echoed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+HEALTH_PATHS = ("/health",)
+_MESSAGE = "missing or wrong bearer token (Authorization: Bearer <token>)"
+
+
+def _matches(header: str | bytes | None, token: str) -> bool:
+    if isinstance(header, bytes):
+        header = header.decode(errors="replace")
+    if not header or not header.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(header[len("Bearer "):].strip().encode(), token.encode())
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED for a call without `authorization: Bearer <token>` metadata."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_METHOD_PREFIX):
+            return handler
+        metadata: Sequence[tuple[str, Any]] = details.invocation_metadata or ()
+        if any(k == "authorization" and _matches(v, self._token) for k, v in metadata):
+            return handler
+        return _refusing(handler)
+
+
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
+
+    async def unary(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
+
+    async def stream(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
+        yield  # an async generator, as a streaming handler is
+
+    codec = {"request_deserializer": handler.request_deserializer,
+             "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, **codec)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(stream, **codec)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, **codec)
+    return grpc.stream_stream_rpc_method_handler(stream, **codec)
+
+
+class BearerTokenMiddleware:
+    """ASGI: 401 in OpenAI's error shape (the openai clients raise AuthenticationError) for a
+    request without `Authorization: Bearer <token>`; /health passes."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self._token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in HEALTH_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope.get("headers") or ()).get(b"authorization")
+        if _matches(header, self._token):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps({"error": {"message": _MESSAGE, "type": "invalid_request_error", "param": None,
+                                     "code": "invalid_api_key"}}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
