@@ -42,6 +42,8 @@ class Metrics:
                                 ["worker"], registry=r)
         self.spec_mean_accepted = Gauge("pdserve_spec_mean_accepted_length", "Accepted draft tokens per pass",
                                         ["worker"], registry=r)
+        self.spec_steps = Gauge("pdserve_spec_steps", "Decode steps by the K speculation proposed (adaptive K's "
+                                "choice; 0: off)", ["worker", "k"], registry=r)
         self.migrations = Counter("pdserve_request_migrations", "Requests continued on another worker after "
                                   "losing theirs", registry=r)
         self.workers_lost = Counter("pdserve_workers_lost", "Workers found dead and replaced", ["role"], registry=r)
@@ -65,6 +67,8 @@ class Metrics:
             self.spec_accepted.labels(worker_id).set(load.spec.num_accepted)
             self.spec_alpha.labels(worker_id).set(load.spec.alpha)
             self.spec_mean_accepted.labels(worker_id).set(load.spec.mean_accepted_length)
+            for k, n in load.spec.num_steps_by_k.items():
+                self.spec_steps.labels(worker_id, str(k)).set(n)
 
     def worker_lost(self, role: str) -> None:
         self.workers_lost.labels(role).inc()
