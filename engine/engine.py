@@ -20,6 +20,7 @@ from pdserve.engine.attention import backend_for
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.grammar import StructuredOutputs  # grammar.py
 from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
@@ -119,6 +120,7 @@ class Engine:
             graphs.capture()
         self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, inputs, graphs)
         self.speculator: Speculator | None = None
+        self.structured = StructuredOutputs(self.tokenizer, arch.vocab_size, arch.eos_token_ids)  # grammar.py
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, Sequence] = {}
         self._num_receiving = 0
@@ -305,7 +307,10 @@ class Engine:
         return deltas
 
     def _can_overlap(self) -> bool:
-        return self.config.scheduler.async_scheduling and self.speculator is None
+        # A constrained sequence's mask for step N+1 needs step N's token: while one is live,
+        # steps do not overlap (each resolves before the next is queued).
+        return (self.config.scheduler.async_scheduling and self.speculator is None
+                and not self.structured.has_active)  # grammar.py
 
     def _launch(self, batch: ScheduledBatch, proposals: dict[Sequence, Proposal],
                 previous: _LaunchedStep | None) -> _LaunchedStep:
@@ -319,6 +324,7 @@ class Engine:
         if self._on_kv_computed is not None:
             self._report_kv_computed(batch, self._on_kv_computed)
         verifying = {seq: (logits.pop(seq), proposals[seq]) for seq in batch.seqs if seq.spec_token_ids}
+        self.structured.mask_logits(logits)  # grammar.py
         seqs, sample = self.runner.sample_async(logits)
         rows = {seq: i for i, seq in enumerate(seqs)}
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
@@ -393,6 +399,7 @@ class Engine:
         params = seq.params
         proposal = proposal.truncated(len(seq.spec_token_ids))
         seq.spec_token_ids.clear()
+        logits = self.structured.mask_proposal(seq, logits, proposal.token_ids)  # grammar.py
         token_ids = self.speculator.verify(seq, proposal, self.sampler.probs(logits, params),
                                            self.sampler.generator(seq.request_id, params))
         # The last token and the accepted proposals now have KV; the rejected
@@ -425,6 +432,8 @@ class Engine:
             reason = FinishReason.STOP
         elif pos + 1 - seq.num_prompt_tokens >= params.max_tokens or pos + 1 >= self.max_model_len:
             reason = FinishReason.LENGTH
+        if reason is not FinishReason.STOP and self.structured.accept(seq):  # grammar.py
+            reason = FinishReason.STOP  # the grammar is complete
         if reason is not None:
             del seq.token_ids[pos + 1:]  # a token sampled after the last one is dropped
             self._finish(seq, reason)
@@ -453,6 +462,7 @@ class Engine:
         if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
             del seq.token_ids[_first_placeholder(seq.token_ids):]
         self.sampler.release(seq.request_id)
+        self.structured.release(seq)  # grammar.py
         if self.speculator is not None:
             self.speculator.release(seq)
 
