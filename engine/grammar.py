@@ -194,8 +194,10 @@ class StructuredOutputs:
 
 def apply_mask(logits_rows: torch.Tensor, allowed: torch.Tensor) -> None:
     """Set, in place, the logits [N, vocab] of tokens that `allowed` (bool [N, vocab], same
-    device) does not allow to -inf."""
-    logits_rows.masked_fill_(~allowed, float("-inf"))
+    device) does not allow to the dtype's lowest value: probability 0 after softmax, and a
+    finite logprob (-inf would reach the APIs' JSON as null), so logprobs of constrained
+    requests are those of the masked distribution."""
+    logits_rows.masked_fill_(~allowed, torch.finfo(logits_rows.dtype).min)
 
 
 def _unpack(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -6,6 +6,7 @@ unchanged; bad schemas are refused by name; the speculation masks follow the gra
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def chat(engine) -> list[int]:
 
 def constrained(schema: dict | None, **kwargs) -> SamplingParams:
     structured = StructuredOutput.from_schema(schema) if schema is not None else StructuredOutput("json_object")
-    return SamplingParams(max_tokens=MAX_TOKENS, structured=structured, **kwargs)
+    return SamplingParams(**{"max_tokens": MAX_TOKENS, **kwargs}, structured=structured)
 
 
 def test_every_answer_follows_its_schema_greedy_and_sampled(engine, chat):
@@ -46,7 +47,10 @@ def test_every_answer_follows_its_schema_greedy_and_sampled(engine, chat):
 
 
 def test_json_object_gives_a_json_object(engine, chat):
-    outs = engine.generate([chat] * 2, [constrained(None, temperature=0.0), constrained(None, temperature=1.0, seed=3)])
+    outs = engine.generate([chat] * 2, [constrained(None, temperature=0.0, logprobs=3, max_tokens=32),
+                                        constrained(None, temperature=1.0, seed=3, max_tokens=32)])
+    # Logprobs of the masked distribution: tokens the grammar forbids are far below, but finite.
+    assert all(math.isfinite(v) for lp in outs[0].logprobs for v in (lp.logprob, *lp.top_logprobs))
     for out in outs:
         if out.finish_reason is FinishReason.STOP:
             assert isinstance(json.loads(out.text), dict), out.text
@@ -98,4 +102,5 @@ def test_masks_for_a_proposal_follow_the_grammar_and_roll_back(engine, tokenizer
     so.release(seq)
     seq2 = Sequence("r2", (1, 2, 3), constrained(schema), 16)
     so.mask_proposal(seq2, logits, good[:2])
-    assert torch.isinf(logits).any(dim=-1).all() and torch.isfinite(logits[torch.arange(3), good[:3]]).all()
+    lowest = torch.finfo(logits.dtype).min
+    assert (logits == lowest).any(dim=-1).all() and (logits[torch.arange(3), good[:3]] == 0).all()
