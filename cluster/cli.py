@@ -6,9 +6,10 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pdserve.engine.config import SPEC_METHODS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams, StructuredOutput
 
 
 def _add_model_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
@@ -42,6 +43,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--json-schema", default=None,
+                   help="structured output: JSON that follows this JSON schema (JSON text, or @file)")
+    g.add_argument("--json-object", action="store_true", help="structured output: any JSON object")
 
 
 def _spec_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -61,7 +65,21 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
+                          seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                          structured=_structured_from_args(args))
+
+
+def _structured_from_args(args: argparse.Namespace) -> StructuredOutput | None:
+    if args.json_schema is not None and args.json_object:
+        raise ValueError("give one of --json-schema and --json-object")
+    if args.json_object:
+        return StructuredOutput("json_object")
+    if args.json_schema is None:
+        return None
+    schema = args.json_schema
+    if schema.startswith("@"):
+        schema = Path(schema[1:]).read_text()
+    return StructuredOutput.from_schema(schema)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

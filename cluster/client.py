@@ -19,6 +19,10 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.structured is not None and p.structured.kind == "json_object":
+        msg.response_format.json_object.SetInParent()
+    elif p.structured is not None:
+        msg.response_format.json_schema = p.structured.json_schema
     return msg
 
 

@@ -33,6 +33,12 @@ def stream_text(base_url: str, prompt: str, params: SamplingParams, chat: bool =
         body["seed"] = params.seed
     if params.stop:
         body["stop"] = list(params.stop)
+    structured = params.structured
+    if structured is not None and structured.kind == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif structured is not None:
+        schema = json.loads(structured.json_schema)
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:

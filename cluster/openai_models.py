@@ -3,9 +3,11 @@ cannot honour refused by name), responses and stream chunks as OpenAI's clients 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.engine.sampling import StructuredOutput
 
 _INT64 = 2**63
 
@@ -19,8 +21,32 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's `response_format.json_schema`: the schema is `schema` (vLLM also reads it as `json_schema`)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
 class ResponseFormat(_Body):
+    """Structured outputs: `json_schema` (JSON that follows a schema) or `json_object` (any JSON object)."""
+
     type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        """What the engine keeps to (None: free text); ValueError naming what is missing."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.json_schema is None or self.json_schema.json_schema is None:
+            raise ValueError("response_format: type json_schema needs json_schema.schema")
+        return StructuredOutput.from_schema(self.json_schema.json_schema)
 
 
 class _GenerationRequest(_Body):
@@ -53,8 +79,6 @@ class _GenerationRequest(_Body):
             return "presence_penalty"
         if self.logit_bias:
             return "logit_bias"
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format"
         return None
 
 

@@ -84,8 +84,9 @@ def _sampling(req: m.CompletionRequest | m.ChatCompletionRequest, max_tokens: in
     kwargs: dict[str, Any] = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed")
                               if getattr(req, name) is not None}
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    structured = req.response_format.structured() if req.response_format is not None else None
     return SamplingParams(**kwargs, max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
-                          ignore_eos=req.ignore_eos, logprobs=logprobs)
+                          ignore_eos=req.ignore_eos, logprobs=logprobs, structured=structured)
 
 
 def _expand(requests: list[ProcessedRequest], n: int) -> list[Choice]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams, StructuredOutput
 from pdserve.proto.v1 import generation_pb2 as pb
 
 
@@ -19,7 +19,17 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
     kwargs["stop"] = tuple(s.stop)
     kwargs["stop_token_ids"] = tuple(s.stop_token_ids)
     kwargs["ignore_eos"] = s.ignore_eos
+    kwargs["structured"] = _structured(s.response_format) if s.HasField("response_format") else None
     return SamplingParams(**kwargs)
+
+
+def _structured(f: pb.ResponseFormat) -> StructuredOutput | None:
+    which = f.WhichOneof("format")
+    if which == "json_object":
+        return StructuredOutput("json_object")
+    if which == "json_schema":
+        return StructuredOutput.from_schema(f.json_schema)
+    return None
 
 
 def parse_request(request: pb.GenerateRequest, processor: RequestProcessor) -> ProcessedRequest:

@@ -20,6 +20,7 @@ from pdserve.engine.attention import backend_for
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from pdserve.engine.cuda_graphs import StepGraphs
+from pdserve.engine.grammar import StructuredOutputs
 from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.arch import ModelArch
@@ -136,6 +137,7 @@ class Engine:
             graphs.capture()
         self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, inputs, graphs)
         self.speculator: Speculator | None = None
+        self.structured = StructuredOutputs(self.tokenizer, arch.vocab_size, arch.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, Sequence] = {}
         self._num_receiving = 0
@@ -322,7 +324,10 @@ class Engine:
         return deltas
 
     def _can_overlap(self) -> bool:
-        return self.config.scheduler.async_scheduling and self.speculator is None
+        # A constrained sequence's mask for step N+1 needs step N's token: while one is live,
+        # steps do not overlap (each resolves before the next is queued).
+        return (self.config.scheduler.async_scheduling and self.speculator is None
+                and not self.structured.has_active)
 
     def _launch(self, batch: ScheduledBatch, proposals: _StepProposals | None,
                 previous: _LaunchedStep | None) -> _LaunchedStep:
@@ -341,6 +346,7 @@ class Engine:
         if self._on_kv_computed is not None:
             self._report_kv_computed(batch, self._on_kv_computed)
         verifying = {seq: logits.pop(seq) for seq in batch.seqs if seq.spec_token_ids}
+        self.structured.mask_logits(logits)
         seqs, sample = self.runner.sample_async(logits)
         rows = {seq: i for i, seq in enumerate(seqs)}
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
@@ -433,9 +439,26 @@ class Engine:
         step = launched.proposals
         # The scheduler may have kept fewer than proposed (the token budget).
         num_proposed = [min(step.num_proposed[s], len(s.spec_token_ids)) for s in seqs]
+        if self.structured.has_active:
+            self._mask_proposals(seqs, num_proposed, launched)
         token_ids = self.speculator.verify(seqs, step.proposals, [step.rows[s] for s in seqs], num_proposed,
                                            [launched.verifying[s] for s in seqs])
         return dict(zip(seqs, token_ids))
+
+    def _mask_proposals(self, seqs: list[Sequence], num_proposed: list[int], launched: _LaunchedStep) -> None:
+        """A constrained sequence's target logits masked, row by row, by what its grammar allows
+        after the proposals before it, so that a draft token outside the grammar is rejected
+        (the proposals' ids come to the host for it: a read per constrained sequence)."""
+        assert launched.proposals is not None
+        step = launched.proposals
+        for seq, n in zip(seqs, num_proposed):
+            if seq.params.structured is None:
+                continue
+            ids = seq.spec_token_ids[:n]
+            if ids and ids[0] == PLACEHOLDER_TOKEN_ID:
+                ids = step.proposals.token_ids[step.rows[seq], :n].tolist()
+            # In place: the rows are a view of the step's logits, which the acceptance reads.
+            self.structured.mask_proposal(seq, launched.verifying[seq][:n + 1], ids)
 
     def _accept_verified(self, seq: Sequence, logits: torch.Tensor, token_ids: list[int]) -> TokenDelta:
         """Keep the proposed tokens the target accepted, plus one of its own.
@@ -475,6 +498,8 @@ class Engine:
             reason = FinishReason.STOP
         elif pos + 1 - seq.num_prompt_tokens >= params.max_tokens or pos + 1 >= self.max_model_len:
             reason = FinishReason.LENGTH
+        if reason is not FinishReason.STOP and self.structured.accept(seq):
+            reason = FinishReason.STOP  # the grammar is complete
         if reason is not None:
             del seq.token_ids[pos + 1:]  # a token sampled after the last one is dropped
             self._finish(seq, reason)
@@ -503,6 +528,7 @@ class Engine:
         if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
             del seq.token_ids[_first_placeholder(seq.token_ids):]
         self.sampler.release(seq.request_id)
+        self.structured.release(seq)
         if self.speculator is not None:
             self.speculator.release(seq)
 

@@ -71,12 +71,18 @@ class RequestProcessor:
         return ProcessedRequest(tuple(token_ids), dataclasses.replace(params, stop=()), params.stop)
 
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: stop token ids and stop strings for this model."""
+        """What SamplingParams cannot check alone: stop token ids, stop strings and grammars, for this model."""
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: unknown stop token ids {bad} (vocabulary size {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer; model {self.model_name!r} has none")
+        if params.structured is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"response_format needs a tokenizer; model {self.model_name!r} has none")
+            from pdserve.engine.grammar import check_structured  # here: grammar.py (xgrammar) needs torch
+
+            check_structured(params.structured)
 
     def encode(self, prompt: str) -> list[int]:
         tokenizer = self._tokenizer()

@@ -2,7 +2,42 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the output's text (structured outputs), kept by grammar-constrained
+    decoding (`engine/grammar.py`).
+
+    kind: "json_schema": JSON that follows `json_schema`; "json_object": any JSON object.
+    json_schema: the schema as compact JSON text, member order kept (the output follows it;
+        the grammar cache's key); "" for json_object.
+    Checked against the grammar library by the request processor, not here.
+    """
+
+    kind: Literal["json_schema", "json_object"]
+    json_schema: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_schema", "json_object"):
+            raise ValueError(f"response_format: unknown type {self.kind!r}; use json_schema or json_object")
+        if (self.kind == "json_schema") != bool(self.json_schema):
+            raise ValueError("response_format: json_schema needs a schema (and json_object takes none)")
+
+    @classmethod
+    def from_schema(cls, schema: object) -> StructuredOutput:
+        """A json_schema constraint from a schema given as JSON text or as parsed JSON."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"response_format: the JSON schema is not valid JSON: {e}") from e
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"response_format: a JSON schema is an object or a boolean, got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +56,8 @@ class SamplingParams:
     stop: strings that end generation; the text is cut before the stop string.
     logprobs: also return the log-probability of each sampled token and this many
         of the most likely alternatives (None: none).
+    structured: the output must follow this grammar (JSON schema / any JSON object); the
+        request ends (STOP) once it is complete. None: free text.
     """
 
     temperature: float = 1.0
@@ -33,6 +70,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:

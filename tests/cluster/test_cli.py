@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -51,3 +52,14 @@ def test_a_bad_mode_is_the_configs_one_clear_line():
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("pdserve: error: PoolConfig.mode must be one of ('disaggregated', 'colocated'), "
                                    "got 'mixed'")
+
+
+def test_generate_with_a_json_schema():
+    schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
+    proc = pdserve("generate", "--chat", "--temperature", "0", "--max-tokens", "16", "--json-schema", schema,
+                   "Is water wet? Answer in JSON.")
+    assert proc.returncode == 0, proc.stderr
+    assert isinstance(json.loads(proc.stdout)["ok"], bool)
+    bad = pdserve("generate", "--json-schema", "[1]", "hi")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "pdserve: error: response_format: a JSON schema is an object or a boolean, got list"

@@ -1,0 +1,210 @@
+"""Structured outputs: grammar-constrained decoding with xgrammar.
+
+A request whose `SamplingParams.structured` is set gets a grammar matcher here (its
+schema compiled once per engine: xgrammar's compiler caches compiled grammars by schema).
+Each step, the logits of its rows are masked to the tokens the grammar allows after the
+tokens it has so far; every accepted token advances the matcher, and the request ends
+(STOP) once its grammar is complete. Speculative verification masks each of the K+1
+positions by the grammar state after the proposed tokens before it (`masks_for_proposal`),
+so a draft token outside the grammar has probability 0 under the target and is rejected.
+
+Batches without a constrained row pay no tensor work: `mask_logits` looks at each row's
+params and returns. xgrammar and the tokenizer info and compiler (built once per engine, on
+its first constrained request: ~0.25 s for this tokenizer) are loaded lazily, so engines
+that never see a constrained request never load them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdserve.engine.sampling import StructuredOutput
+from pdserve.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+# Compact JSON (no free whitespace): a sampled answer cannot ramble in blanks, and ends sooner.
+_SEPARATORS = (",", ":")
+_CACHE_LIMIT_BYTES = 256 * 2**20
+# "[16:06:45] /project/cpp/json_schema_converter.cc:5082: Check failed: (...) is false: " before the message
+_XGRAMMAR_PREFIX = re.compile(r"^(\[[\d:]+\] \S+:\d+: )?(Check failed: .*? is false: )?")
+
+
+def check_structured(structured: StructuredOutput) -> None:
+    """Raises ValueError naming what is wrong when xgrammar cannot make a grammar of the schema
+    (no tokenizer needed: the frontend checks requests before any engine sees them)."""
+    if structured.kind != "json_schema":
+        return
+    import xgrammar as xgr
+
+    try:
+        xgr.Grammar.from_json_schema(structured.json_schema, any_whitespace=False, separators=_SEPARATORS)
+    except Exception as e:  # xgrammar raises RuntimeError (and others) with the C++ message
+        raise ValueError(f"response_format: unsupported or invalid JSON schema: {_clean(e)}") from e
+
+
+def _clean(e: Exception) -> str:
+    return _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+
+
+@dataclass(slots=True)
+class _Matcher:
+    matcher: Any  # xgr.GrammarMatcher
+    num_accepted: int = 0  # output tokens the matcher has consumed
+    failed: bool = False  # a token outside the grammar arrived (cannot happen when every step is masked)
+
+
+class StructuredOutputs:
+    """One engine's grammar matchers, one per live constrained sequence.
+
+    tokenizer: the model's HF tokenizer (None: no structured outputs).
+    vocab_size: the logits' width; stop_token_ids: what ends a sequence (EOS), which the
+    grammar allows once it is complete.
+    """
+
+    def __init__(self, tokenizer: Any | None, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(stop_token_ids)
+        self._compiler: Any = None  # xgr.GrammarCompiler, made on the first constrained request
+        self._matchers: dict[Sequence, _Matcher] = {}
+
+    @property
+    def has_active(self) -> bool:
+        """Whether a constrained sequence is live (the engine does not overlap steps then)."""
+        return bool(self._matchers)
+
+    # The per-step mask ---------------------------------------------------------------
+
+    @torch.inference_mode()  # the logits are inference tensors
+    def mask_logits(self, logits: dict[Sequence, torch.Tensor]) -> None:
+        """Mask, in place, each constrained sequence's logits [1, vocab] (rows about to be sampled)
+        to the tokens its grammar allows next. Unconstrained rows are left alone."""
+        seqs = [seq for seq in logits if seq.params.structured is not None]
+        if not seqs:
+            return
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
+        for i, seq in enumerate(seqs):
+            self._synced(seq).matcher.fill_next_token_bitmask(bitmask, i)
+        allowed = _unpack(bitmask, self.vocab_size, logits[seqs[0]].device)
+        for i, seq in enumerate(seqs):
+            apply_mask(logits[seq], allowed[i:i + 1])
+
+    # Speculation ----------------------------------------------------------------------
+
+    def masks_for_proposal(self, seq: Sequence, proposed_ids: list[int]) -> torch.Tensor | None:
+        """The tokens the grammar allows at each of the K+1 verified positions of `seq`: after its
+        tokens so far, then after each proposed token. bool [K+1, vocab] on the CPU, or None when
+        `seq` is unconstrained. Rows after a proposed token outside the grammar repeat the row
+        before (that token is rejected, so they are never used; they stay finite). The matcher
+        is rolled back: the accepted tokens advance it later, through `accept`."""
+        if seq.params.structured is None:
+            return None
+        import xgrammar as xgr
+
+        state = self._synced(seq)
+        matcher, k = state.matcher, len(proposed_ids)
+        bitmask = xgr.allocate_token_bitmask(k + 1, self.vocab_size)
+        num_advanced = 0
+        for i in range(k + 1):
+            matcher.fill_next_token_bitmask(bitmask, i)
+            if i == k or not matcher.accept_token(proposed_ids[i]):
+                bitmask[i + 1:] = bitmask[i]
+                break
+            num_advanced += 1
+            if matcher.is_terminated():  # a stop token: nothing the grammar allows follows it
+                bitmask[i + 1:] = bitmask[i]
+                break
+        if num_advanced:
+            matcher.rollback(num_advanced)
+        return _unpack(bitmask, self.vocab_size, torch.device("cpu"))
+
+    @torch.inference_mode()  # the logits are inference tensors
+    def mask_proposal(self, seq: Sequence, logits: torch.Tensor, proposed_ids: list[int]) -> torch.Tensor:
+        """`logits` [K+1, vocab] of a verification pass, masked in place by `masks_for_proposal`."""
+        allowed = self.masks_for_proposal(seq, proposed_ids)
+        if allowed is not None:
+            apply_mask(logits, allowed.to(logits.device, non_blocking=True))
+        return logits
+
+    # Following the sequence ----------------------------------------------------------
+
+    def accept(self, seq: Sequence) -> bool:
+        """Advance `seq`'s matcher over its new tokens; True when the output is complete under its
+        grammar (nothing but a stop token could follow) and the request should stop."""
+        if seq.params.structured is None:
+            return False
+        state = self._synced(seq)
+        matcher = state.matcher
+        if state.failed or matcher.is_terminated():
+            return True
+        if not matcher.is_completed():
+            return False
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        allowed = _unpack(bitmask, self.vocab_size, torch.device("cpu"))[0]
+        allowed[list(self.stop_token_ids)] = False
+        return not bool(allowed.any())
+
+    def release(self, seq: Sequence) -> None:
+        self._matchers.pop(seq, None)
+
+    def _synced(self, seq: Sequence) -> _Matcher:
+        """`seq`'s matcher, made on first use, having consumed every output token the host knows
+        (a decode worker's sequence arrives with the first token a prefill worker sampled)."""
+        state = self._matchers.get(seq)
+        if state is None:
+            state = self._matchers[seq] = _Matcher(self._new_matcher(seq.params.structured))
+        start = seq.num_prompt_tokens + state.num_accepted
+        for token_id in seq.token_ids[start:seq.num_known_tokens]:
+            state.num_accepted += 1
+            if state.failed or state.matcher.is_terminated():
+                continue
+            if not state.matcher.accept_token(token_id):
+                logger.warning("request %s: token %d is outside its grammar; stopping it", seq.request_id, token_id)
+                state.failed = True
+        return state
+
+    def _new_matcher(self, structured: StructuredOutput) -> Any:
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer")
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=list(self.stop_token_ids))
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=_CACHE_LIMIT_BYTES)
+        if structured.kind == "json_object":
+            # Not strict: an object with any members (strict mode would allow only {}).
+            compiled = self._compiler.compile_json_schema('{"type":"object"}', any_whitespace=False,
+                                                          separators=_SEPARATORS, strict_mode=False)
+        else:
+            compiled = self._compiler.compile_json_schema(structured.json_schema, any_whitespace=False,
+                                                          separators=_SEPARATORS)
+        return xgr.GrammarMatcher(compiled)
+
+
+def apply_mask(logits_rows: torch.Tensor, allowed: torch.Tensor) -> None:
+    """Set, in place, the logits [N, vocab] of tokens that `allowed` (bool [N, vocab], same
+    device) does not allow to the dtype's lowest value: probability 0 after softmax, and a
+    finite logprob (-inf would reach the APIs' JSON as null), so logprobs of constrained
+    requests are those of the masked distribution."""
+    logits_rows.masked_fill_(~allowed, torch.finfo(logits_rows.dtype).min)
+
+
+def _unpack(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """xgrammar's bitmask (int32 [N, ceil(vocab / 32)], bit j of word w: token 32 w + j) as bool
+    [N, vocab] on `device` (one host-to-device copy of the packed words)."""
+    words = bitmask.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (words[:, :, None] >> shifts) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
