@@ -12,7 +12,7 @@ from pdserve.engine.config import SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling import SamplingParams, StructuredOutput
 from pdserve.engine.sequence import FinishReason, Sequence
-from pdserve.engine.speculator import Proposal
+from pdserve.engine.speculator import Proposals
 from tests.engine.grammar_cases import MAX_TOKENS, PROMPT, SCHEMAS, validates
 
 pytestmark = pytest.mark.slow
@@ -24,19 +24,20 @@ class Scripted:
     """Proposes a request's known continuation with its third token replaced by one that no
     JSON grammar allows (a newline): the first two are accepted, the third must be rejected."""
 
-    def __init__(self, continuations: dict[str, list[int]], bad_token_id: int) -> None:
+    def __init__(self, continuations: dict[str, list[int]], bad_token_id: int, device) -> None:
         self.continuations = continuations
         self.bad_token_id = bad_token_id
+        self.device = device
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposals:
         out = []
         for seq, n in zip(seqs, num_tokens):
             done = seq.num_output_tokens
             token_ids = list(self.continuations[seq.request_id][done:done + n])
             if len(token_ids) >= 3:
                 token_ids[2] = self.bad_token_id
-            out.append(Proposal(token_ids))
-        return out
+            out.append(token_ids)
+        return Proposals.from_lists(out, self.device)
 
     def release(self, seq: Sequence) -> None:
         pass
@@ -67,7 +68,7 @@ def test_drafts_outside_the_grammar_are_rejected_and_greedy_output_is_unchanged(
 
     spec = build_speculator(engine, NGRAM)
     assert isinstance(spec, SpecDecoder)
-    spec.drafter = Scripted(want, engine.tokenize("\n")[0])
+    spec.drafter = Scripted(want, engine.tokenize("\n")[0], engine.device)
     engine.set_speculator(spec)
     try:
         got = run(engine, requests)
