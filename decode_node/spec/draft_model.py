@@ -86,7 +86,8 @@ class ModelDrafter:
             for i in active:
                 shadow = shadows[i]
                 num_new = min(shadow.num_tokens - shadow.num_computed_tokens, budget_left)
-                if self.block_manager.allocate(shadow, num_new):  # else: the draft pool is full, propose less
+                # Else (over the step's budget, or the draft pool full) it proposes less.
+                if num_new > 0 and self.block_manager.allocate(shadow, num_new):
                     batch.seqs.append(shadow)
                     batch.num_new_tokens.append(num_new)
                     budget_left -= num_new
