@@ -138,4 +138,4 @@ def test_speculating_decode_worker_exports_acceptance_metrics(start, engine):
     proposed, accepted = spec()
     assert 0 < accepted <= proposed
     # The K of each step (fixed here: 4 while n-gram lookup finds something to propose).
-    assert scrape(metrics_port).get('pdserve_spec_steps{worker="mixed-0",k="4"}', 0.0) > 0
+    assert scrape(metrics_port).get('pdserve_spec_steps{k="4",worker="mixed-0"}', 0.0) > 0
