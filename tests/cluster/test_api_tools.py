@@ -104,7 +104,9 @@ def test_full_server_answers_resource_exhausted_promptly(start):
                 admission={"max_waiting_per_worker": 1})
     clients = [Client(srv.target) for _ in range(3)]
     long = SamplingParams(max_tokens=2000, ignore_eos=True)
-    calls = [c.generate("Tell me a story.", long, timeout_s=60) for c in clients[:2]]
+    # Cancelled below, long before they end: their deadline only bounds a hung server (their
+    # first token waits for the worker's first step, tens of seconds on a loaded CPU).
+    calls = [c.generate("Tell me a story.", long, timeout_s=600) for c in clients[:2]]
     next(calls[0])  # it runs; the second waits in the worker's queue
     wait_until(lambda: srv.server.frontend.inflight == 2, 30, "both requests to be admitted")
     with pytest.raises(grpc.RpcError) as err:
