@@ -51,6 +51,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampler import on_device
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
@@ -245,8 +246,7 @@ class ControlledDrafter(ModelDrafter):
             continuation = self.oracle[seq.request_id]
             right = continuation[min(seq.num_output_tokens + step, len(continuation) - 1)]
             ids.append(right if self.rng.random() < self.alpha else (right + 1) % self.vocab)
-        host = torch.tensor(ids, dtype=torch.int64)
-        return (host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host), None
+        return on_device(ids, torch.int64, self.device), None
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,6 @@ pieces; this class is what `pdserve generate` and the tests drive directly.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -18,12 +17,12 @@ import torch
 
 from pdserve.engine.attention import backend_for
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import StepGraphs
 from pdserve.engine.grammar import StructuredOutputs
+from pdserve.engine.kv_budget import blocks_that_fit, draft_memory
 from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
 from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
 from pdserve.engine.sampler import PendingSample, Sampler
@@ -110,7 +109,7 @@ class Engine:
 
         layout = KVLayout(self.model_name, dtype, arch.num_layers, arch.num_kv_heads, arch.head_dim,
                           config.cache.block_size)
-        num_blocks = config.cache.num_blocks or _blocks_that_fit(config, layout, device, _draft_memory(config, arch))
+        num_blocks = config.cache.num_blocks or blocks_that_fit(config, layout, device, draft_memory(config, arch))
         self.pool = KVPool(layout, num_blocks, device)
         capacity = num_blocks * layout.block_size
         if config.model.max_model_len is not None and capacity < limit:
@@ -604,46 +603,3 @@ def _merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
     return TokenDelta(last.request_id, tuple(t for d in deltas for t in d.token_ids), last.finish_reason,
                       tuple(lp for d in deltas for lp in d.logprobs), last.num_prompt_tokens, last.num_cached_tokens,
                       last.held_block_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class DraftMemory:
-    """What a draft model of `config.spec` adds beside the target: its weights, and KV
-    bytes per block (a draft block for every target block, see `ModelDrafter`)."""
-
-    weight_bytes: int = 0
-    kv_bytes_per_block: int = 0
-
-
-def _draft_memory(config: EngineConfig, target: ModelArch) -> DraftMemory:
-    spec = config.spec
-    if not spec.enabled or spec.method not in ("draft_model", "self_draft"):
-        return DraftMemory()
-    itemsize = config.model.torch_dtype().itemsize
-    if spec.method == "self_draft":  # the target's own weights; KV for its first layers
-        arch, weight_bytes = target, 0
-        num_layers = min(spec.num_draft_layers, target.num_layers)
-    else:
-        assert spec.draft_model is not None
-        arch = resolve_model(dataclasses.replace(config.model, source=spec.draft_model)).arch
-        weight_bytes, num_layers = arch.num_params * itemsize, arch.num_layers
-    kv = 2 * num_layers * config.cache.block_size * arch.num_kv_heads * arch.head_dim * itemsize
-    return DraftMemory(weight_bytes, kv)
-
-
-def _blocks_that_fit(config: EngineConfig, layout: KVLayout, device: torch.device,
-                     draft: DraftMemory = DraftMemory()) -> int:
-    bytes_per_block = layout.bytes_per_block + draft.kv_bytes_per_block
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        reserve = config.cache.activation_reserve_gib * 2**30  # activations and logits of the largest step
-        budget = free - (1 - config.cache.gpu_memory_utilization) * total - reserve - draft.weight_bytes
-        # The draft's KV also holds the drafted tail of every running sequence.
-        tail_blocks = config.scheduler.max_num_seqs * -(-MAX_SPECULATIVE_TOKENS // layout.block_size)
-        budget -= draft.kv_bytes_per_block * tail_blocks
-    else:
-        budget = config.cache.cpu_kv_cache_gib * 2**30
-    num_blocks = int(budget // bytes_per_block)
-    if num_blocks < 1:
-        raise ValueError("no memory left for the KV cache; lower the model size or raise the memory budget")
-    return num_blocks

@@ -104,7 +104,7 @@ class Sampler:
         noise = self.noise(probs.shape, request_ids, params, "exponential")
         # argmax(p / E) with E ~ Exp(1) is a draw from p (the exponential race).
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = _on_device([p.greedy for p in params], torch.bool, logits.device)
+        is_greedy = on_device([p.greedy for p in params], torch.bool, logits.device)
         token_ids = torch.where(is_greedy, greedy_ids, sampled)
         if any(p.greedy for p in params):
             one_hot = torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).float()
@@ -144,7 +144,7 @@ class Sampler:
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         device = logits.device
-        temps = _on_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device)
+        temps = on_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device)
         logits = logits / temps[:, None]
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             logits = _apply_top_k_top_p_min_p(logits, params)
@@ -160,9 +160,9 @@ def _fill(t: torch.Tensor, kind: str, generator: torch.Generator) -> None:
 
 def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[-1]
-    top_k = _on_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, device)
-    top_p = _on_device([p.top_p for p in params], torch.float32, device)
-    min_p = _on_device([p.min_p for p in params], torch.float32, device)
+    top_k = on_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, device)
+    top_p = on_device([p.top_p for p in params], torch.float32, device)
+    min_p = on_device([p.min_p for p in params], torch.float32, device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)[None, :]
     drop = ranks >= top_k[:, None]
@@ -174,7 +174,7 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams])
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on `device` without waiting for the GPU (a plain `torch.tensor(...,
     device=cuda)` synchronizes the stream: the step's whole forward)."""
     host = torch.tensor(values, dtype=dtype)
@@ -196,7 +196,7 @@ def _logprobs_async(logits: torch.Tensor, token_ids: torch.Tensor, params: list[
     if not rows:
         return None
     on_gpu = logits.device.type == "cuda"
-    index = _on_device(rows, torch.int64, logits.device)
+    index = on_device(rows, torch.int64, logits.device)
     logp = torch.log_softmax(logits.index_select(0, index), dim=-1)
     num_top = [params[i].logprobs or 0 for i in rows]
     k = max(num_top)

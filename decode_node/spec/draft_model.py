@@ -25,7 +25,7 @@ from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.engine.model_runner import ModelRunner, rows_as_one
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.llama import LlamaForCausalLM
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, on_device
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from pdserve.engine.speculator import Proposals
@@ -38,7 +38,7 @@ class ModelDrafter:
         arch = model.arch
         bs = target.pool.layout.block_size
         # As many tokens as the target's pool, plus the drafted tail of every running sequence
-        # (the engine counted them when it sized its own pool: `engine._draft_memory`).
+        # (the engine counted them when it sized its own pool: `engine.kv_budget.draft_memory`).
         num_blocks = target.pool.num_blocks + target.config.scheduler.max_num_seqs * -(-MAX_SPECULATIVE_TOKENS // bs)
         layout = KVLayout(name, target.dtype, arch.num_layers, arch.num_kv_heads, arch.head_dim, bs)
         num_bytes = layout.bytes_per_block * num_blocks
@@ -105,11 +105,11 @@ class ModelDrafter:
             if len(active) == n:
                 drafted[:, j] = tokens
             else:
-                drafted[:, j].index_copy_(0, _on_device(active, self.device), tokens)
+                drafted[:, j].index_copy_(0, on_device(active, torch.int64, self.device), tokens)
             if q is not None:
                 if probs is None:
                     probs = torch.zeros((n, width, q.shape[1]), dtype=torch.float32, device=self.device)
-                probs[:, j].index_copy_(0, _on_device(active, self.device), q)
+                probs[:, j].index_copy_(0, on_device(active, torch.int64, self.device), q)
             for i in active:
                 counts[i] += 1
                 shadows[i].token_ids.append(PLACEHOLDER_TOKEN_ID)  # learnt after verification
@@ -172,10 +172,6 @@ class ModelDrafter:
         self.block_manager.trim(shadow, valid)
         return shadow
 
-
-def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=torch.int64)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def self_draft_model(target: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:

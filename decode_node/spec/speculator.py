@@ -7,7 +7,7 @@ import torch
 from pdserve.decode_node.spec import rejection
 from pdserve.decode_node.spec.adaptive import AdaptiveK
 from pdserve.decode_node.spec.drafter import Drafter
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, on_device
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculator import Proposals, SpecMetrics
 
@@ -41,9 +41,9 @@ class SpecDecoder:
         k = max(x.shape[0] for x in logits) - 1
         m = len(seqs)
         target = _stacked(logits, k + 1)  # [m, k + 1, vocab]
-        index = _on_device(rows, device)
+        index = on_device(rows, torch.int64, device)
         draft_ids = _widened(proposals.token_ids.index_select(0, index), k)
-        counts = _on_device(num_proposed, device)
+        counts = on_device(num_proposed, torch.int64, device)
         params = [s.params for s in seqs]
         if all(p.greedy for p in params):
             num_accepted, token_ids = rejection.greedy_verify(draft_ids, counts, target.argmax(dim=2))
@@ -53,7 +53,7 @@ class SpecDecoder:
             per_row = [p for p in params for _ in range(k + 1)]
             probs = self.sampler.filtered_probs(target.reshape(m * (k + 1), vocab), per_row).view(m, k + 1, vocab)
             if any(p.greedy for p in params):
-                greedy = _on_device([p.greedy for p in params], device).bool()
+                greedy = on_device([p.greedy for p in params], torch.bool, device)
                 one_hot = torch.nn.functional.one_hot(target.argmax(dim=2), vocab).float()
                 probs = torch.where(greedy[:, None, None], one_hot, probs)
             draft_probs = proposals.draft_probs
@@ -102,8 +102,3 @@ def _widened(x: torch.Tensor, width: int) -> torch.Tensor:
         return x[:, :width]
     pad = x.new_zeros((x.shape[0], width - x.shape[1], *x.shape[2:]))
     return torch.cat([x, pad], dim=1)
-
-
-def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=torch.int64)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host

@@ -78,3 +78,17 @@ def start(ray_cluster) -> Iterator[StartServer]:
     for srv in running:
         srv.run(srv.server.stop())
         srv.loop.call_soon_threadsafe(srv.loop.stop)
+
+
+# The OpenAI API's official client against the module's own `srv` fixture (a running server).
+@pytest.fixture(scope="module")
+def client(srv):
+    import openai
+
+    with openai.OpenAI(base_url=srv.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id

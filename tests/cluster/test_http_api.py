@@ -31,17 +31,6 @@ def srv(start):
     return start(pools={"mode": "disaggregated"})
 
 
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def grpc_text(srv, messages=None, prompt=None, max_tokens=12) -> tuple[str, int]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     if prompt is not None:
