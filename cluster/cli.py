@@ -8,7 +8,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.engine.config import SPEC_METHODS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from pdserve.engine.config import (
+    SPEC_METHODS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from pdserve.engine.sampling import SamplingParams, StructuredOutput
 
 
@@ -28,6 +36,8 @@ def _add_model_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: from memory)")
     g.add_argument("--max-num-batched-tokens", type=int, default=default(sched.max_num_batched_tokens))
     g.add_argument("--max-num-seqs", type=int, default=default(sched.max_num_seqs))
+    g.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="split the model over this many GPUs (CPU: processes) per worker (default 1)")
     g.add_argument("--spec-method", default=None,
                    help=f"speculative decoding drafter: {', '.join(SPEC_METHODS)} (default: none)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, help="K, tokens proposed per step")
@@ -60,6 +70,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(num_blocks=args.num_kv_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
         spec=spec,
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size or 1),
     )
 
 
@@ -176,11 +187,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache={"num_blocks": args.num_kv_blocks},
         scheduler={"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs},
         spec=_spec_overrides(args),
+        parallel={"tensor_parallel_size": args.tensor_parallel_size},
         server={"host": args.host, "port": args.port, "metrics_port": args.metrics_port,
                 "http_port": args.http_port, "http": False if args.no_http else None,
                 "tls_cert": args.tls_cert, "tls_key": args.tls_key, "api_key_file": args.api_key_file},
         pools={"mode": args.mode, "num_prefill": args.num_prefill, "num_decode": args.num_decode,
-               "routing": args.routing, "gpus_per_worker": args.gpus_per_worker},
+               "routing": args.routing, "gpus_per_worker": args.gpus_per_worker, "prefill_tp": args.prefill_tp,
+               "decode_tp": args.decode_tp},
         ray={"address": args.address},
         health={"interval_s": args.health_interval_s, "ping_timeout_s": args.ping_timeout_s,
                 "unresponsive_after_s": args.unresponsive_after_s, "stuck_after_s": args.stuck_after_s},
@@ -250,7 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--mode", default=None, help=f"{' or '.join(MODES)} (default {pools.mode})")
     serve.add_argument("--num-prefill", type=int, default=None)
     serve.add_argument("--num-decode", type=int, default=None)
-    serve.add_argument("--gpus-per-worker", type=float, default=None)
+    serve.add_argument("--gpus-per-worker", type=float, default=None, help="GPUs per rank of a worker")
+    serve.add_argument("--prefill-tp", type=int, default=None, help="tensor-parallel size of the prefill workers")
+    serve.add_argument("--decode-tp", type=int, default=None,
+                       help="tensor-parallel size of the decode (colocated: mixed) workers")
     serve.add_argument("--routing", default=None, help=f"{', '.join(POLICIES)} (default {pools.routing})")
     r = serve.add_argument_group("admission, migration and KV transfer (see AdmissionConfig, CoordinatorConfig)")
     r.add_argument("--max-waiting-per-worker", type=int, default=None,

@@ -11,7 +11,15 @@ from typing import Any
 
 import yaml
 
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig, WorkerConfig
+from pdserve.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpecConfig,
+    WorkerConfig,
+)
 
 MODES = ("disaggregated", "colocated")
 POLICIES = ("prefix_aware", "least_load", "round_robin")
@@ -114,7 +122,10 @@ class PoolConfig:
     mode: "disaggregated" (prefill and decode pools) or "colocated" (decode
         workers prefill locally: one engine does both phases).
     num_prefill/num_decode: actors per pool (colocated uses num_decode).
-    gpus_per_worker: GPUs each actor takes; 0 on the CPU, None = 1 if GPUs are present.
+    gpus_per_worker: GPUs each rank of a worker takes (a worker of tensor-parallel size N
+        takes N x this, on one node); 0 on the CPU, None = 1 if GPUs are present.
+    prefill_tp/decode_tp: tensor-parallel size of each pool's workers (None: the engine's
+        `parallel.tensor_parallel_size`); colocated uses decode_tp.
     prefill_resource/decode_resource: custom Ray node resources that pin each pool
         to labelled nodes ("" places anywhere).
     routing: "prefix_aware" (default), "least_load" or "round_robin".
@@ -124,6 +135,8 @@ class PoolConfig:
     num_prefill: int = 1
     num_decode: int = 1
     gpus_per_worker: float | None = None
+    prefill_tp: int | None = None
+    decode_tp: int | None = None
     prefill_resource: str = ""
     decode_resource: str = ""
     routing: str = "prefix_aware"
@@ -138,6 +151,15 @@ class PoolConfig:
             raise ValueError(f"PoolConfig.gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
         if self.routing not in POLICIES:
             raise ValueError(f"PoolConfig.routing must be one of {POLICIES}, got {self.routing!r}")
+        for name in ("prefill_tp", "decode_tp"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"PoolConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    def tp(self, role: str, engine: EngineConfig) -> int:
+        """Tensor-parallel size of the workers of `role` ("prefill", or "decode" for both
+        decode and mixed workers)."""
+        size = self.prefill_tp if role == "prefill" else self.decode_tp
+        return size if size is not None else engine.parallel.tensor_parallel_size
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
@@ -236,6 +258,19 @@ class ServeConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
+    def __post_init__(self) -> None:
+        pools = self.pools
+        if pools.mode == "disaggregated" and max(pools.tp("prefill", self.engine), pools.tp("decode", self.engine)) > 1:
+            raise ValueError("disaggregated serving with tensor parallelism > 1 needs KV moved between the ranks "
+                             "of the two pools, which the KV transport cannot do yet: serve colocated "
+                             "(pools.mode: colocated) or with tensor_parallel_size 1")
+
+    def engine_for(self, role: str) -> EngineConfig:
+        """The engine config of the workers of `role`: the pool's tensor-parallel size."""
+        size = self.pools.tp(role, self.engine)
+        return dataclasses.replace(self.engine, parallel=dataclasses.replace(self.engine.parallel,
+                                                                              tensor_parallel_size=size))
+
 
 def cluster_secret() -> bytes:
     """The secret workers authenticate each other with: $PDSERVE_CLUSTER_SECRET, or a fresh random one."""
@@ -287,6 +322,7 @@ _SECTIONS: dict[str, type] = {
     "router": RouterConfig, "worker": WorkerConfig,
 }
 _ENGINE_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                                     "parallel": ParallelConfig,
                                      "spec": SpecConfig}
 
 
@@ -350,10 +386,11 @@ def with_overrides(config: ServeConfig, **sections: dict[str, Any]) -> ServeConf
     return dataclasses.replace(config, **changes)
 
 
-def fit_pools_to_gpus(pools: PoolConfig, num_gpus: float) -> PoolConfig:
-    """Resolve `gpus_per_worker` for a cluster with `num_gpus` GPUs.
+def fit_pools_to_gpus(pools: PoolConfig, num_gpus: float, engine: EngineConfig | None = None) -> PoolConfig:
+    """Resolve `gpus_per_worker` for a cluster with `num_gpus` GPUs (`engine`: whose
+    tensor-parallel size the pools default to).
 
-    Unset, each worker takes one GPU when there are GPUs, else none (CPU). A
+    Unset, each rank takes one GPU when there are GPUs, else none (CPU). A
     disaggregated layout that needs more GPUs than the cluster has would wait
     forever for them, so it becomes colocated with one mixed worker per GPU.
     """
@@ -361,6 +398,9 @@ def fit_pools_to_gpus(pools: PoolConfig, num_gpus: float) -> PoolConfig:
         return pools
     if num_gpus < 1:
         return dataclasses.replace(pools, gpus_per_worker=0.0)
-    if pools.mode == "disaggregated" and pools.num_prefill + pools.num_decode > num_gpus:
-        return dataclasses.replace(pools, mode="colocated", num_decode=int(num_gpus), gpus_per_worker=1.0)
+    engine = engine or EngineConfig()
+    prefill_tp, decode_tp = pools.tp("prefill", engine), pools.tp("decode", engine)
+    if pools.mode == "disaggregated" and pools.num_prefill * prefill_tp + pools.num_decode * decode_tp > num_gpus:
+        return dataclasses.replace(pools, mode="colocated", num_decode=max(1, int(num_gpus) // decode_tp),
+                                   gpus_per_worker=1.0)
     return dataclasses.replace(pools, gpus_per_worker=1.0)

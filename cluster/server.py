@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import signal
@@ -104,20 +105,26 @@ def _keep_loopback_node_ip(node_ip: str) -> Iterator[None]:
 
 def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool | None, Pool]:
     num_gpus = ray.cluster_resources().get("GPU", 0)
-    p = fit_pools_to_gpus(config.pools, num_gpus)
+    p = fit_pools_to_gpus(config.pools, num_gpus, config.engine)
     if p.mode != config.pools.mode:
         logger.warning("%g GPU(s) cannot hold %d prefill + %d decode workers: serving colocated, "
-                       "one mixed worker per GPU", num_gpus, config.pools.num_prefill, config.pools.num_decode)
-    gpus = p.gpus_per_worker
-    engine_config, health = config.engine, config.health
+                       "one mixed worker per %d GPU(s)", num_gpus, config.pools.num_prefill, config.pools.num_decode,
+                       p.tp("decode", config.engine))
+    config = dataclasses.replace(config, pools=p)
+    health = config.health
+
+    def spec(cls: type, role: str, with_transport: bool) -> ActorSpec:
+        # A worker of tensor-parallel size N holds N GPUs of one node (one Ray actor: its
+        # other ranks are processes it starts); on the CPU its ranks share the actor's CPU.
+        gpus = p.gpus_per_worker * p.tp(role, config.engine)
+        resource = p.prefill_resource if role == "prefill" else p.decode_resource
+        return ActorSpec(cls, (config.engine_for(role), transport if with_transport else None, config.worker), 1,
+                         gpus, resource)
+
     if p.mode == "colocated":
-        spec = ActorSpec(DecodeWorker, (engine_config, None, config.worker), 1, gpus, p.decode_resource)
-        return None, Pool("mixed", p.num_decode, spec, health)
-    prefill = Pool("prefill", p.num_prefill, ActorSpec(PrefillWorker, (engine_config, transport, config.worker), 1,
-                                                       gpus, p.prefill_resource), health)
-    decode = Pool("decode", p.num_decode, ActorSpec(DecodeWorker, (engine_config, transport, config.worker), 1,
-                                                    gpus, p.decode_resource), health)
-    return prefill, decode
+        return None, Pool("mixed", p.num_decode, spec(DecodeWorker, "decode", False), health)
+    return (Pool("prefill", p.num_prefill, spec(PrefillWorker, "prefill", True), health),
+            Pool("decode", p.num_decode, spec(DecodeWorker, "decode", True), health))
 
 
 async def start_server(config: ServeConfig) -> Server:

@@ -202,8 +202,37 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Tensor parallelism: one model over several devices of one host.
+
+    tensor_parallel_size: ranks the model is split over (`engine.parallel`): on CUDA one
+        GPU each (cuda:0 .. N-1 of the devices the process sees), on the CPU one process
+        each. The engine's own process is rank 0 and schedules; it starts the others.
+    startup_timeout_s: bound on the other ranks' start (their model load included).
+    collective_timeout_s: bound on one collective (an all-reduce waits for the slowest rank,
+        which computes the same step: only a dead or hung rank makes it this long).
+    """
+
+    tensor_parallel_size: int = 1
+    startup_timeout_s: float = 600.0
+    collective_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"ParallelConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        for name in ("startup_timeout_s", "collective_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ParallelConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.spec.enabled and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +22,10 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import StepGraphs
 from pdserve.engine.grammar import StructuredOutputs
 from pdserve.engine.kv_budget import blocks_that_fit, draft_memory
-from pdserve.engine.kv_pool import KVLayout, KVPool
+from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
+from pdserve.engine.parallel import ShardPlan, TensorParallel, check_splits
 from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
 from pdserve.engine.sampler import PendingSample, Sampler
 from pdserve.engine.sampling import SamplingParams
@@ -31,6 +33,7 @@ from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence, SequenceStatus
 from pdserve.engine.speculator import Proposals, Speculator
 from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
+from pdserve.engine.tensor_parallel import TensorParallelRanks, kv_layout
 from pdserve.engine.weights import load_model, load_tokenizer, resolve_model
 from pdserve.kernels.paged_decode import paged_verify_fits
 
@@ -105,12 +108,22 @@ class Engine:
         limit = config.model.max_model_len or arch.max_position_embeddings
         if limit > arch.max_position_embeddings:
             raise ValueError(f"max_model_len {limit} exceeds the model's context ({arch.max_position_embeddings})")
-        self.model = load_model(files, limit, device, dtype, config.model.seed)
+        # Ranks 1..N-1 of a tensor-parallel engine, in processes of their own (None: one rank).
+        self.ranks: TensorParallelRanks | None = None
+        tp = None
+        if config.parallel.tensor_parallel_size > 1:
+            check_splits(arch, config.parallel.tensor_parallel_size)
+            self.ranks = TensorParallelRanks(config, limit)
+            self._stop_ranks = weakref.finalize(self, self.ranks.close)
+            tp = TensorParallel(ShardPlan.of(arch, 0, self.ranks.size), self.ranks.comm)
+        self.model = load_model(files, limit, device, dtype, config.model.seed, tp)
 
-        layout = KVLayout(self.model_name, dtype, arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                          config.cache.block_size)
+        layout = kv_layout(self.model_name, dtype, self.model.tp.plan, arch.num_layers, arch.head_dim,
+                           config.cache.block_size)
         num_blocks = config.cache.num_blocks or blocks_that_fit(config, layout, device, draft_memory(config, arch))
         self.pool = KVPool(layout, num_blocks, device)
+        if self.ranks is not None:
+            self.ranks.open_pools(num_blocks)
         capacity = num_blocks * layout.block_size
         if config.model.max_model_len is not None and capacity < limit:
             raise ValueError(f"max_model_len {limit} needs {limit} KV slots; the pool has {capacity}")
@@ -125,7 +138,9 @@ class Engine:
                                   max(sched_config.max_num_batched_tokens, sched_config.max_num_seqs),
                                   sched_config.max_num_seqs, device)
         graphs = None
-        if device.type == "cuda" and not config.model.enforce_eager:
+        if self.ranks is not None and device.type == "cuda":
+            logger.info("tensor parallelism: steps run eagerly (no CUDA graphs yet)")
+        elif device.type == "cuda" and not config.model.enforce_eager:
             # Verification steps of K + 1 tokens per sequence (every K adaptive K may pick).
             spec = config.spec
             group = arch.num_heads // arch.num_kv_heads
@@ -134,7 +149,7 @@ class Engine:
             graphs = StepGraphs(self.model, self.pool, backend, inputs, arch.head_dim ** -0.5,
                                 sched_config.max_num_seqs, (1, *verify), spec.max_graph_batch)
             graphs.capture()
-        self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, inputs, graphs)
+        self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, inputs, graphs, self.ranks)
         self.speculator: Speculator | None = None
         self.structured = StructuredOutputs(self.tokenizer, arch.vocab_size, arch.eos_token_ids)
         self._requests: dict[str, _Request] = {}
@@ -145,8 +160,15 @@ class Engine:
         self._kv_landing: dict[Sequence, tuple[int, torch.cuda.Event]] = {}
         self._in_flight: _LaunchedStep | None = None  # the step queued last, not yet resolved
         self._ids = itertools.count()
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
-                    self.model_name, device, dtype, num_blocks, layout.block_size, self.max_model_len)
+        logger.info("engine ready: %s on %s (%s, tensor parallel %d), %d KV blocks of %d tokens, max_model_len %d",
+                    self.model_name, device, dtype, config.parallel.tensor_parallel_size, num_blocks,
+                    layout.block_size, self.max_model_len)
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (idempotent; also done when the
+        engine is garbage-collected). A single-rank engine holds nothing to stop."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     # Requests ------------------------------------------------------------
 

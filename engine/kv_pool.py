@@ -19,7 +19,8 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Everything two workers must agree on to exchange KV blocks."""
+    """Everything two workers must agree on to exchange KV blocks. Under tensor parallelism
+    a pool holds `num_kv_heads` of the model's KV heads from `kv_head_start` on."""
 
     model: str
     dtype: torch.dtype
@@ -27,9 +28,11 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    tp_size: int = 1  # ranks the model is split over (engine.parallel)
+    kv_head_start: int = 0  # the model's index of this pool's first KV head
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
 

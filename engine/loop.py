@@ -84,8 +84,10 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread, then the engine's other tensor-parallel ranks (if any)."""
         self._stopped.set()
         self._thread.join(timeout_s)
+        self.engine.close()
 
     def _run_commands(self, block_s: float) -> None:
         try:

@@ -12,12 +12,15 @@ from pdserve.engine.sampler import PendingSample, Sampler, TokenLogprobs
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
+from pdserve.engine.tensor_parallel import TensorParallelRanks
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend, sampler: Sampler,
-                 inputs: StepInputBuilder, graphs: StepGraphs | None = None) -> None:
+                 inputs: StepInputBuilder, graphs: StepGraphs | None = None,
+                 ranks: TensorParallelRanks | None = None) -> None:
         self.model = model
+        self.ranks = ranks  # the other tensor-parallel ranks: each eager step is sent to them first
         self.inputs = inputs  # the one builder of step inputs (shared with the graphs)
         self.graphs = graphs  # uniform steps (decodes, verifications) replay these (CUDA)
         self.pool = pool
@@ -54,6 +57,8 @@ class ModelRunner:
             order = _decodes_first(batch)
             inputs = self.inputs.build([batch.seqs[i] for i in order], [batch.num_new_tokens[i] for i in order],
                                        in_flight=in_flight)
+            if self.ranks is not None:
+                self.ranks.run_step(inputs)
             step = self.backend.begin_step(inputs.meta, self.pool, self.scale)
             hidden = self.model(inputs.input_ids, inputs.positions, step)  # writes the KV, sampled or not
             if not inputs.spans:  # mid-prompt chunks only

@@ -22,6 +22,7 @@ import torch
 from pdserve.engine.config import DEFAULT_MODEL, ModelConfig
 from pdserve.engine.models.arch import DUMMY_SHAPES, ModelArch
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +65,11 @@ def resolve_model(config: ModelConfig) -> ModelFiles:
 
 
 def load_model(files: ModelFiles, max_positions: int, device: torch.device, dtype: torch.dtype,
-               seed: int) -> LlamaForCausalLM:
-    """Build the model on the meta device (no init cost), then fill it from `files`."""
+               seed: int, tp: TensorParallel | None = None) -> LlamaForCausalLM:
+    """Build the model (`tp`: this rank's shard of it) on the meta device (no init cost),
+    then fill it from `files`."""
     with torch.device("meta"), _default_dtype(dtype):
-        model = LlamaForCausalLM(files.arch, max_positions, device)
+        model = LlamaForCausalLM(files.arch, max_positions, device, tp)
     model.to_empty(device=device)
     model.tie_weights()
     model.load_weights(iter_weights(files, files.arch, seed, device, dtype))

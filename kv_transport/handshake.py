@@ -28,6 +28,8 @@ def layout_fields(layout: KVLayout) -> dict[str, str | int]:
         "num_kv_heads": layout.num_kv_heads,
         "head_dim": layout.head_dim,
         "block_size": layout.block_size,
+        "tp_size": layout.tp_size,
+        "kv_head_start": layout.kv_head_start,
         "protocol_version": PROTOCOL_VERSION,
     }
 

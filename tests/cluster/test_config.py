@@ -45,6 +45,35 @@ def test_pools_fit_the_gpus(gpus, want):
     assert fit_pools_to_gpus(PoolConfig(), gpus) == want
 
 
+@pytest.mark.parametrize("gpus, tp, want", [
+    (4, 2, PoolConfig(decode_tp=2, prefill_tp=1, gpus_per_worker=1.0)),  # 1 + 2 GPUs fit in 4
+    (2, 2, PoolConfig(mode="colocated", num_decode=1, decode_tp=2, prefill_tp=1, gpus_per_worker=1.0)),
+    (8, 4, PoolConfig(mode="colocated", num_decode=2, decode_tp=4, prefill_tp=4, num_prefill=2,
+                      gpus_per_worker=1.0)),  # 2 x 4 + 1 x 4 do not fit in 8: two mixed workers of 4
+])
+def test_pools_fit_the_gpus_of_tensor_parallel_workers(gpus, tp, want):
+    pools = PoolConfig(decode_tp=tp, prefill_tp=want.prefill_tp, num_prefill=want.num_prefill)
+    assert fit_pools_to_gpus(pools, gpus) == want
+
+
+def test_tensor_parallel_size_reaches_each_pools_engine():
+    config = config_from_dict({"engine": {"parallel": {"tensor_parallel_size": 2}}, "pools": {"mode": "colocated"}})
+    assert config.engine_for("decode").parallel.tensor_parallel_size == 2
+    config = config_from_dict({"pools": {"mode": "colocated", "decode_tp": 3}})
+    assert config.engine_for("decode").parallel.tensor_parallel_size == 3
+    assert config.engine_for("prefill").parallel.tensor_parallel_size == 1
+
+
+@pytest.mark.parametrize("data", [
+    {"engine": {"parallel": {"tensor_parallel_size": 2}}},  # disaggregated is the default mode
+    {"pools": {"decode_tp": 2}},
+    {"pools": {"prefill_tp": 2}},
+])
+def test_disaggregated_tensor_parallelism_is_refused_until_the_transport_moves_it(data):
+    with pytest.raises(ValueError, match="disaggregated serving with tensor parallelism"):
+        config_from_dict(data)
+
+
 def test_explicit_gpus_per_worker_is_kept():
     pools = PoolConfig(gpus_per_worker=0.5)
     assert fit_pools_to_gpus(pools, 1) is pools

@@ -100,6 +100,16 @@ def test_colocated_mode_has_no_prefill_group(render: Render, tmp_path: Path,
     assert (pools.mode, pools.num_prefill, pools.num_decode) == ("colocated", 0, 2)
 
 
+def test_tensor_parallel_workers_take_all_their_gpus(render: Render, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render(sets=("config.pools.mode=colocated", "config.engine.parallel.tensor_parallel_size=2",
+                        "decode.gpus=4", "decode.workersPerPod=2"))
+    config = served_config(docs, tmp_path, monkeypatch)
+    # Two workers per pod of 4 GPUs, each of TP 2: one GPU per rank, 2 per actor.
+    assert config.pools.gpus_per_worker == 1.0 and config.pools.num_decode == 2
+    assert config.engine_for("decode").parallel.tensor_parallel_size == 2
+
+
 @pytest.mark.parametrize("values", list(VALUES), ids=list(VALUES))
 def test_worker_groups_offer_what_the_pools_need(render: Render, values: str) -> None:
     """Ray's own reading of the RayCluster (its KubeRay autoscaler) finds the

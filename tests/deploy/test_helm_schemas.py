@@ -130,7 +130,7 @@ def test_bad_values_fail_with_a_clear_message(helm: str, case: str) -> None:
 def test_mismatched_gpus_per_worker_fail(helm: str) -> None:
     proc = run_helm(helm, *template_args(sets=("prefill.gpus=2",)))
     assert proc.returncode != 0
-    assert "must equal decode.gpus/decode.workersPerPod" in proc.stderr, proc.stderr
+    assert "must equal decode.gpus/(decode.workersPerPod x decode TP)" in proc.stderr, proc.stderr
 
 
 def test_schema_names_only_real_config_fields() -> None:

@@ -30,15 +30,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/* Replaced by the head pod's IP at start: pdserve joins Ray and serves KV from it. */}}
 {{- define "pdserve.podIpPlaceholder" -}}__POD_IP__{{- end -}}
 
-{{/* GPUs each pdserve worker actor takes: the decode group's GPUs per worker. */}}
+{{/* GPUs each rank of a pdserve worker takes (pools.gpus_per_worker): the decode group's
+GPUs per worker over its tensor-parallel size. */}}
 {{- define "pdserve.gpusPerWorker" -}}
 {{- $d := .Values.decode -}}
 {{- $p := .Values.prefill -}}
-{{- $perWorker := divf $d.gpus $d.workersPerPod -}}
-{{- if and (eq .Values.config.pools.mode "disaggregated") (ne (divf $p.gpus $p.workersPerPod) $perWorker) -}}
-{{- fail (printf "prefill.gpus/prefill.workersPerPod (%v/%v) must equal decode.gpus/decode.workersPerPod (%v/%v): pdserve gives every worker the same GPUs" $p.gpus $p.workersPerPod $d.gpus $d.workersPerPod) -}}
+{{- $tp := (((.Values.config.engine).parallel).tensor_parallel_size) | default 1 -}}
+{{- $dtp := .Values.config.pools.decode_tp | default $tp -}}
+{{- $ptp := .Values.config.pools.prefill_tp | default $tp -}}
+{{- $perRank := divf $d.gpus (mul $d.workersPerPod $dtp) -}}
+{{- if and (eq .Values.config.pools.mode "disaggregated") (ne (divf $p.gpus (mul $p.workersPerPod $ptp)) $perRank) -}}
+{{- fail (printf "prefill.gpus/(prefill.workersPerPod x prefill TP) (%v/(%v x %v)) must equal decode.gpus/(decode.workersPerPod x decode TP) (%v/(%v x %v)): pdserve gives every rank the same GPUs" $p.gpus $p.workersPerPod $ptp $d.gpus $d.workersPerPod $dtp) -}}
 {{- end -}}
-{{- $perWorker -}}
+{{- $perRank -}}
 {{- end -}}
 
 {{/* The pdserve config file: values.config plus what the pods decide. */}}
