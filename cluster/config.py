@@ -258,13 +258,6 @@ class ServeConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
-    def __post_init__(self) -> None:
-        pools = self.pools
-        if pools.mode == "disaggregated" and max(pools.tp("prefill", self.engine), pools.tp("decode", self.engine)) > 1:
-            raise ValueError("disaggregated serving with tensor parallelism > 1 needs KV moved between the ranks "
-                             "of the two pools, which the KV transport cannot do yet: serve colocated "
-                             "(pools.mode: colocated) or with tensor_parallel_size 1")
-
     def engine_for(self, role: str) -> EngineConfig:
         """The engine config of the workers of `role`: the pool's tensor-parallel size."""
         size = self.pools.tp(role, self.engine)

@@ -16,6 +16,7 @@ from pdserve.engine.loop import LoopWorker, log_failure
 from pdserve.engine.messages import KVTransferInfo, WorkerRequest
 from pdserve.engine.outputs import TokenDelta
 from pdserve.kv_transport import PeerAddress, TransportConfig
+from pdserve.kv_transport.shards import PoolShards
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ class DecodeWorker(LoopWorker):
         from pdserve.kv_transport.ucx_receiver import UcxKVReceiver
 
         engine = self.loop.engine
-        self._receiver = await UcxKVReceiver.start(engine.pool.kv, engine.pool.layout, on_this_node(self._transport))
+        pool = PoolShards(engine.kv_shards, engine.arch.num_kv_heads)  # every rank's, under tensor parallelism
+        self._receiver = await UcxKVReceiver.start(pool, engine.kv_wire_layout, on_this_node(self._transport))
         return self._receiver.address
 
     async def submit(self, req: WorkerRequest) -> None:

@@ -22,7 +22,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import StepGraphs
 from pdserve.engine.grammar import StructuredOutputs
 from pdserve.engine.kv_budget import blocks_that_fit, draft_memory
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
 from pdserve.engine.parallel import ShardPlan, TensorParallel, check_splits
@@ -122,8 +122,13 @@ class Engine:
                            config.cache.block_size)
         num_blocks = config.cache.num_blocks or blocks_that_fit(config, layout, device, draft_memory(config, arch))
         self.pool = KVPool(layout, num_blocks, device)
+        # Every rank's pool and its first KV head (what a KV transfer reads or writes).
+        self.kv_shards: list[tuple[torch.Tensor, int]] = [(self.pool.kv, layout.kv_head_start)]
         if self.ranks is not None:
-            self.ranks.open_pools(num_blocks)
+            self.kv_shards += self.ranks.open_pools(num_blocks)
+        # The KV of every head, as one rank would lay it out: what moves between workers.
+        self.kv_wire_layout = KVLayout(self.model_name, dtype, arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                                       config.cache.block_size)
         capacity = num_blocks * layout.block_size
         if config.model.max_model_len is not None and capacity < limit:
             raise ValueError(f"max_model_len {limit} needs {limit} KV slots; the pool has {capacity}")

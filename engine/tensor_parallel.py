@@ -109,17 +109,22 @@ class TensorParallelRanks:
         self._device = device
         self._closed = False
 
-    def open_pools(self, num_blocks: int) -> None:
+    def open_pools(self, num_blocks: int) -> list[tuple[torch.Tensor, int]]:
         """Have every rank allocate its pool of `num_blocks` blocks; returns once all are
-        ready to step (bounded by `startup_timeout_s`: their model load comes before)."""
+        ready to step (bounded by `startup_timeout_s`: their model load comes before), with
+        their pools (shared memory on the CPU, CUDA IPC mappings on GPUs) and first KV heads,
+        for the KV transport to read and write."""
         for conn in self._conns:
             conn.send(("pool", num_blocks))
+        pools = []
         for rank, conn in enumerate(self._conns, start=1):
             if not conn.poll(self._timeout_s):
                 raise RuntimeError(f"tensor-parallel rank {rank} was not ready within {self._timeout_s:.0f} s")
             reply = conn.recv()
             if reply[0] != "ready":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {reply[1]}")
+            pools.append((reply[1], reply[2]))
+        return pools
 
     def run_step(self, inputs: StepInputs) -> None:
         """Send the step rank 0 is about to run to every other rank (before rank 0's own
@@ -220,7 +225,9 @@ class _Follower:
                 return
             if message[0] == "pool":
                 self.pool = KVPool(self.layout, message[1], self.device)
-                self.conn.send(("ready",))
+                if self.device.type == "cpu":
+                    self.pool.kv.share_memory_()  # rank 0's KV transport reads and writes it
+                self.conn.send(("ready", self.pool.kv, self.layout.kv_head_start))
             else:
                 self._step(message[1])
 

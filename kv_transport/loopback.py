@@ -25,7 +25,8 @@ from pdserve.kv_transport.config import TransportConfig
 from pdserve.kv_transport.handshake import check_proof, describe_mismatch, fingerprint, layout_fields, new_nonce, prove
 from pdserve.kv_transport.keepalive import KeepAlive
 from pdserve.kv_transport.receive_table import Ack, ReceiveTable
-from pdserve.kv_transport.staging import check_block_ids, gather_blocks
+from pdserve.kv_transport.shards import PoolShards
+from pdserve.kv_transport.staging import check_block_ids
 
 TRANSPORT = "loopback"
 
@@ -36,13 +37,13 @@ class LoopbackNetwork:
     def __init__(self) -> None:
         self._receivers: dict[PeerAddress, LoopbackReceiver] = {}
 
-    def receiver(self, kv: torch.Tensor, layout: KVLayout, config: TransportConfig) -> LoopbackReceiver:
+    def receiver(self, kv: torch.Tensor | PoolShards, layout: KVLayout, config: TransportConfig) -> LoopbackReceiver:
         address = PeerAddress("loopback", len(self._receivers) + 1)
         receiver = LoopbackReceiver(self, address, kv, layout, config)
         self._receivers[address] = receiver
         return receiver
 
-    def sender(self, kv: torch.Tensor, layout: KVLayout, config: TransportConfig) -> LoopbackSender:
+    def sender(self, kv: torch.Tensor | PoolShards, layout: KVLayout, config: TransportConfig) -> LoopbackSender:
         return LoopbackSender(self, kv, layout, config)
 
     def lookup(self, address: PeerAddress) -> LoopbackReceiver | None:
@@ -56,15 +57,15 @@ class LoopbackReceiver:
     """KVReceiver over a LoopbackNetwork. Create with `LoopbackNetwork.receiver`."""
 
     def __init__(
-        self, network: LoopbackNetwork, address: PeerAddress, kv: torch.Tensor, layout: KVLayout,
+        self, network: LoopbackNetwork, address: PeerAddress, kv: torch.Tensor | PoolShards, layout: KVLayout,
         config: TransportConfig,
     ) -> None:
         self._network = network
         self._address = address
-        self._kv = kv
+        self._kv = PoolShards.of(kv)
         self._config = config
         self.fields = layout_fields(layout)
-        self._table = ReceiveTable(kv, config.transfer_timeout_s)
+        self._table = ReceiveTable(self._kv, config.transfer_timeout_s)
 
     @property
     def address(self) -> PeerAddress:
@@ -97,19 +98,20 @@ class LoopbackReceiver:
 class LoopbackSender:
     """KVSender over a LoopbackNetwork. Create with `LoopbackNetwork.sender`."""
 
-    def __init__(self, network: LoopbackNetwork, kv: torch.Tensor, layout: KVLayout, config: TransportConfig) -> None:
+    def __init__(self, network: LoopbackNetwork, kv: torch.Tensor | PoolShards, layout: KVLayout,
+                 config: TransportConfig) -> None:
         self._network = network
-        self._kv = kv
+        self._kv = PoolShards.of(kv)
         self._config = config
         self._fields = layout_fields(layout)
-        self._bytes_per_block = kv[:, :, 0].numel() * kv.element_size()
+        self._bytes_per_block = self._kv.bytes_per_block
         self._in_flight: set[str] = set()
         self._alive = KeepAlive(config.keepalive_interval_s, self._keep_alive)
 
     async def send(
         self, request_id: str, block_ids: Sequence[int], peer: PeerAddress, after: torch.cuda.Event | None = None
     ) -> TransferResult:
-        ids = check_block_ids(block_ids, self._kv.shape[2])
+        ids = check_block_ids(block_ids, self._kv.num_blocks)
         if request_id in self._in_flight:
             raise ValueError(f"request {request_id!r} is already being sent")
         if after is not None:
@@ -158,7 +160,7 @@ class LoopbackSender:
             if not acked.done():
                 acked.set_result(error)
 
-        staging = gather_blocks(self._kv, ids)
+        staging = self._kv.gather(ids)
         if staging.is_cuda:
             torch.cuda.current_stream(staging.device).synchronize()  # in-process test double: plainly in order
         receiver.deliver(request_id, staging, ack)

@@ -24,7 +24,8 @@ from pdserve.kv_transport.api import (
     TransferResult,
     TransferTimeout,
 )
-from pdserve.kv_transport.staging import check_block_ids, empty_staging, scatter_blocks, staging_num_blocks
+from pdserve.kv_transport.shards import PoolShards
+from pdserve.kv_transport.staging import check_block_ids, staging_num_blocks
 
 # Tells the sender how its payload ended: None when it landed, else the error.
 Ack = Callable[[TransferError | None], None]
@@ -77,10 +78,10 @@ class ReceiveTable:
     connection to break, so blocks are never freed while a copy may still reach them.
     """
 
-    def __init__(self, kv: torch.Tensor, timeout_s: float) -> None:
-        self._kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    def __init__(self, kv: torch.Tensor | PoolShards, timeout_s: float) -> None:
+        self._pool = PoolShards.of(kv)  # the pool, or a tensor-parallel worker's ranks' pools
         self._timeout_s = timeout_s
-        self._bytes_per_block = kv[:, :, 0].numel() * kv.element_size()
+        self._bytes_per_block = self._pool.bytes_per_block
         self._expected: dict[str, _Expected] = {}
         self._early: dict[str, _Early] = {}
         self._early_writes: dict[str, _EarlyWrite] = {}
@@ -96,7 +97,7 @@ class ReceiveTable:
     def expect(self, request_id: str, block_ids: Sequence[int]) -> asyncio.Future[TransferResult]:
         if request_id in self._expected:
             raise ValueError(f"request {request_id!r} is already expected")
-        ids = check_block_ids(block_ids, self._kv.shape[2])
+        ids = check_block_ids(block_ids, self._pool.num_blocks)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[TransferResult] = loop.create_future()
         timer = loop.call_later(self._timeout_s, self._expire, request_id)
@@ -239,12 +240,12 @@ class ReceiveTable:
         """Write a payload into its blocks. On a GPU on a stream of the table's own, so that
         neither the event loop nor the copy waits for the engine's steps: the result's
         `ready` completes with it (see TransferResult.ready). On the CPU done on return."""
-        if not self._kv.is_cuda:
-            scatter_blocks(self._kv, ids, staging)
+        if not self._pool.is_cuda:
+            self._pool.scatter(ids, staging)
             return None
         stream = self._gpu_stream()
         with torch.cuda.stream(stream):
-            scatter_blocks(self._kv, ids, staging)
+            self._pool.scatter(ids, staging)
             staging.record_stream(stream)  # a loopback payload comes from the caller's stream
             ready = torch.cuda.Event()
             ready.record(stream)
@@ -255,11 +256,11 @@ class ReceiveTable:
         comes from the table's stream, once that stream is idle: memory freed there may
         still be read by a queued scatter (and memory freed on the engine's stream by a
         queued step, so never from that one)."""
-        if not self._kv.is_cuda:
-            return empty_staging(self._kv, num_blocks)
+        if not self._pool.is_cuda:
+            return self._pool.empty_staging(num_blocks)
         stream = self._gpu_stream()
         with torch.cuda.stream(stream):
-            staging = empty_staging(self._kv, num_blocks)
+            staging = self._pool.empty_staging(num_blocks)
             idle = torch.cuda.Event()
             idle.record(stream)
         await asyncio.to_thread(idle.synchronize)
@@ -267,7 +268,7 @@ class ReceiveTable:
 
     def _gpu_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self._kv.device)
+            self._stream = torch.cuda.Stream(self._pool.device)
         return self._stream
 
     def _fail(self, request_id: str, error: TransferError) -> None:

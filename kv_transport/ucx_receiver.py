@@ -18,6 +18,7 @@ from pdserve.kv_transport.config import TransportConfig
 from pdserve.kv_transport.cuda_ipc import export_pool
 from pdserve.kv_transport.handshake import data_tag, layout_fields
 from pdserve.kv_transport.receive_table import ReceiveTable
+from pdserve.kv_transport.shards import PoolShards
 from pdserve.kv_transport.staging import as_bytes
 from pdserve.kv_transport.ucx_link import PROBE_BYTES, PROBE_ID, Control, Session, ensure_ucx, server_handshake, spawn
 from pdserve.kv_transport.wire import error_to_wire
@@ -29,7 +30,7 @@ class _Connection:
     """One authenticated sender: reads its headers, posts receives for its data."""
 
     def __init__(
-        self, ctl: Control, session: Session, kv: torch.Tensor, table: ReceiveTable,
+        self, ctl: Control, session: Session, kv: PoolShards, table: ReceiveTable,
         on_close: Callable[[_Connection], None],
     ) -> None:
         self._ctl = ctl
@@ -89,7 +90,7 @@ class _Connection:
         self.close()
 
     def _check_header(self, request_id: str, num_blocks: int | None) -> bool:
-        bad_count = num_blocks is not None and not 0 < num_blocks <= self._kv.shape[2]
+        bad_count = num_blocks is not None and not 0 < num_blocks <= self._kv.num_blocks
         if bad_count or request_id in self._receiving or request_id in self._writing:
             # The sender checks both before sending; a violation means a broken peer.
             logger.warning("KV sender broke the protocol (request %r, %d blocks)", request_id, num_blocks)
@@ -167,12 +168,15 @@ class _Connection:
 class UcxKVReceiver:
     """KVReceiver over ucxx. Create with `await UcxKVReceiver.start(...)`."""
 
-    def __init__(self, kv: torch.Tensor, layout: KVLayout, config: TransportConfig) -> None:
+    def __init__(self, kv: torch.Tensor | PoolShards, layout: KVLayout, config: TransportConfig) -> None:
+        """kv: the pool [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], or
+        the pools of a tensor-parallel worker's ranks; layout: the one-rank layout of the
+        model's KV (what the wire carries)."""
         ensure_ucx(config)
-        self._kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self._kv = PoolShards.of(kv)
         self._config = config
         self._fields = layout_fields(layout)
-        self._table = ReceiveTable(kv, config.transfer_timeout_s)
+        self._table = ReceiveTable(self._kv, config.transfer_timeout_s)
         self._conns: set[_Connection] = set()
         self._listener: Any = None
         self._port = 0
@@ -180,7 +184,7 @@ class UcxKVReceiver:
         self._incarnation = secrets.token_hex(8)
 
     @classmethod
-    async def start(cls, kv: torch.Tensor, layout: KVLayout, config: TransportConfig) -> UcxKVReceiver:
+    async def start(cls, kv: torch.Tensor | PoolShards, layout: KVLayout, config: TransportConfig) -> UcxKVReceiver:
         receiver = cls(kv, layout, config)
         # ucxx binds 0.0.0.0 whatever listen_host says (create_listener takes a port, and so does
         # its C++ ListenerBuilder): the one listener of a local cluster off loopback. The
@@ -216,11 +220,13 @@ class UcxKVReceiver:
         self._table.close()
 
     def _offer_pool(self) -> dict[str, Any] | None:
-        """The pool's CUDA IPC handle for a sender's direct writes (fresh per sender)."""
-        if not (self._config.direct_writes and self._kv.is_cuda):
+        """The pool's CUDA IPC handle for a sender's direct writes (fresh per sender); none
+        for a tensor-parallel worker's ranks, whose KV arrives by messages."""
+        kv = self._kv.single
+        if kv is None or not (self._config.direct_writes and kv.is_cuda):
             return None
         try:
-            return export_pool(self._kv)
+            return export_pool(kv)
         except RuntimeError as e:
             logger.warning("cannot share the KV pool over CUDA IPC, senders will use UCX messages: %s", e)
             return None
@@ -244,7 +250,7 @@ class UcxKVReceiver:
         self._conns.add(_Connection(ctl, session, self._kv, self._table, self._conns.discard))
 
     async def _accept(self, ctl: Control) -> Session:
-        session = await server_handshake(ctl, self._fields, self._config, self._kv.shape[2], self._offer_pool,
+        session = await server_handshake(ctl, self._fields, self._config, self._kv.num_blocks, self._offer_pool,
                                          self._incarnation)
         probe = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=self._kv.device)
         await ctl.ep.recv(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True)

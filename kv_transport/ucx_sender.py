@@ -31,7 +31,8 @@ from pdserve.kv_transport.cuda_ipc import open_pool
 from pdserve.kv_transport.handshake import data_tag, layout_fields
 from pdserve.kv_transport.keepalive import KeepAlive
 from pdserve.kv_transport.pool_writer import PoolWriter
-from pdserve.kv_transport.staging import as_bytes, check_block_ids, gather_blocks, has_repeats, staging_num_blocks
+from pdserve.kv_transport.shards import PoolShards
+from pdserve.kv_transport.staging import as_bytes, check_block_ids, has_repeats, staging_num_blocks
 from pdserve.kv_transport.transport_info import ep_info, transport_from_ep_info
 from pdserve.kv_transport.ucx_link import PROBE_BYTES, PROBE_ID, Control, Session, client_handshake, ensure_ucx, spawn
 from pdserve.kv_transport.wire import error_from_wire
@@ -46,12 +47,13 @@ class _Connection:
 
     def __init__(
         self, peer: PeerAddress, ctl: Control, data_ep: Any, session: Session, transport: str,
-        on_close: Callable[[_Connection], None], kv: torch.Tensor, peer_kv: torch.Tensor | None = None,
+        on_close: Callable[[_Connection], None], kv: torch.Tensor | None, peer_kv: torch.Tensor | None = None,
     ) -> None:
         self.peer = peer
         # The receiver's pool mapped into this process: KV is written straight into it.
         self.peer_kv = peer_kv
-        self._writer = PoolWriter(kv, peer_kv) if peer_kv is not None else None
+        # (peer_kv is only opened for a one-rank pool `kv`: see UcxKVSender._open_peer_pool.)
+        self._writer = PoolWriter(kv, peer_kv) if kv is not None and peer_kv is not None else None
         # Recorded after each copy, in turn; the receiver opens them (CUDA IPC) and hands the
         # one named in "written" to its engine, which uses the KV once its host sees it
         # complete (a stream wait on another process's event lags ~85 us on the H200s; a
@@ -266,12 +268,15 @@ class _Attempt:
 class UcxKVSender:
     """KVSender over ucxx. Use inside the event loop that will drive it."""
 
-    def __init__(self, kv: torch.Tensor, layout: KVLayout, config: TransportConfig) -> None:
+    def __init__(self, kv: torch.Tensor | PoolShards, layout: KVLayout, config: TransportConfig) -> None:
+        """kv: the pool [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], or
+        the pools of a tensor-parallel worker's ranks; layout: the one-rank layout of the
+        model's KV (what the wire carries)."""
         ensure_ucx(config)
-        self._kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self._pool = PoolShards.of(kv)
         self._config = config
         self._fields = layout_fields(layout)
-        self._bytes_per_block = kv[:, :, 0].numel() * kv.element_size()
+        self._bytes_per_block = self._pool.bytes_per_block
         self._conns: dict[PeerAddress, _Connection] = {}
         self._connecting: dict[PeerAddress, asyncio.Task[_Connection]] = {}
         self._in_flight: set[str] = set()
@@ -318,7 +323,7 @@ class UcxKVSender:
     async def send(
         self, request_id: str, block_ids: Sequence[int], peer: PeerAddress, after: torch.cuda.Event | None = None
     ) -> TransferResult:
-        ids = check_block_ids(block_ids, self._kv.shape[2])
+        ids = check_block_ids(block_ids, self._pool.num_blocks)
         if request_id in self._in_flight:
             raise ValueError(f"request {request_id!r} is already being sent")
         self._prepared.pop(request_id, None)  # the write below takes the grant, or sends it back
@@ -367,14 +372,14 @@ class UcxKVSender:
         """The blocks packed for one UCX message. On a GPU on a stream of our own behind
         `after`, awaited off the loop: UCX reads the buffer outside torch's stream order, and
         neither the loop nor the gather waits for the engine's later steps."""
-        if not self._kv.is_cuda:
-            return gather_blocks(self._kv, ids)
+        if not self._pool.is_cuda:
+            return self._pool.gather(ids)
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self._kv.device)
+            self._stream = torch.cuda.Stream(self._pool.device)
         with torch.cuda.stream(self._stream):
             if after is not None:
                 self._stream.wait_event(after)
-            staging = gather_blocks(self._kv, ids)
+            staging = self._pool.gather(ids)
             gathered = torch.cuda.Event()
             gathered.record(self._stream)
         await asyncio.to_thread(gathered.synchronize)
@@ -445,23 +450,23 @@ class UcxKVSender:
         path = "direct writes into the peer's pool" if peer_kv is not None else \
             f"UCX messages, fast_data_path={self._config.fast_data_path}"
         log("KV transport to %s: %s (%s)", peer, transport, path)
-        return _Connection(peer, ctl, data_ep, session, transport, self._forget, self._kv, peer_kv)
+        return _Connection(peer, ctl, data_ep, session, transport, self._forget, self._pool.single, peer_kv)
 
     def _open_peer_pool(self, session: Session, peer: PeerAddress) -> torch.Tensor | None:
         """The receiver's pool mapped for direct writes, or None (not offered, or not mappable here)."""
-        desc = session.peer_pool
-        if desc is None or not (self._config.direct_writes and self._kv.is_cuda):
-            return None
+        desc, kv = session.peer_pool, self._pool.single
+        if desc is None or kv is None or not (self._config.direct_writes and kv.is_cuda):
+            return None  # (a tensor-parallel worker's ranks send by messages)
         try:
-            peer_kv = open_pool(desc, self._kv.device)
+            peer_kv = open_pool(desc, kv.device)
         except ValueError as e:  # another host: messages are the path there
             logger.info("KV pool of %s not mappable here (%s): using UCX messages", peer, e)
             return None
         except RuntimeError as e:  # same host, yet CUDA or /dev/shm refused: a slower path than expected
             logger.warning("KV pool of %s offered but not mappable (%s): falling back to UCX messages", peer, e)
             return None
-        expected = (*self._kv.shape[:2], session.peer_num_blocks, *self._kv.shape[3:])
-        if tuple(peer_kv.shape) != expected or peer_kv.dtype != self._kv.dtype:
+        expected = (*kv.shape[:2], session.peer_num_blocks, *kv.shape[3:])
+        if tuple(peer_kv.shape) != expected or peer_kv.dtype != kv.dtype:
             raise TransferError(f"{peer} shared a pool of shape {tuple(peer_kv.shape)}, expected {expected}")
         return peer_kv
 
@@ -471,7 +476,7 @@ class UcxKVSender:
 
     async def _probe(self, data_ep: Any, session: Session) -> str:
         """Send one bulk-sized message so UCX wires up the data path, then read which transport it chose."""
-        probe = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=self._kv.device)
+        probe = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=self._pool.device)
         await data_ep.send(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True)
-        memory = "cuda" if self._kv.is_cuda else "host"
+        memory = "cuda" if self._pool.is_cuda else "host"
         return transport_from_ep_info(ep_info(data_ep.ucp_endpoint), memory)

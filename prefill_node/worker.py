@@ -16,6 +16,7 @@ from pdserve.engine.messages import KVTransferInfo, PrefillOutput, WorkerRequest
 from pdserve.engine.outputs import TokenDelta
 from pdserve.engine.sequence import FinishReason
 from pdserve.kv_transport import PeerAddress, TransferResult, TransportConfig
+from pdserve.kv_transport.shards import PoolShards
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ class PrefillWorker(LoopWorker):
         from pdserve.kv_transport.ucx_sender import UcxKVSender
 
         engine = self.loop.engine
-        self._sender = UcxKVSender(engine.pool.kv, engine.pool.layout, on_this_node(self._transport))
+        pool = PoolShards(engine.kv_shards, engine.arch.num_kv_heads)  # every rank's, under tensor parallelism
+        self._sender = UcxKVSender(pool, engine.kv_wire_layout, on_this_node(self._transport))
         self._pump = asyncio.create_task(self._pump_deltas())
         self._loop = asyncio.get_running_loop()
         engine.set_kv_computed_callback(self._kv_computed)

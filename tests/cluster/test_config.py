@@ -64,13 +64,13 @@ def test_tensor_parallel_size_reaches_each_pools_engine():
     assert config.engine_for("prefill").parallel.tensor_parallel_size == 1
 
 
-@pytest.mark.parametrize("data", [
-    {"engine": {"parallel": {"tensor_parallel_size": 2}}},  # disaggregated is the default mode
-    {"pools": {"decode_tp": 2}},
-    {"pools": {"prefill_tp": 2}},
+@pytest.mark.parametrize("data, words", [
+    ({"pools": {"decode_tp": 0}}, "decode_tp must be >= 1"),
+    ({"engine": {"parallel": {"tensor_parallel_size": 0}}}, "tensor_parallel_size must be >= 1"),
+    ({"engine": {"parallel": {"collective_timeout_s": 0}}}, "collective_timeout_s must be > 0"),
 ])
-def test_disaggregated_tensor_parallelism_is_refused_until_the_transport_moves_it(data):
-    with pytest.raises(ValueError, match="disaggregated serving with tensor parallelism"):
+def test_bad_parallel_settings_are_clear_value_errors(data, words):
+    with pytest.raises(ValueError, match=words):
         config_from_dict(data)
 
 

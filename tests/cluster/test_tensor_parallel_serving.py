@@ -1,11 +1,20 @@
-"""A colocated worker of tensor-parallel size 3 (the default model's 9 heads and 3 KV heads
-split over three CPU processes, gloo) behind real Ray and real gRPC: greedy streams match
-Hugging Face transformers, and every block is free afterwards."""
+"""Tensor-parallel workers behind real Ray, real UCX and real gRPC, on the CPU (gloo).
+
+- Colocated: the default model (9 heads, 3 KV heads) over three ranks streams Hugging
+  Face's greedy tokens.
+- Disaggregated between pools of different tensor-parallel sizes (2 -> 1, 1 -> 2, 2 -> 4;
+  at 4 ranks the tiny model's 2 KV heads are replicated): the KV crosses over UCX in the
+  model's layout, and the streams equal one in-process engine of one rank; every block of
+  both pools is free afterwards.
+"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.engine import Engine
 from pdserve.engine.sampling import SamplingParams
 from tests.cluster.streams import collect_concurrently, pools_are_full, wait_until
 from tests.engine.hf_reference import assert_matches_reference, hf_greedy
@@ -13,16 +22,50 @@ from tests.engine.prompts import prompt_ids
 
 pytestmark = pytest.mark.slow
 
-PROMPT_LENGTHS = [5, 48, 130]
 NEW_TOKENS = 16
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, eos_token_id=None)
 
 
-def test_a_tensor_parallel_worker_streams_hf_greedy_tokens(start, tokenizer, hf_model):
+def test_a_colocated_tensor_parallel_worker_streams_hf_greedy_tokens(start, tokenizer, hf_model):
     srv = start(pools={"mode": "colocated", "decode_tp": 3})
-    prompts = [prompt_ids(tokenizer, n, variant=i) for i, n in enumerate(PROMPT_LENGTHS)]
+    prompts = [prompt_ids(tokenizer, n, variant=i) for i, n in enumerate([5, 48, 130])]
     params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
     got = collect_concurrently(srv.target, prompts, params)
     for prompt, out in zip(prompts, got):
         want, logits = hf_greedy(hf_model, prompt, NEW_TOKENS)
         assert_matches_reference(out.token_ids, want, logits, f"TP 3 worker, prompt of {len(prompt)}")
     wait_until(lambda: pools_are_full(srv.target), 10, "every block to be free")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), dtype=torch.float32)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    hf.save_pretrained(str(folder))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_workload(tiny_model) -> tuple[list[list[int]], list[SamplingParams], list[list[int]]]:
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 250, (n,), generator=gen).tolist() for n in (4, 37, 90, 150)]
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
+    engine = Engine(EngineConfig(model=ModelConfig(source=tiny_model, device="cpu", dtype="float32")))
+    return prompts, params, [o.token_ids for o in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 4)])
+def test_disaggregated_pools_of_different_tensor_parallel_sizes(start, tiny_model, tiny_workload, prefill_tp,
+                                                                decode_tp):
+    srv = start(engine={"model": {"source": tiny_model, "device": "cpu", "dtype": "float32"},
+                        "cache": {"cpu_kv_cache_gib": 0.05}},
+                pools={"mode": "disaggregated", "prefill_tp": prefill_tp, "decode_tp": decode_tp})
+    prompts, params, want = tiny_workload
+    got = collect_concurrently(srv.target, prompts, params)
+    for prompt, out, w in zip(prompts, got, want):
+        assert out.token_ids == w, f"prefill TP {prefill_tp} -> decode TP {decode_tp}, prompt of {len(prompt)}"
+    wait_until(lambda: pools_are_full(srv.target), 10, "every block of both pools to be free")

@@ -67,7 +67,8 @@ def _map_pools_through_files() -> None:
     """Stand-ins for cuda_ipc.export_pool / open_pool on CPU pools: a file in /dev/shm."""
 
     def offer(receiver: UcxKVReceiver) -> dict[str, Any]:
-        kv = receiver._kv
+        kv = receiver._kv.single
+        assert kv is not None
         path = f"/dev/shm/pdserve-test-{os.getpid()}-{id(kv)}"
         if not os.path.exists(path):
             shared = torch.from_file(path, shared=True, size=kv.numel(), dtype=kv.dtype).view(kv.shape)
@@ -80,7 +81,8 @@ def _map_pools_through_files() -> None:
         if desc is None:
             return None
         shape = torch.Size(desc["shape"])
-        return torch.from_file(desc["path"], shared=True, size=shape.numel(), dtype=sender._kv.dtype).view(shape)
+        dtype = sender._pool.single.dtype
+        return torch.from_file(desc["path"], shared=True, size=shape.numel(), dtype=dtype).view(shape)
 
     UcxKVReceiver._offer_pool = offer  # type: ignore[method-assign]
     UcxKVSender._open_peer_pool = open_  # type: ignore[method-assign]
