@@ -30,7 +30,7 @@ from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
 from pdserve.engine.sampler import PendingSample, Sampler
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
-from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence, SequenceStatus
+from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence
 from pdserve.engine.speculator import Proposals, Speculator
 from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
 from pdserve.engine.tensor_parallel import TensorParallelRanks, kv_layout
@@ -158,11 +158,7 @@ class Engine:
         self.speculator: Speculator | None = None
         self.structured = StructuredOutputs(self.tokenizer, arch.vocab_size, arch.eos_token_ids)
         self._requests: dict[str, _Request] = {}
-        self._held: dict[str, Sequence] = {}
-        self._num_receiving = 0
         self._on_kv_computed: KVComputed | None = None
-        # Admitted, but their KV is still being copied in: (first token, CUDA event of the copy).
-        self._kv_landing: dict[Sequence, tuple[int, torch.cuda.Event]] = {}
         self._in_flight: _LaunchedStep | None = None  # the step queued last, not yet resolved
         self._ids = itertools.count()
         logger.info("engine ready: %s on %s (%s, tensor parallel %d), %d KV blocks of %d tokens, max_model_len %d",
@@ -223,11 +219,7 @@ class Engine:
 
     def release(self, request_id: str) -> bool:
         """Free a held request's blocks (full ones stay in the prefix cache)."""
-        seq = self._held.pop(request_id, None)
-        if seq is None:
-            return False
-        self.block_manager.free(seq)
-        return True
+        return self.scheduler.release(request_id)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """Allocate blocks for a prompt whose KV another worker will write.
@@ -239,7 +231,7 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         sched = self.scheduler
-        if len(sched.running) + self._num_receiving >= self.config.scheduler.max_num_seqs:
+        if sched.num_seats_taken >= self.config.scheduler.max_num_seqs:
             raise NoCapacity(f"all {self.config.scheduler.max_num_seqs} sequence slots are taken")
         seq = Sequence(request_id, request.prompt_token_ids, request.params, self.pool.layout.block_size)
         # One block of headroom per running sequence keeps admissions from
@@ -247,9 +239,8 @@ class Engine:
         if self.block_manager.num_blocks_needed(seq, seq.num_tokens) + len(sched.running) > \
                 self.block_manager.num_free_blocks or not self.block_manager.allocate(seq, seq.num_tokens):
             raise NoCapacity(f"not enough free KV blocks for {seq.num_tokens} tokens")
-        seq.status = SequenceStatus.RECEIVING
         self._requests[request_id] = _Request(seq)
-        self._num_receiving += 1
+        sched.receive(seq)
         return list(seq.block_ids)
 
     def admit_prefilled(self, request_id: str, first_token_id: int, kv_ready: torch.cuda.Event | None = None) -> None:
@@ -259,38 +250,25 @@ class Engine:
         completed. The sequence waits outside the batch until then, so that no step (and no
         other sequence) waits for the copy.
         """
-        seq = self._requests[request_id].seq
-        if seq.status is not SequenceStatus.RECEIVING or seq in self._kv_landing:
+        request = self._requests.get(request_id)
+        if request is None:
             raise ValueError(f"request {request_id!r} is not waiting for its KV")
-        if kv_ready is not None and not kv_ready.query():
-            self._kv_landing[seq] = (first_token_id, kv_ready)
-            return
-        self._run_prefilled(seq, first_token_id)
-
-    def _run_prefilled(self, seq: Sequence, first_token_id: int) -> None:
-        self._num_receiving -= 1
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.token_ids.append(first_token_id)
-        self.block_manager.cache_full_blocks(seq)  # only now: a prefix hit must find the KV there
-        self.scheduler.add_running(seq)
+        self.scheduler.land(request.seq, first_token_id, kv_ready)
 
     def _admit_landed(self) -> None:
         """Run the sequences whose KV has landed; with nothing else to run, wait for one
         (bounded) rather than spin."""
         if not self.scheduler.has_unfinished:
-            _wait_for_copy(next(iter(self._kv_landing.values()))[1])
-        for seq, (first_token_id, ready) in list(self._kv_landing.items()):
-            if ready.query():
-                del self._kv_landing[seq]
-                self._run_prefilled(seq, first_token_id)
+            _wait_for_copy(self.scheduler.landing[0])
+        self.scheduler.admit_landed()
 
     def load(self) -> EngineLoad:
         sched, bm = self.scheduler, self.block_manager
         return EngineLoad(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
-            num_receiving=self._num_receiving,
-            num_held=len(self._held),
+            num_receiving=len(sched.receiving),
+            num_held=len(sched.held),
             queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting)
             + sum(s.num_tokens - s.num_computed_tokens - 1 for s in sched.running),
             num_free_blocks=bm.num_free_blocks,
@@ -303,7 +281,7 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._kv_landing) or self._in_flight is not None
+        return self.scheduler.has_unfinished or bool(self.scheduler.landing) or self._in_flight is not None
 
     # Stepping ------------------------------------------------------------
 
@@ -332,7 +310,7 @@ class Engine:
         if previous is not None and not self._can_overlap():  # a speculator was just set
             deltas += self._resolve(previous)
             previous = None
-        if self._kv_landing:
+        if self.scheduler.landing:
             self._admit_landed()
         proposals = self._propose() if self.speculator is not None else None
         batch = self.scheduler.schedule()
@@ -529,27 +507,23 @@ class Engine:
         if reason is not None:
             del seq.token_ids[pos + 1:]  # a token sampled after the last one is dropped
             self._finish(seq, reason)
-        held = tuple(seq.block_ids) if seq.request_id in self._held else ()
+        held = tuple(seq.block_ids) if seq.request_id in self.scheduler.held else ()
         return TokenDelta(seq.request_id, (token_id,), reason, (logprobs,) if logprobs else (),
                           seq.num_prompt_tokens, seq.num_cached_tokens, held)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         req = self._requests.pop(seq.request_id)
-        landing = self._kv_landing.pop(seq, None)
-        if landing is not None and not _wait_for_copy(landing[1]):  # free the blocks after the copy into them
+        copy = self.scheduler.pending_copy(seq)
+        if copy is not None and not _wait_for_copy(copy):  # free the blocks after the copy into them
             logger.warning("KV copy into request %s's blocks not done after %.0f s: freeing them anyway",
                            seq.request_id, COPY_WAIT_S)
-        if seq.status is SequenceStatus.RECEIVING:
-            self._num_receiving -= 1
         hold = req.hold_kv and reason is not FinishReason.ABORT
         # A step still running writes this sequence's KV: its blocks go back to the pool
         # once that step has resolved, so that no other writer (a KV transfer) gets them first.
         in_flight = self._in_flight is not None and seq in self._in_flight.batch_seqs
-        self.scheduler.finish(seq, reason, free_blocks=not hold and not in_flight)
+        self.scheduler.finish(seq, reason, free_blocks=not in_flight, hold=hold)
         if in_flight and not hold:
             self._in_flight.free_after.append(seq)
-        if hold:
-            self._held[seq.request_id] = seq
         seq.finishing = False
         if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
             del seq.token_ids[_first_placeholder(seq.token_ids):]

@@ -6,12 +6,19 @@ the last token plus its proposed speculative tokens, or the rest of a chunked
 prompt), then waiting ones are admitted while budget, blocks and seat count
 allow. When blocks run out, the youngest running sequence is preempted: its
 blocks are freed and it is recomputed later.
+
+The scheduler owns every sequence of the node through its whole life, disaggregated
+ones included (as vLLM's WAITING_FOR_REMOTE_KVS): waiting, running, receiving (a
+decode worker's seat and blocks reserved for KV another worker sends; landing once its
+copy is queued, until that completes) and held (a prefill worker's finished sequence
+whose blocks it keeps until their KV is sent).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
@@ -34,17 +41,79 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
+class KVReady(Protocol):
+    """Completion of a copy of KV into a sequence's blocks (a CUDA event)."""
+
+    def query(self) -> bool: ...
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # RECEIVING: None while the KV is on its way, (first token, copy) once it is landing.
+        self.receiving: dict[Sequence, tuple[int, KVReady] | None] = {}
+        self.held: dict[str, Sequence] = {}  # finished, blocks kept until `release`
         self.num_preemptions = 0
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_seats_taken(self) -> int:
+        """Sequences holding one of `max_num_seqs` seats: running, and receiving their KV."""
+        return len(self.running) + len(self.receiving)
+
+    # Disaggregation ------------------------------------------------------
+
+    def receive(self, seq: Sequence) -> None:
+        """`seq` holds blocks (allocated by the caller) that another worker fills with its prompt's KV."""
+        seq.status = SequenceStatus.RECEIVING
+        self.receiving[seq] = None
+
+    def land(self, seq: Sequence, first_token_id: int, copy: KVReady | None) -> None:
+        """The KV of a receiving sequence is in its blocks once `copy` completes (None: now):
+        run it from `first_token_id` on then. ValueError if it is not waiting for its KV."""
+        if self.receiving.get(seq, 0) is not None:
+            raise ValueError(f"request {seq.request_id!r} is not waiting for its KV")
+        if copy is not None and not copy.query():
+            self.receiving[seq] = (first_token_id, copy)
+            return
+        self._run_received(seq, first_token_id)
+
+    @property
+    def landing(self) -> list[KVReady]:
+        """The copies still landing, oldest first."""
+        return [entry[1] for entry in self.receiving.values() if entry is not None]
+
+    def admit_landed(self) -> None:
+        """Run the sequences whose KV copy has completed."""
+        for seq, entry in list(self.receiving.items()):
+            if entry is not None and entry[1].query():
+                self._run_received(seq, entry[0])
+
+    def pending_copy(self, seq: Sequence) -> KVReady | None:
+        """The copy still landing in `seq`'s blocks, if any (wait for it before they are freed)."""
+        entry = self.receiving.get(seq)
+        return entry[1] if entry is not None else None
+
+    def release(self, request_id: str) -> bool:
+        """Free a held sequence's blocks (full ones stay in the prefix cache); False if none is held."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        return True
+
+    def _run_received(self, seq: Sequence, first_token_id: int) -> None:
+        del self.receiving[seq]
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.token_ids.append(first_token_id)
+        self.block_manager.cache_full_blocks(seq)  # only now: a prefix hit must find the KV there
+        self.add_running(seq)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -120,14 +189,19 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence, reason: FinishReason, free_blocks: bool = True) -> None:
-        """Take `seq` out at once (finished or aborted) and free its blocks unless
-        the caller keeps them (a prefill worker until its KV is sent)."""
+    def finish(self, seq: Sequence, reason: FinishReason, free_blocks: bool = True, hold: bool = False) -> None:
+        """Take `seq` out at once (finished or aborted) and free its blocks, unless the
+        caller frees them later itself (`free_blocks` False: a step still writes them) or
+        `hold`s them (a prefill worker, until their KV is sent: `release`)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        if free_blocks:
+        elif seq.status is SequenceStatus.RECEIVING:
+            del self.receiving[seq]
+        if hold:
+            self.held[seq.request_id] = seq
+        elif free_blocks:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.sampling import SamplingParams
@@ -88,3 +90,61 @@ def test_preempted_sequence_restarts_from_zero_and_goes_first():
     sched.finish(a, FinishReason.STOP)
     batch = sched.schedule()  # b comes back and recomputes all 5 tokens (its full block from the cache)
     assert batch.seqs == [b] and b.num_computed_tokens + batch.num_new_tokens[0] == 5
+
+
+class Copy:
+    """A KV copy that completes when the test says so (stands in for a CUDA event)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def receiving(sched: Scheduler, n: int, rid: str) -> Sequence:
+    s = seq(n, rid)
+    assert sched.block_manager.allocate(s, s.num_tokens)
+    sched.receive(s)
+    return s
+
+
+def test_a_received_sequence_runs_once_its_kv_has_landed():
+    sched = make()
+    s = receiving(sched, 20, "r")
+    assert s.status is SequenceStatus.RECEIVING and sched.num_seats_taken == 1 and not sched.has_unfinished
+    copy = Copy()
+    sched.land(s, 7, copy)
+    assert sched.landing == [copy] and not sched.schedule().seqs, "a landing sequence is not scheduled"
+    sched.admit_landed()
+    assert sched.landing == [copy], "admitted before its copy completed"
+    copy.done = True
+    sched.admit_landed()
+    assert s.status is SequenceStatus.RUNNING and not sched.receiving and sched.num_seats_taken == 1
+    assert s.token_ids[-1] == 7 and s.num_computed_tokens == 20
+    batch = sched.schedule()
+    assert batch.seqs == [s] and batch.num_new_tokens == [1]  # decodes from the first token on
+    with pytest.raises(ValueError, match="not waiting for its KV"):
+        sched.land(s, 7, None)
+
+
+def test_a_receiving_sequence_that_finishes_gives_back_its_seat_and_blocks():
+    sched = make(num_blocks=16)
+    s = receiving(sched, 40, "r")
+    copy = Copy()
+    sched.land(s, 7, copy)
+    assert sched.pending_copy(s) is copy
+    sched.finish(s, FinishReason.ABORT)
+    assert not sched.receiving and sched.num_seats_taken == 0 and sched.pending_copy(s) is None
+    assert sched.block_manager.num_free_blocks == 16
+
+
+def test_a_held_sequence_keeps_its_blocks_until_released():
+    sched = make(num_blocks=16, budget=64)
+    s = seq(40, "p")
+    sched.add(s)
+    complete(sched, sched.schedule())
+    sched.finish(s, FinishReason.LENGTH, hold=True)
+    assert s.is_finished and sched.held == {"p": s} and sched.block_manager.num_free_blocks == 16 - 10
+    assert sched.release("p") and not sched.held and sched.block_manager.num_free_blocks == 16
+    assert not sched.release("p")
