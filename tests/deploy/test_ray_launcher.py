@@ -82,8 +82,8 @@ def test_setup_installs_pdserve_and_local_workers_get_pool_resources() -> None:
 
 
 def test_local_nodes_bind_the_address_the_file_gives_them() -> None:
-    """On machines you have, Ray binds the node's address from the file (`ray up` passes the local
-    provider's node id, which is that IP, as $RAY_CLOUD_INSTANCE_ID), not the default route's
+    """On machines you have, a node's Ray node IP is its address in the file (`ray up` passes the
+    local provider's node id, which is that IP, as $RAY_CLOUD_INSTANCE_ID), not the default route's
     interface Ray would probe. tests/deploy/test_ray_up.py runs the head command for real."""
     local = load("cluster-local.yaml")
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
