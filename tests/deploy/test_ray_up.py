@@ -18,15 +18,16 @@ make the synced checkout the one imported instead), and the head's Ray port (a f
 that another Ray on the machine may hold). The file mounts, the venv and PATH setup and the head's
 `ray start` command run as shipped.
 
-Ray on a loopback-only host: Ray rewrites a loopback node IP to the address it probes for the
-machine unless it believes multi-node clusters are off, so the host's environment says so
-(`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, ray_constants.ENABLE_RAY_CLUSTER); the shipped head
-command binds the node IP `ray up` gives it (provider.head_ip), here 127.0.0.1, and every
-listening socket of the cluster's processes is checked to be on loopback.
+Ray on a loopback-only host: Ray rewrites a loopback node IP (and a loopback address to join) to
+the address it probes for the machine unless it believes multi-node clusters are off, so the
+host's environment says so, and so does `pdserve serve`'s (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`,
+ray_constants.ENABLE_RAY_CLUSTER). The shipped head command takes as its node IP the address
+`ray up` gives it (provider.head_ip), here 127.0.0.1; a loopback node IP makes Ray listen on
+loopback only, and every listening socket of the cluster's processes is checked to be there.
 
 Needs asyncssh (the [test] extra), OpenSSH's `ssh`, `tar`, and `unshare` with the right to make a
 PID namespace (root, or unprivileged user namespaces); it skips, saying which, without them.
-Takes ~2-3 minutes on 2 cores; `deploy/ray/test-ray-up.sh` runs it alone.
+Takes ~1.5 minutes on 2 cores (CI runs it with the rest); `make test-ray-up` runs it alone.
 """
 
 from __future__ import annotations
