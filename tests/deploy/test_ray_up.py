@@ -240,6 +240,22 @@ def host(model_folder: Path) -> Iterator[Host]:
         if port_file.exists():
             _end_bridges(port_file.read_text())
         shutil.rmtree(root, ignore_errors=True)
+        _remove_ssh_control_dir()
+
+
+def _remove_ssh_control_dir() -> None:
+    """Ray's SSHCommandRunner makes /tmp/ray_ssh_<user hash>/<cluster hash> for its ControlPath."""
+    import hashlib
+
+    def short(s: str) -> str:
+        return hashlib.sha256(s.encode()).hexdigest()[:10]
+
+    parent = Path("/tmp") / f"ray_ssh_{short(getpass.getuser())}"
+    for d in (parent / short(yaml.safe_load(SHIPPED.read_text())["cluster_name"]), parent):
+        try:
+            d.rmdir()  # only if empty: another cluster's masters may live there
+        except OSError:
+            return
 
 
 def _end_bridges(port: str) -> None:
