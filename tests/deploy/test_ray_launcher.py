@@ -81,7 +81,7 @@ def test_setup_installs_pdserve_and_local_workers_get_pool_resources() -> None:
     assert any("--resources=" in c and "ray-resources.json" in c for c in local["worker_start_ray_commands"])
 
 
-def test_local_nodes_bind_the_address_the_file_gives_them() -> None:
+def test_local_nodes_take_their_node_ip_from_the_file() -> None:
     """On machines you have, a node's Ray node IP is its address in the file (`ray up` passes the
     local provider's node id, which is that IP, as $RAY_CLOUD_INSTANCE_ID), not the default route's
     interface Ray would probe. tests/deploy/test_ray_up.py runs the head command for real."""
