@@ -11,7 +11,7 @@ PROMPT ?= Explain in two sentences why the sky is blue.
 NEWEST ?= .venv-newest
 NEWEST_TESTS ?= tests/kernels tests/engine/test_hf_parity.py tests/test_packaging.py
 
-.PHONY: install serve generate test test-newest lint proto
+.PHONY: install serve generate test test-newest test-ray-up lint proto
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,10 @@ lint: install
 
 test: lint
 	$(PY) -m pytest -q
+
+# deploy/ray/cluster-local.yaml through the real `ray up` / `ray down` on this machine (part of `make test` too).
+test-ray-up: install
+	$(PY) -m pytest -x -q tests/deploy/test_ray_up.py
 
 $(NEWEST)/.installed: pyproject.toml
 	test -x $(NEWEST)/bin/python || python3 -m venv $(NEWEST)

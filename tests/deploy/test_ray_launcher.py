@@ -79,3 +79,13 @@ def test_setup_installs_pdserve_and_local_workers_get_pool_resources() -> None:
         assert any("--dashboard-host=127.0.0.1" in c for c in config["head_start_ray_commands"])
     local = load("cluster-local.yaml")
     assert any("--resources=" in c and "ray-resources.json" in c for c in local["worker_start_ray_commands"])
+
+
+def test_local_nodes_take_their_node_ip_from_the_file() -> None:
+    """On machines you have, a node's Ray node IP is its address in the file (`ray up` passes the
+    local provider's node id, which is that IP, as $RAY_CLOUD_INSTANCE_ID), not the default route's
+    interface Ray would probe. tests/deploy/test_ray_up.py runs the head command for real."""
+    local = load("cluster-local.yaml")
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in local[key] if "ray start" in c]
+        assert len(starts) == 1 and '--node-ip-address="${RAY_CLOUD_INSTANCE_ID:?' in starts[0], starts
