@@ -29,6 +29,7 @@ from pdserve.cluster.pools import ActorSpec, Pool
 from pdserve.cluster.router import make_policy
 from pdserve.cluster.service import GenerationService
 from pdserve.decode_node.worker import DecodeWorker
+from pdserve.engine.parallel import check_splits
 from pdserve.engine.request_processor import RequestProcessor
 from pdserve.engine.weights import load_tokenizer, resolve_model
 from pdserve.kv_transport import TransportConfig
@@ -129,8 +130,10 @@ def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool
 
 async def start_server(config: ServeConfig) -> Server:
     auth = client_auth(config.server)  # bad paths fail before anything starts
-    init_ray(config)
     files = resolve_model(config.engine.model)  # converts a GGUF once, before the workers need it
+    for role in ("decode",) if config.pools.mode == "colocated" else ("prefill", "decode"):
+        check_splits(files.arch, config.pools.tp(role, config.engine))  # before any worker starts
+    init_ray(config)
     tokenizer = load_tokenizer(files)  # None for dummy weights: token ids in and out, no text
     kv = config.kv_transport
     transport = None

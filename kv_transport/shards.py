@@ -101,6 +101,11 @@ class PoolShards:
         for kv, start in self.shards:
             part = full[:, :, :, :, start:start + kv.shape[4]].to(kv.device, non_blocking=True)
             kv.index_copy_(2, ids.to(kv.device), part.contiguous())
+            if kv.is_cuda and kv.device != self.device:
+                # Written on that GPU's stream: the caller's stream (whose event says "landed")
+                # waits for it, so that nothing reads the blocks before every rank has them.
+                done = torch.cuda.current_stream(kv.device).record_event()
+                torch.cuda.current_stream(self.device).wait_event(done)
 
     def empty_staging(self, num_blocks: int) -> torch.Tensor:
         """An uninitialised staging tensor for `num_blocks` wire blocks, on `device`."""

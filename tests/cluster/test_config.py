@@ -74,6 +74,16 @@ def test_bad_parallel_settings_are_clear_value_errors(data, words):
         config_from_dict(data)
 
 
+def test_a_tensor_parallel_size_the_model_cannot_split_fails_before_any_worker_starts():
+    import asyncio
+
+    from pdserve.cluster.server import start_server
+
+    config = config_from_dict({"engine": {"model": {"device": "cpu"}}, "pools": {"mode": "colocated", "decode_tp": 2}})
+    with pytest.raises(ValueError, match="does not divide the model's 9 attention heads"):
+        asyncio.run(start_server(config))  # the default model: 9 heads, 3 KV heads
+
+
 def test_explicit_gpus_per_worker_is_kept():
     pools = PoolConfig(gpus_per_worker=0.5)
     assert fit_pools_to_gpus(pools, 1) is pools
