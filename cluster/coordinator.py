@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import ray
 
 from pdserve.cluster.config import CoordinatorConfig, RouterConfig
+from pdserve.cluster.errors import cause
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ACTOR_LOST, Pool, Worker
 from pdserve.cluster.router import LeastLoad, RoutingPolicy
@@ -60,8 +61,12 @@ def _continuation(req: WorkerRequest, generated: list[int], attempt: int) -> Wor
 
 def _transfer_failed(decode: Worker, error: TransferError) -> WorkerUnavailable:
     """A refused handshake or slow path is the cluster's configuration: trying again will not
-    help. Any other failure (a peer lost or replaced, a timeout) may go better elsewhere."""
-    message = f"KV transfer to {decode.worker_id} failed: {error}"
+    help. Any other failure (a peer lost or replaced, a timeout) may go better elsewhere.
+
+    `error` raised in a worker comes wrapped by Ray, its text the actor's traceback: the
+    message keeps the original's own one line; the log has the rest."""
+    logger.warning("KV transfer to %s failed", decode.worker_id, exc_info=error)
+    message = f"KV transfer to {decode.worker_id} failed: {cause(error)}"
     if isinstance(error, (HandshakeRefused, SlowPathRefused)):
         return WorkerUnavailable(message)
     return WorkerLost(message)
@@ -259,7 +264,7 @@ class Coordinator:
         try:
             await decode.actor.reserve.remote(req)
         except NoCapacity as e:
-            raise Overloaded(str(e)) from e
+            raise Overloaded(cause(e)) from e
         except ACTOR_LOST as e:
             await self.decode.replace(decode)
             raise WorkerLost(f"decode worker {decode.worker_id} was lost") from e

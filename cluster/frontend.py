@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from pdserve.cluster.coordinator import Coordinator, Overloaded, WorkerUnavailable
+from pdserve.cluster.errors import cause
 from pdserve.cluster.metrics import Metrics
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import TextDelta
@@ -39,12 +40,22 @@ class Status(str, enum.Enum):
 
 
 class RequestFailed(Exception):
-    """A request that could not run or finish; `str(e)` is safe to show the client."""
+    """A request that could not run or finish; `str(e)` is safe to show the client (one line,
+    no traceback: see `failed`)."""
 
     def __init__(self, status: Status, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after_s = retry_after_s  # RESOURCE_EXHAUSTED: when a retry may find room
+
+
+def failed(status: Status, error: BaseException) -> RequestFailed:
+    """`error` as the client may see it: its one-line cause (cluster/errors.py). Whatever
+    more its text held (a worker's traceback that came through Ray) goes to the log."""
+    message = cause(error)
+    if message != str(error):
+        logger.warning("request failed with %s: %s", status.value, message, exc_info=error)
+    return RequestFailed(status, message)
 
 
 class Frontend:
@@ -96,10 +107,10 @@ class Frontend:
             raise RequestFailed(status, f"request exceeded its deadline of {timeout:.1f} s") from e
         except Overloaded as e:
             status = Status.RESOURCE_EXHAUSTED
-            raise RequestFailed(status, str(e)) from e
+            raise failed(status, e) from e
         except WorkerUnavailable as e:
             status = Status.UNAVAILABLE
-            raise RequestFailed(status, str(e)) from e
+            raise failed(status, e) from e
         except (asyncio.CancelledError, GeneratorExit):
             status = Status.CANCELLED
             raise
