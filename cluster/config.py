@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig, WorkerConfig
+from pdserve.kv_transport.config import TRANSPORT_CLASSES
 
 MODES = ("disaggregated", "colocated")
 POLICIES = ("prefix_aware", "least_load", "round_robin")
@@ -210,17 +211,43 @@ class KVTransportSettings:
     transfer_timeout_s: bound on a KV transfer, measured from the sender's last sign of
         life (a prefill worker keeps its requests' waits alive while it computes them, so
         a prefill longer than this does not fail its transfer). See TransportConfig.
+    allowed_transports: the transport classes KV may travel over (TRANSPORT_CLASSES:
+        cuda_ipc, rdma, shm, tcp).
+    require: the slowest transport a pair of workers may use: "cuda_ipc" (GPU to GPU on one
+        host, NVLink or PCIe), "rdma", "shm" (one host's shared memory), "tcp", or "any"
+        (whatever `allowed_transports` allows). A pair that reaches each other only over a
+        slower one is refused when it connects, and its requests fail with
+        FAILED_PRECONDITION naming the transport found, rather than being served slowly.
     """
 
     transfer_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
-    allowed_transports: tuple[str, ...] = ("cuda_ipc", "rdma", "shm", "tcp")
+    allowed_transports: tuple[str, ...] = TRANSPORT_CLASSES
     direct_writes: bool = True  # same-host GPUs: copy blocks straight into the decode pool (CUDA IPC)
+    require: str = "any"
 
     def __post_init__(self) -> None:
         if self.transfer_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("KVTransportSettings timeouts must be > 0")
         object.__setattr__(self, "allowed_transports", tuple(self.allowed_transports))
+        unknown = sorted(set(self.allowed_transports) - set(TRANSPORT_CLASSES))
+        if not self.allowed_transports or unknown:
+            raise ValueError(f"kv_transport.allowed_transports must be some of {list(TRANSPORT_CLASSES)}, "
+                             f"got {list(self.allowed_transports)}")
+        if self.require not in ("any", *TRANSPORT_CLASSES):
+            raise ValueError(f"kv_transport.require must be 'any' or one of {list(TRANSPORT_CLASSES)}, "
+                             f"got {self.require!r}")
+        if not self.transports:
+            raise ValueError(f"kv_transport.require {self.require!r} leaves none of allowed_transports "
+                             f"{list(self.allowed_transports)}")
+
+    @property
+    def transports(self) -> frozenset[str]:
+        """The transport classes a pair may use: those allowed, as fast as `require` or faster."""
+        if self.require == "any":
+            return frozenset(self.allowed_transports)
+        fast_enough = TRANSPORT_CLASSES[: TRANSPORT_CLASSES.index(self.require) + 1]  # fastest first
+        return frozenset(self.allowed_transports) & frozenset(fast_enough)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,9 @@
 `GET /v1/models`, `GET /health`. Each call's choices run through the shared `Frontend`
 (the coordinator, router and pools the gRPC service uses). Errors come in OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}: 400 bad input (malformed bodies too),
-404 unknown model or route, 415 a body that is not JSON, 429 full, 503 no worker,
-504 deadline. A client that goes away cancels its requests, which frees their blocks.
+404 unknown model or route, 415 a body that is not JSON, 429 full, 503 no worker (or none
+that the KV transport may pair: code failed_precondition), 504 deadline. A client that goes
+away cancels its requests, which frees their blocks.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ _HTTP = {Status.INVALID_ARGUMENT: (400, "invalid_request_error", None),
          Status.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
          Status.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
          Status.UNAVAILABLE: (503, "server_error", "service_unavailable"),
+         Status.FAILED_PRECONDITION: (503, "server_error", "failed_precondition"),
          Status.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
          Status.CANCELLED: (499, "server_error", "cancelled"),
          Status.INTERNAL: (500, "server_error", "internal_error")}

@@ -109,13 +109,13 @@ def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool
         logger.warning("%g GPU(s) cannot hold %d prefill + %d decode workers: serving colocated, "
                        "one mixed worker per GPU", num_gpus, config.pools.num_prefill, config.pools.num_decode)
     gpus = p.gpus_per_worker
-    engine_config, health = config.engine, config.health
+    engine_config, health, waits = config.engine, config.health, (config.worker,)
     if p.mode == "colocated":
-        spec = ActorSpec(DecodeWorker, (engine_config, None, config.worker), 1, gpus, p.decode_resource)
+        spec = ActorSpec(DecodeWorker, (engine_config, None, *waits), 1, gpus, p.decode_resource)
         return None, Pool("mixed", p.num_decode, spec, health)
-    prefill = Pool("prefill", p.num_prefill, ActorSpec(PrefillWorker, (engine_config, transport, config.worker), 1,
+    prefill = Pool("prefill", p.num_prefill, ActorSpec(PrefillWorker, (engine_config, transport, *waits), 1,
                                                        gpus, p.prefill_resource), health)
-    decode = Pool("decode", p.num_decode, ActorSpec(DecodeWorker, (engine_config, transport, config.worker), 1,
+    decode = Pool("decode", p.num_decode, ActorSpec(DecodeWorker, (engine_config, transport, *waits), 1,
                                                     gpus, p.decode_resource), health)
     return prefill, decode
 
@@ -130,7 +130,7 @@ async def start_server(config: ServeConfig) -> Server:
     if config.pools.mode == "disaggregated":
         transport = TransportConfig(secret=cluster_secret(), listen_host=config.ray.node_ip_address,
                                     transfer_timeout_s=kv.transfer_timeout_s, connect_timeout_s=kv.connect_timeout_s,
-                                    allowed_transports=frozenset(kv.allowed_transports),
+                                    allowed_transports=kv.transports,
                                     direct_writes=kv.direct_writes)
     prefill, decode = _pools(config, transport)
     metrics = Metrics()
