@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig, WorkerConfig
+from pdserve.engine.loop import LoopConfig
 from pdserve.kv_transport.config import TRANSPORT_CLASSES
 
 MODES = ("disaggregated", "colocated")
@@ -29,6 +30,8 @@ class ServerConfig:
     http_port: its port (0 picks a free one).
     metrics_port: Prometheus /metrics on the same host; 0 disables it.
     default_timeout_s: bound on a request without a client deadline.
+    shutdown_grace_s: at shutdown, how long gRPC calls and HTTP connections in flight may
+        go on before they are cut.
     tls_cert/tls_key: PEM files of the server's certificate (chain) and private key: gRPC and
         the HTTP API then speak TLS only. Both or neither ("" = plaintext, loopback by default).
     api_key_file: a file holding the bearer token clients must send (gRPC metadata
@@ -44,6 +47,7 @@ class ServerConfig:
     http_port: int = 8000
     metrics_port: int = 9400
     default_timeout_s: float = 600.0
+    shutdown_grace_s: float = 2.0
     tls_cert: str = ""
     tls_key: str = ""
     api_key_file: str = ""
@@ -57,6 +61,8 @@ class ServerConfig:
                              f"http_port={self.http_port}, metrics_port={self.metrics_port}")
         if self.default_timeout_s <= 0:
             raise ValueError(f"ServerConfig.default_timeout_s must be > 0, got {self.default_timeout_s}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"ServerConfig.shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +268,7 @@ class ServeConfig:
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
 
 
 def cluster_secret() -> bytes:
@@ -311,7 +318,7 @@ def client_auth(server: ServerConfig) -> ClientAuth:
 _SECTIONS: dict[str, type] = {
     "server": ServerConfig, "pools": PoolConfig, "ray": RayConfig, "kv_transport": KVTransportSettings,
     "health": HealthConfig, "admission": AdmissionConfig, "coordinator": CoordinatorConfig,
-    "router": RouterConfig, "worker": WorkerConfig,
+    "router": RouterConfig, "worker": WorkerConfig, "loop": LoopConfig,
 }
 _ENGINE_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                                      "spec": SpecConfig}

@@ -302,8 +302,10 @@ class _Uvicorn(uvicorn.Server):
 class HttpServer:
     """uvicorn serving the API on the running event loop; `start` binds, `stop` drains."""
 
-    def __init__(self, frontend: Frontend, tls: tuple[str, str] | None = None, api_key: str | None = None) -> None:
+    def __init__(self, frontend: Frontend, tls: tuple[str, str] | None = None, api_key: str | None = None,
+                 shutdown_grace_s: float = 2.0) -> None:
         self.api = OpenAIApi(frontend)
+        self._shutdown_grace_s = shutdown_grace_s  # ServerConfig.shutdown_grace_s
         self._tls = tls  # (certificate file, key file): HTTPS only
         self._api_key = api_key  # asked of every call but /health (cluster/auth.py)
         self._server: _Uvicorn | None = None
@@ -325,7 +327,7 @@ class HttpServer:
             app = BearerTokenMiddleware(app, self._api_key)
         cert, key = self._tls or (None, None)
         config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning",
-                                access_log=False, timeout_graceful_shutdown=2, ws="none",
+                                access_log=False, timeout_graceful_shutdown=self._shutdown_grace_s, ws="none",
                                 ssl_certfile=cert, ssl_keyfile=key)
         self._server = _Uvicorn(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))

@@ -50,6 +50,7 @@ class Server:
     port: int
     frontend: Frontend
     http: HttpServer | None = None
+    shutdown_grace_s: float = 2.0
 
     @property
     def http_port(self) -> int | None:
@@ -58,7 +59,7 @@ class Server:
     async def stop(self) -> None:
         if self.http is not None:
             await self.http.stop()
-        await self.grpc_server.stop(grace=2.0)
+        await self.grpc_server.stop(grace=self.shutdown_grace_s)
         await self.coordinator.stop()
 
 
@@ -109,7 +110,7 @@ def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool
         logger.warning("%g GPU(s) cannot hold %d prefill + %d decode workers: serving colocated, "
                        "one mixed worker per GPU", num_gpus, config.pools.num_prefill, config.pools.num_decode)
     gpus = p.gpus_per_worker
-    engine_config, health, waits = config.engine, config.health, (config.worker,)
+    engine_config, health, waits = config.engine, config.health, (config.worker, config.loop)
     if p.mode == "colocated":
         spec = ActorSpec(DecodeWorker, (engine_config, None, *waits), 1, gpus, p.decode_resource)
         return None, Pool("mixed", p.num_decode, spec, health)
@@ -167,7 +168,7 @@ async def start_server(config: ServeConfig) -> Server:
     http = None
     if config.server.http:
         tls = (config.server.tls_cert, config.server.tls_key) if auth.tls else None
-        http = HttpServer(frontend, tls, auth.api_key)
+        http = HttpServer(frontend, tls, auth.api_key, config.server.shutdown_grace_s)
         try:
             await http.start(config.server.host, config.server.http_port)
         except BaseException:
@@ -180,7 +181,7 @@ async def start_server(config: ServeConfig) -> Server:
                 config.server.host, port, http.port if http else "off", coordinator.mode,
                 "GPU" if torch.cuda.is_available() else "CPU", "on" if auth.tls else "off",
                 "asked" if auth.api_key else "not asked")
-    return Server(server, coordinator, health_servicer, metrics, port, frontend, http)
+    return Server(server, coordinator, health_servicer, metrics, port, frontend, http, config.server.shutdown_grace_s)
 
 
 async def serve_forever(config: ServeConfig) -> None:

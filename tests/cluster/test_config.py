@@ -32,6 +32,9 @@ def test_yaml_sections_build_the_same_objects_as_flags(tmp_path):
     ({"kv_transport": {"require": "nvlink"}}, "kv_transport.require must be 'any' or one of"),
     ({"kv_transport": {"require": "cuda_ipc", "allowed_transports": ["shm", "tcp"]}}, "leaves none of"),
     ({"kv_transport": {"allowed_transports": ["ib"]}}, "allowed_transports must be some of"),
+    ({"loop": {"idle_wait_s": 0}}, "LoopConfig.idle_wait_s must be > 0"),
+    ({"loop": {"idle": 1}}, "unknown keys in config section 'loop'"),
+    ({"server": {"shutdown_grace_s": -1}}, "shutdown_grace_s must be >= 0"),
 ])
 def test_bad_config_is_a_clear_value_error(data, words):
     with pytest.raises(ValueError, match=words):
@@ -83,3 +86,13 @@ def test_require_is_the_slowest_transport_a_pair_may_use(require, allowed, want)
     config = config_from_dict({"kv_transport": {"require": require, "allowed_transports": list(allowed)}})
     assert config.kv_transport.transports == want
 
+
+def test_the_loop_and_shutdown_settings_come_from_the_file(tmp_path):
+    from pdserve.engine.loop import LoopConfig
+
+    f = tmp_path / "c.yaml"
+    f.write_text("loop: {idle_wait_s: 0.01, stop_timeout_s: 3}\nserver: {shutdown_grace_s: 0.5}\n"
+                 "kv_transport: {require: rdma}\n")
+    config = load_config(f)
+    assert config.loop == LoopConfig(idle_wait_s=0.01, stop_timeout_s=3.0)
+    assert config.server.shutdown_grace_s == 0.5 and config.kv_transport.require == "rdma"

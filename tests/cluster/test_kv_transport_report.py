@@ -36,7 +36,7 @@ def _samples(srv, name: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def srv(start):
-    return start(pools={"mode": "disaggregated"})
+    return start(pools={"mode": "disaggregated"}, loop={"idle_wait_s": 0.02})
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,14 @@ def test_the_last_response_says_how_the_kv_moved_and_the_metrics_count_it(srv):
 def test_a_request_that_ends_at_its_first_token_moved_no_kv(srv):
     [only] = _responses(srv.target, SamplingParams(temperature=0.0, max_tokens=1))
     assert only.finish_reason and len(only.kv_transfers) == 0
+
+
+def test_the_loop_section_reaches_the_workers(srv):
+    import ray
+
+    for pool in srv.server.coordinator.pools():
+        for w in pool.workers:
+            assert ray.get(w.actor.__ray_call__.remote(lambda self: self.loop.config.idle_wait_s), timeout=60) == 0.02
 
 
 def test_a_pair_slower_than_required_fails_with_failed_precondition(strict):
