@@ -125,6 +125,9 @@ class PoolConfig:
     prefill_resource/decode_resource: custom Ray node resources that pin each pool
         to labelled nodes ("" places anywhere).
     routing: "prefix_aware" (default), "least_load" or "round_robin".
+    actor_max_concurrency: calls one worker actor runs at once (Ray's max_concurrency):
+        each request in flight holds one or two (reserve, admit; the poll and pings are
+        the worker's own), so it bounds what one decode worker can hold.
     """
 
     mode: str = "disaggregated"
@@ -134,6 +137,7 @@ class PoolConfig:
     prefill_resource: str = ""
     decode_resource: str = ""
     routing: str = "prefix_aware"
+    actor_max_concurrency: int = 1000
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -145,6 +149,8 @@ class PoolConfig:
             raise ValueError(f"PoolConfig.gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
         if self.routing not in POLICIES:
             raise ValueError(f"PoolConfig.routing must be one of {POLICIES}, got {self.routing!r}")
+        if self.actor_max_concurrency < 1:
+            raise ValueError(f"PoolConfig.actor_max_concurrency must be >= 1, got {self.actor_max_concurrency}")
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:

@@ -112,12 +112,13 @@ def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool
     gpus = p.gpus_per_worker
     engine_config, health, waits = config.engine, config.health, (config.worker, config.loop)
     if p.mode == "colocated":
-        spec = ActorSpec(DecodeWorker, (engine_config, None, *waits), 1, gpus, p.decode_resource)
+        spec = ActorSpec(DecodeWorker, (engine_config, None, *waits), 1, gpus, p.decode_resource,
+                         p.actor_max_concurrency)
         return None, Pool("mixed", p.num_decode, spec, health)
     prefill = Pool("prefill", p.num_prefill, ActorSpec(PrefillWorker, (engine_config, transport, *waits), 1,
-                                                       gpus, p.prefill_resource), health)
+                                                       gpus, p.prefill_resource, p.actor_max_concurrency), health)
     decode = Pool("decode", p.num_decode, ActorSpec(DecodeWorker, (engine_config, transport, *waits), 1,
-                                                    gpus, p.decode_resource), health)
+                                                    gpus, p.decode_resource, p.actor_max_concurrency), health)
     return prefill, decode
 
 

@@ -108,7 +108,9 @@ def test_full_server_answers_resource_exhausted_promptly(start):
     # first token waits for the worker's first step, tens of seconds on a loaded CPU).
     calls = [c.generate("Tell me a story.", long, timeout_s=600) for c in clients[:2]]
     next(calls[0])  # it runs; the second waits in the worker's queue
-    wait_until(lambda: srv.server.frontend.inflight == 2, 120, "both requests to be admitted")
+    # A second request that ended (e.g. UNAVAILABLE while its worker counted as unhealthy) says so.
+    wait_until(lambda: srv.server.frontend.inflight == 2 or calls[1].done(), 120, "both requests to be admitted")
+    assert not calls[1].done(), f"the queued request ended: {calls[1].code()} {calls[1].details()!r}"
     with pytest.raises(grpc.RpcError) as err:
         next(clients[2].generate("One more", SamplingParams(max_tokens=2), timeout_s=10))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -35,6 +35,7 @@ def test_yaml_sections_build_the_same_objects_as_flags(tmp_path):
     ({"loop": {"idle_wait_s": 0}}, "LoopConfig.idle_wait_s must be > 0"),
     ({"loop": {"idle": 1}}, "unknown keys in config section 'loop'"),
     ({"server": {"shutdown_grace_s": -1}}, "shutdown_grace_s must be >= 0"),
+    ({"pools": {"actor_max_concurrency": 0}}, "actor_max_concurrency must be >= 1"),
 ])
 def test_bad_config_is_a_clear_value_error(data, words):
     with pytest.raises(ValueError, match=words):

@@ -36,7 +36,7 @@ def _samples(srv, name: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def srv(start):
-    return start(pools={"mode": "disaggregated"}, loop={"idle_wait_s": 0.02})
+    return start(pools={"mode": "disaggregated", "actor_max_concurrency": 64}, loop={"idle_wait_s": 0.02})
 
 
 @pytest.fixture(scope="module")
