@@ -199,7 +199,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "unresponsive_after_s": args.unresponsive_after_s, "stuck_after_s": args.stuck_after_s},
         admission={"max_waiting_per_worker": args.max_waiting_per_worker, "retry_after_s": args.retry_after_s},
         coordinator={"max_migrations": args.max_migrations, "migration_wait_s": args.migration_wait_s},
-        kv_transport={"transfer_timeout_s": args.transfer_timeout_s},
+        kv_transport={"transfer_timeout_s": args.transfer_timeout_s, "require": args.kv_require},
     )
     if args.check_config:
         print(config)
@@ -229,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         KVTransportSettings,
         PoolConfig,
     )
+    from pdserve.kv_transport.config import TRANSPORT_CLASSES
 
     admission, coordinator, kv, pools = AdmissionConfig(), CoordinatorConfig(), KVTransportSettings(), PoolConfig()
 
@@ -283,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--transfer-timeout-s", type=float, default=None,
                    help="bound on a KV transfer from its sender's last sign of life (default "
                         f"{kv.transfer_timeout_s:g})")
+    r.add_argument("--kv-require", default=None,
+                   help=f"the slowest KV transport a prefill/decode pair may use: any or one of "
+                        f"{', '.join(TRANSPORT_CLASSES)} (default {kv.require}); a slower pair fails its "
+                        "requests with FAILED_PRECONDITION")
     h = serve.add_argument_group("worker health (a busy worker is alive; see HealthConfig)")
     h.add_argument("--health-interval-s", type=float, default=None, help="ping every worker this often (default 2)")
     h.add_argument("--ping-timeout-s", type=float, default=None, help="bound on one ping (default 5)")

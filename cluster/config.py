@@ -20,6 +20,8 @@ from pdserve.engine.config import (
     SpecConfig,
     WorkerConfig,
 )
+from pdserve.engine.loop import LoopConfig
+from pdserve.kv_transport.config import TRANSPORT_CLASSES
 
 MODES = ("disaggregated", "colocated")
 POLICIES = ("prefix_aware", "least_load", "round_robin")
@@ -36,6 +38,8 @@ class ServerConfig:
     http_port: its port (0 picks a free one).
     metrics_port: Prometheus /metrics on the same host; 0 disables it.
     default_timeout_s: bound on a request without a client deadline.
+    shutdown_grace_s: at shutdown, how long gRPC calls and HTTP connections in flight may
+        go on before they are cut.
     tls_cert/tls_key: PEM files of the server's certificate (chain) and private key: gRPC and
         the HTTP API then speak TLS only. Both or neither ("" = plaintext, loopback by default).
     api_key_file: a file holding the bearer token clients must send (gRPC metadata
@@ -51,6 +55,7 @@ class ServerConfig:
     http_port: int = 8000
     metrics_port: int = 9400
     default_timeout_s: float = 600.0
+    shutdown_grace_s: float = 2.0
     tls_cert: str = ""
     tls_key: str = ""
     api_key_file: str = ""
@@ -64,6 +69,8 @@ class ServerConfig:
                              f"http_port={self.http_port}, metrics_port={self.metrics_port}")
         if self.default_timeout_s <= 0:
             raise ValueError(f"ServerConfig.default_timeout_s must be > 0, got {self.default_timeout_s}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"ServerConfig.shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +136,9 @@ class PoolConfig:
     prefill_resource/decode_resource: custom Ray node resources that pin each pool
         to labelled nodes ("" places anywhere).
     routing: "prefix_aware" (default), "least_load" or "round_robin".
+    actor_max_concurrency: calls one worker actor runs at once (Ray's max_concurrency):
+        each request in flight holds one or two (reserve, admit; the poll and pings are
+        the worker's own), so it bounds what one decode worker can hold.
     """
 
     mode: str = "disaggregated"
@@ -140,6 +150,7 @@ class PoolConfig:
     prefill_resource: str = ""
     decode_resource: str = ""
     routing: str = "prefix_aware"
+    actor_max_concurrency: int = 1000
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -151,6 +162,8 @@ class PoolConfig:
             raise ValueError(f"PoolConfig.gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
         if self.routing not in POLICIES:
             raise ValueError(f"PoolConfig.routing must be one of {POLICIES}, got {self.routing!r}")
+        if self.actor_max_concurrency < 1:
+            raise ValueError(f"PoolConfig.actor_max_concurrency must be >= 1, got {self.actor_max_concurrency}")
         for name in ("prefill_tp", "decode_tp"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"PoolConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -232,17 +245,43 @@ class KVTransportSettings:
     transfer_timeout_s: bound on a KV transfer, measured from the sender's last sign of
         life (a prefill worker keeps its requests' waits alive while it computes them, so
         a prefill longer than this does not fail its transfer). See TransportConfig.
+    allowed_transports: the transport classes KV may travel over (TRANSPORT_CLASSES:
+        cuda_ipc, rdma, shm, tcp).
+    require: the slowest transport a pair of workers may use: "cuda_ipc" (GPU to GPU on one
+        host, NVLink or PCIe), "rdma", "shm" (one host's shared memory), "tcp", or "any"
+        (whatever `allowed_transports` allows). A pair that reaches each other only over a
+        slower one is refused when it connects, and its requests fail with
+        FAILED_PRECONDITION naming the transport found, rather than being served slowly.
     """
 
     transfer_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
-    allowed_transports: tuple[str, ...] = ("cuda_ipc", "rdma", "shm", "tcp")
+    allowed_transports: tuple[str, ...] = TRANSPORT_CLASSES
     direct_writes: bool = True  # same-host GPUs: copy blocks straight into the decode pool (CUDA IPC)
+    require: str = "any"
 
     def __post_init__(self) -> None:
         if self.transfer_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("KVTransportSettings timeouts must be > 0")
         object.__setattr__(self, "allowed_transports", tuple(self.allowed_transports))
+        unknown = sorted(set(self.allowed_transports) - set(TRANSPORT_CLASSES))
+        if not self.allowed_transports or unknown:
+            raise ValueError(f"kv_transport.allowed_transports must be some of {list(TRANSPORT_CLASSES)}, "
+                             f"got {list(self.allowed_transports)}")
+        if self.require not in ("any", *TRANSPORT_CLASSES):
+            raise ValueError(f"kv_transport.require must be 'any' or one of {list(TRANSPORT_CLASSES)}, "
+                             f"got {self.require!r}")
+        if not self.transports:
+            raise ValueError(f"kv_transport.require {self.require!r} leaves none of allowed_transports "
+                             f"{list(self.allowed_transports)}")
+
+    @property
+    def transports(self) -> frozenset[str]:
+        """The transport classes a pair may use: those allowed, as fast as `require` or faster."""
+        if self.require == "any":
+            return frozenset(self.allowed_transports)
+        fast_enough = TRANSPORT_CLASSES[: TRANSPORT_CLASSES.index(self.require) + 1]  # fastest first
+        return frozenset(self.allowed_transports) & frozenset(fast_enough)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +296,7 @@ class ServeConfig:
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
 
     def engine_for(self, role: str) -> EngineConfig:
         """The engine config of the workers of `role`: the pool's tensor-parallel size."""
@@ -312,7 +352,7 @@ def client_auth(server: ServerConfig) -> ClientAuth:
 _SECTIONS: dict[str, type] = {
     "server": ServerConfig, "pools": PoolConfig, "ray": RayConfig, "kv_transport": KVTransportSettings,
     "health": HealthConfig, "admission": AdmissionConfig, "coordinator": CoordinatorConfig,
-    "router": RouterConfig, "worker": WorkerConfig,
+    "router": RouterConfig, "worker": WorkerConfig, "loop": LoopConfig,
 }
 _ENGINE_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                                      "parallel": ParallelConfig,

@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 import ray
 
 from pdserve.cluster.config import CoordinatorConfig, RouterConfig
+from pdserve.cluster.errors import cause
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ACTOR_LOST, Pool, Worker
 from pdserve.cluster.router import LeastLoad, RoutingPolicy
 from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.engine import NoCapacity
-from pdserve.engine.messages import WorkerRequest
+from pdserve.engine.messages import KVTransferInfo, WorkerRequest
 from pdserve.engine.outputs import TokenDelta
 from pdserve.kv_transport import HandshakeRefused, SlowPathRefused, TransferError
 
@@ -41,6 +42,12 @@ class WorkerUnavailable(Exception):
 
 class WorkerLost(WorkerUnavailable):
     """A worker the request ran on was lost, or its KV transfer failed: it may continue elsewhere."""
+
+
+class TransportRefused(WorkerUnavailable):
+    """The request's pair of workers may not move KV between them: a refused handshake (layout,
+    secret) or a transport slower than `kv_transport.require` allows. The cluster's
+    configuration, not a passing failure: another attempt would be refused too."""
 
 
 class Overloaded(Exception):
@@ -60,11 +67,27 @@ def _continuation(req: WorkerRequest, generated: list[int], attempt: int) -> Wor
 
 def _transfer_failed(decode: Worker, error: TransferError) -> WorkerUnavailable:
     """A refused handshake or slow path is the cluster's configuration: trying again will not
-    help. Any other failure (a peer lost or replaced, a timeout) may go better elsewhere."""
-    message = f"KV transfer to {decode.worker_id} failed: {error}"
-    if isinstance(error, (HandshakeRefused, SlowPathRefused)):
-        return WorkerUnavailable(message)
+    help. Any other failure (a peer lost or replaced, a timeout) may go better elsewhere.
+
+    `error` raised in a worker comes wrapped by Ray, its text the actor's traceback: the
+    message keeps the original's own one line; the log has the rest."""
+    logger.warning("KV transfer to %s failed", decode.worker_id, exc_info=error)
+    message = f"KV transfer to {decode.worker_id} failed: {cause(error)}"
+    if isinstance(error, SlowPathRefused):
+        return TransportRefused(f"{message} (kv_transport.require / allowed_transports)")
+    if isinstance(error, HandshakeRefused):
+        return TransportRefused(message)
     return WorkerLost(message)
+
+
+@dataclass(slots=True)
+class RequestReport:
+    """What a request's run tells besides its tokens, filled in as it goes: a frontend puts it
+    in the request's last response."""
+
+    # How its KV moved from prefill to decode worker, one per attempt that moved any (a
+    # migrated request has several; a colocated one, or one that ended at its first token, none).
+    transfers: list[KVTransferInfo] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -119,7 +142,7 @@ class Coordinator:
         and a bounded queue of requests waiting for one."""
         return len(self.decode.healthy()) * (self.seats_per_worker + self.max_waiting_per_worker)
 
-    async def generate(self, req: WorkerRequest) -> AsyncIterator[TokenDelta]:
+    async def generate(self, req: WorkerRequest, report: RequestReport | None = None) -> AsyncIterator[TokenDelta]:
         """Yields the request's token deltas; the last one has a finish reason.
 
         A request whose worker is lost (decode worker mid-stream, prefill worker, or its KV
@@ -129,15 +152,18 @@ class Coordinator:
         caller's stream neither repeats nor drops a token; greedy output is the same as an
         undisturbed run's. At most `config.max_migrations` times, then WorkerUnavailable.
 
-        Raises WorkerUnavailable, Overloaded or ValueError. Closing the
-        iterator early (client cancel, deadline) aborts the request everywhere.
+        `report`, if given, is filled in as the request runs (its KV transfers).
+
+        Raises WorkerUnavailable (TransportRefused: the pair's KV transport is refused),
+        Overloaded or ValueError. Closing the iterator early (client cancel, deadline) aborts
+        the request everywhere.
         """
         generated: list[int] = []
         for attempt in itertools.count():
             run = req if attempt == 0 else _continuation(req, generated, attempt)
             try:
                 # aclosing: a caller that stops early ends the attempt (and its cleanup) at once.
-                async with contextlib.aclosing(self._run(run, migrated=attempt > 0)) as deltas:
+                async with contextlib.aclosing(self._run(run, attempt > 0, report)) as deltas:
                     async for delta in deltas:
                         if attempt:  # the caller knows one request: its id, its prompt
                             delta = dataclasses.replace(delta, request_id=req.request_id, num_cached_tokens=0,
@@ -152,7 +178,7 @@ class Coordinator:
                                len(generated))
                 self.metrics.migrations.inc()
 
-    async def _run(self, req: WorkerRequest, migrated: bool) -> AsyncIterator[TokenDelta]:
+    async def _run(self, req: WorkerRequest, migrated: bool, report: RequestReport | None) -> AsyncIterator[TokenDelta]:
         """One attempt at `req` on one decode worker (and one prefill worker). A `migrated`
         one waits (`config.migration_wait_s`) for a healthy worker, e.g. a lost one's replacement."""
         rid = req.request_id
@@ -175,7 +201,7 @@ class Coordinator:
                     await self.decode.replace(decode)
                     raise WorkerLost(f"worker {decode.worker_id} was lost") from e
             else:
-                first = await self._prefill(req, decode, hashes, wait_s)
+                first = await self._prefill(req, decode, hashes, wait_s, report)
                 if first is not None:
                     finished = first.finished
                     yield first
@@ -214,8 +240,8 @@ class Coordinator:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._seat_freed.wait(), self.config.seat_recheck_s)
 
-    async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int],
-                       wait_s: float) -> TokenDelta | None:
+    async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int], wait_s: float,
+                       report: RequestReport | None) -> TokenDelta | None:
         """Reserve on `decode` and prefill elsewhere at once, hand the KV over; returns the
         first token's delta. The receiver holds KV that arrives before its reservation, so
         the reservation (a call that waits for the decode engine's current step) is not on
@@ -243,6 +269,8 @@ class Coordinator:
             prefill.state.inflight -= 1
         if out.transfer is not None:
             self.metrics.kv_transfer(out.transfer)
+            if report is not None:
+                report.transfers.append(out.transfer)
         if not out.needs_decode:  # the first token ended it: give the reservation back
             await self._abort(decode, req.request_id)
             return out.first
@@ -259,7 +287,7 @@ class Coordinator:
         try:
             await decode.actor.reserve.remote(req)
         except NoCapacity as e:
-            raise Overloaded(str(e)) from e
+            raise Overloaded(cause(e)) from e
         except ACTOR_LOST as e:
             await self.decode.replace(decode)
             raise WorkerLost(f"decode worker {decode.worker_id} was lost") from e

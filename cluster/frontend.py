@@ -15,7 +15,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from pdserve.cluster.coordinator import Coordinator, Overloaded, WorkerUnavailable
+from pdserve.cluster.coordinator import Coordinator, Overloaded, RequestReport, TransportRefused, WorkerUnavailable
+from pdserve.cluster.errors import cause
 from pdserve.cluster.metrics import Metrics
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import TextDelta
@@ -32,6 +33,7 @@ class Status(str, enum.Enum):
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
     NOT_FOUND = "NOT_FOUND"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"  # the cluster cannot serve it as configured (kv_transport.require)
     UNAVAILABLE = "UNAVAILABLE"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     CANCELLED = "CANCELLED"
@@ -39,12 +41,22 @@ class Status(str, enum.Enum):
 
 
 class RequestFailed(Exception):
-    """A request that could not run or finish; `str(e)` is safe to show the client."""
+    """A request that could not run or finish; `str(e)` is safe to show the client (one line,
+    no traceback: see `failed`)."""
 
     def __init__(self, status: Status, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after_s = retry_after_s  # RESOURCE_EXHAUSTED: when a retry may find room
+
+
+def failed(status: Status, error: BaseException) -> RequestFailed:
+    """`error` as the client may see it: its one-line cause (cluster/errors.py). Whatever
+    more its text held (a worker's traceback that came through Ray) goes to the log."""
+    message = cause(error)
+    if message != str(error):
+        logger.warning("request failed with %s: %s", status.value, message, exc_info=error)
+    return RequestFailed(status, message)
 
 
 class Frontend:
@@ -75,11 +87,13 @@ class Frontend:
                                 f"server is at its capacity of {capacity} concurrent requests (running and "
                                 f"queued); retry in {self.retry_after_s:g} s", self.retry_after_s)
 
-    async def generate(self, request: ProcessedRequest, timeout_s: float | None = None) -> AsyncIterator[TextDelta]:
+    async def generate(self, request: ProcessedRequest, timeout_s: float | None = None,
+                       report: RequestReport | None = None) -> AsyncIterator[TextDelta]:
         """Run one request; yields its text deltas, the last with a finish reason (STOP or LENGTH).
 
-        timeout_s: the client's deadline (None: `default_timeout_s`). Raises RequestFailed;
-        closing the iterator early cancels the request and frees its blocks everywhere.
+        timeout_s: the client's deadline (None: `default_timeout_s`). report: filled in as
+        the request runs (its KV transfers), complete once the last delta is out. Raises
+        RequestFailed; closing the iterator early cancels the request and frees its blocks everywhere.
         """
         self.check_capacity()
         start = time.perf_counter()
@@ -89,17 +103,20 @@ class Frontend:
         self.inflight += 1
         status = Status.OK
         try:
-            async for delta in self._stream(worker_req, request, start, deadline):
+            async for delta in self._stream(worker_req, request, start, deadline, report):
                 yield delta
         except TimeoutError as e:
             status = Status.DEADLINE_EXCEEDED
             raise RequestFailed(status, f"request exceeded its deadline of {timeout:.1f} s") from e
         except Overloaded as e:
             status = Status.RESOURCE_EXHAUSTED
-            raise RequestFailed(status, str(e)) from e
+            raise failed(status, e) from e
+        except TransportRefused as e:
+            status = Status.FAILED_PRECONDITION
+            raise failed(status, e) from e
         except WorkerUnavailable as e:
             status = Status.UNAVAILABLE
-            raise RequestFailed(status, str(e)) from e
+            raise failed(status, e) from e
         except (asyncio.CancelledError, GeneratorExit):
             status = Status.CANCELLED
             raise
@@ -111,14 +128,14 @@ class Frontend:
             self.inflight -= 1
             self.count(status)
 
-    async def _stream(self, req: WorkerRequest, request: ProcessedRequest, start: float,
-                      deadline: float) -> AsyncIterator[TextDelta]:
+    async def _stream(self, req: WorkerRequest, request: ProcessedRequest, start: float, deadline: float,
+                      report: RequestReport | None) -> AsyncIterator[TextDelta]:
         # The deadline bounds each wait for the workers, not the caller's time between deltas:
         # a timeout scope around a `yield` would cancel whichever task is consuming the stream.
         stream = self.processor.output_stream(request)
         num_generated = 0
         last = None
-        deltas = self.coordinator.generate(req)
+        deltas = self.coordinator.generate(req, report)
         try:
             while True:
                 async with asyncio.timeout_at(deadline):

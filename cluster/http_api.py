@@ -4,8 +4,9 @@
 `GET /v1/models`, `GET /health`. Each call's choices run through the shared `Frontend`
 (the coordinator, router and pools the gRPC service uses). Errors come in OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}: 400 bad input (malformed bodies too),
-404 unknown model or route, 415 a body that is not JSON, 429 full, 503 no worker,
-504 deadline. A client that goes away cancels its requests, which frees their blocks.
+404 unknown model or route, 415 a body that is not JSON, 429 full, 503 no worker (or none
+that the KV transport may pair: code failed_precondition), 504 deadline. A client that goes
+away cancels its requests, which frees their blocks.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ _HTTP = {Status.INVALID_ARGUMENT: (400, "invalid_request_error", None),
          Status.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
          Status.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
          Status.UNAVAILABLE: (503, "server_error", "service_unavailable"),
+         Status.FAILED_PRECONDITION: (503, "server_error", "failed_precondition"),
          Status.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
          Status.CANCELLED: (499, "server_error", "cancelled"),
          Status.INTERNAL: (500, "server_error", "internal_error")}
@@ -300,8 +302,10 @@ class _Uvicorn(uvicorn.Server):
 class HttpServer:
     """uvicorn serving the API on the running event loop; `start` binds, `stop` drains."""
 
-    def __init__(self, frontend: Frontend, tls: tuple[str, str] | None = None, api_key: str | None = None) -> None:
+    def __init__(self, frontend: Frontend, tls: tuple[str, str] | None = None, api_key: str | None = None,
+                 shutdown_grace_s: float = 2.0) -> None:
         self.api = OpenAIApi(frontend)
+        self._shutdown_grace_s = shutdown_grace_s  # ServerConfig.shutdown_grace_s
         self._tls = tls  # (certificate file, key file): HTTPS only
         self._api_key = api_key  # asked of every call but /health (cluster/auth.py)
         self._server: _Uvicorn | None = None
@@ -323,7 +327,7 @@ class HttpServer:
             app = BearerTokenMiddleware(app, self._api_key)
         cert, key = self._tls or (None, None)
         config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning",
-                                access_log=False, timeout_graceful_shutdown=2, ws="none",
+                                access_log=False, timeout_graceful_shutdown=self._shutdown_grace_s, ws="none",
                                 ssl_certfile=cert, ssl_keyfile=key)
         self._server = _Uvicorn(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))

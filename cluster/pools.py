@@ -56,6 +56,7 @@ class ActorSpec:
     num_cpus: float
     num_gpus: float
     resource: str  # custom node resource ("" = none)
+    max_concurrency: int = 1000  # PoolConfig.actor_max_concurrency
 
 
 class Pool:
@@ -82,7 +83,7 @@ class Pool:
         worker_id = f"{self.role}-{next(self._ids)}"
         spec = self.spec
         options: dict[str, Any] = {"num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus, "max_restarts": 0,
-                                   "max_concurrency": 1000}
+                                   "max_concurrency": spec.max_concurrency}
         if spec.resource:
             options["resources"] = {spec.resource: 1}
         cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(spec.cls)  # not settable in .options()

@@ -52,6 +52,7 @@ class Server:
     port: int
     frontend: Frontend
     http: HttpServer | None = None
+    shutdown_grace_s: float = 2.0
 
     @property
     def http_port(self) -> int | None:
@@ -60,7 +61,7 @@ class Server:
     async def stop(self) -> None:
         if self.http is not None:
             await self.http.stop()
-        await self.grpc_server.stop(grace=2.0)
+        await self.grpc_server.stop(grace=self.shutdown_grace_s)
         await self.coordinator.stop()
 
 
@@ -112,15 +113,15 @@ def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool
                        "one mixed worker per %d GPU(s)", num_gpus, config.pools.num_prefill, config.pools.num_decode,
                        p.tp("decode", config.engine))
     config = dataclasses.replace(config, pools=p)
-    health = config.health
+    health, waits = config.health, (config.worker, config.loop)
 
     def spec(cls: type, role: str, with_transport: bool) -> ActorSpec:
         # A worker of tensor-parallel size N holds N GPUs of one node (one Ray actor: its
         # other ranks are processes it starts); on the CPU its ranks share the actor's CPU.
         gpus = p.gpus_per_worker * p.tp(role, config.engine)
         resource = p.prefill_resource if role == "prefill" else p.decode_resource
-        return ActorSpec(cls, (config.engine_for(role), transport if with_transport else None, config.worker), 1,
-                         gpus, resource)
+        return ActorSpec(cls, (config.engine_for(role), transport if with_transport else None, *waits), 1,
+                         gpus, resource, p.actor_max_concurrency)
 
     if p.mode == "colocated":
         return None, Pool("mixed", p.num_decode, spec(DecodeWorker, "decode", False), health)
@@ -140,7 +141,7 @@ async def start_server(config: ServeConfig) -> Server:
     if config.pools.mode == "disaggregated":
         transport = TransportConfig(secret=cluster_secret(), listen_host=config.ray.node_ip_address,
                                     transfer_timeout_s=kv.transfer_timeout_s, connect_timeout_s=kv.connect_timeout_s,
-                                    allowed_transports=frozenset(kv.allowed_transports),
+                                    allowed_transports=kv.transports,
                                     direct_writes=kv.direct_writes)
     prefill, decode = _pools(config, transport)
     metrics = Metrics()
@@ -177,7 +178,7 @@ async def start_server(config: ServeConfig) -> Server:
     http = None
     if config.server.http:
         tls = (config.server.tls_cert, config.server.tls_key) if auth.tls else None
-        http = HttpServer(frontend, tls, auth.api_key)
+        http = HttpServer(frontend, tls, auth.api_key, config.server.shutdown_grace_s)
         try:
             await http.start(config.server.host, config.server.http_port)
         except BaseException:
@@ -190,7 +191,7 @@ async def start_server(config: ServeConfig) -> Server:
                 config.server.host, port, http.port if http else "off", coordinator.mode,
                 "GPU" if torch.cuda.is_available() else "CPU", "on" if auth.tls else "off",
                 "asked" if auth.api_key else "not asked")
-    return Server(server, coordinator, health_servicer, metrics, port, frontend, http)
+    return Server(server, coordinator, health_servicer, metrics, port, frontend, http, config.server.shutdown_grace_s)
 
 
 async def serve_forever(config: ServeConfig) -> None:

@@ -6,6 +6,7 @@ import uuid
 
 import grpc
 
+from pdserve.cluster.coordinator import RequestReport
 from pdserve.cluster.frontend import Frontend, RequestFailed, Status
 from pdserve.cluster.validation import parse_request
 from pdserve.engine.outputs import TextDelta
@@ -19,6 +20,7 @@ _CODES = {
     Status.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Status.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Status.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     Status.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     Status.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     Status.CANCELLED: grpc.StatusCode.CANCELLED,
@@ -40,17 +42,19 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         num_prompt, num_generated = len(parsed.prompt_token_ids), 0
         client_id = request.request_id or uuid.uuid4().hex
+        report = RequestReport()
         try:
-            async for delta in self.frontend.generate(parsed, context.time_remaining()):
+            async for delta in self.frontend.generate(parsed, context.time_remaining(), report):
                 num_generated += len(delta.token_ids)
-                yield self._response(client_id, delta, num_prompt, num_generated)
+                yield self._response(client_id, delta, num_prompt, num_generated, report)
         except RequestFailed as e:
             if e.retry_after_s is not None:  # gRPC's retry pushback: a client's retry policy waits this long
                 context.set_trailing_metadata((("grpc-retry-pushback-ms", str(int(e.retry_after_s * 1000))),))
             await context.abort(_CODES[e.status], str(e))
 
     @staticmethod
-    def _response(client_id: str, delta: TextDelta, num_prompt: int, num_generated: int) -> pb.GenerateResponse:
+    def _response(client_id: str, delta: TextDelta, num_prompt: int, num_generated: int,
+                  report: RequestReport) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=client_id, token_ids=list(delta.token_ids), text=delta.text)
         for lp in delta.logprobs:
             resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=list(lp.top_token_ids),
@@ -60,6 +64,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             resp.usage.prompt_tokens = num_prompt
             resp.usage.completion_tokens = num_generated
             resp.usage.cached_prompt_tokens = delta.num_cached_tokens
+            for t in report.transfers:
+                resp.kv_transfers.add(transport=t.transport, direct=t.direct, bytes=t.num_bytes, seconds=t.elapsed_s)
         return resp
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):  # noqa: N802

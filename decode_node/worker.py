@@ -12,7 +12,7 @@ import logging
 
 from pdserve.decode_node.spec import speculative_engine
 from pdserve.engine.config import EngineConfig, WorkerConfig
-from pdserve.engine.loop import LoopWorker, log_failure
+from pdserve.engine.loop import LoopConfig, LoopWorker, log_failure
 from pdserve.engine.messages import KVTransferInfo, WorkerRequest
 from pdserve.engine.outputs import TokenDelta
 from pdserve.kv_transport import PeerAddress, TransportConfig
@@ -23,8 +23,9 @@ logger = logging.getLogger(__name__)
 
 class DecodeWorker(LoopWorker):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig | None,
-                 worker_config: WorkerConfig | None = None) -> None:
-        super().__init__(worker_id, speculative_engine(engine_config))  # speculates when engine_config.spec says
+                 worker_config: WorkerConfig | None = None, loop_config: LoopConfig | None = None) -> None:
+        # speculative_engine: speculates when engine_config.spec says.
+        super().__init__(worker_id, speculative_engine(engine_config), loop_config)
         self._transport = transport
         self._config = worker_config or WorkerConfig()
         self._receiver = None

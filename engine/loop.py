@@ -19,17 +19,36 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import EngineLoad, TokenDelta
 from pdserve.engine.sequence import FinishReason
+
+if TYPE_CHECKING:  # the cluster's config reads LoopConfig without loading the engine's modules
+    from pdserve.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-IDLE_WAIT_S = 0.05
+
+@dataclass(frozen=True, slots=True)
+class LoopConfig:
+    """The engine loop's own waits (the `loop` section of `pdserve serve`'s config).
+
+    idle_wait_s: with nothing to run, the loop waits up to this long for a command before
+        turning again (a command wakes it at once: no latency cost). Each turn counts in
+        the heartbeat, so it must stay far below `health.stuck_after_s`.
+    stop_timeout_s: bound on waiting, at shutdown, for the loop's thread to end its step.
+    """
+
+    idle_wait_s: float = 0.05
+    stop_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("idle_wait_s", "stop_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"LoopConfig.{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +67,9 @@ class Heartbeat:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, config: LoopConfig | None = None) -> None:
         self.engine = engine
+        self.config = config or LoopConfig()
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], object], Future]] = queue.SimpleQueue()
         self._deltas: list[TokenDelta] = []
         self._deltas_ready = threading.Condition()
@@ -83,10 +103,10 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
         """Stop the thread, then the engine's other tensor-parallel ranks (if any)."""
         self._stopped.set()
-        self._thread.join(timeout_s)
+        self._thread.join(self.config.stop_timeout_s if timeout_s is None else timeout_s)
         self.engine.close()
 
     def _run_commands(self, block_s: float) -> None:
@@ -107,7 +127,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            self._run_commands(0 if self.engine.has_unfinished else IDLE_WAIT_S)
+            self._run_commands(0 if self.engine.has_unfinished else self.config.idle_wait_s)
             self.num_turns += 1
             if not self.engine.has_unfinished:
                 continue
@@ -143,9 +163,9 @@ class LoopWorker:
     """What both worker roles answer the cluster with about their engine (the Ray actor
     methods they share); each role adds its own way in."""
 
-    def __init__(self, worker_id: str, engine: Engine) -> None:
+    def __init__(self, worker_id: str, engine: Engine, loop_config: LoopConfig | None = None) -> None:
         self.worker_id = worker_id
-        self.loop = EngineLoop(engine)
+        self.loop = EngineLoop(engine, loop_config)
 
     async def load(self) -> EngineLoad:
         return await self.loop.call(lambda e: e.load())

@@ -11,7 +11,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, WorkerConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.loop import LoopWorker, log_failure
+from pdserve.engine.loop import LoopConfig, LoopWorker, log_failure
 from pdserve.engine.messages import KVTransferInfo, PrefillOutput, WorkerRequest
 from pdserve.engine.outputs import TokenDelta
 from pdserve.engine.sequence import FinishReason
@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 
 class PrefillWorker(LoopWorker):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig,
-                 worker_config: WorkerConfig | None = None) -> None:
-        super().__init__(worker_id, Engine(engine_config))
+                 worker_config: WorkerConfig | None = None, loop_config: LoopConfig | None = None) -> None:
+        super().__init__(worker_id, Engine(engine_config), loop_config)
         self._transport = transport
         self._config = worker_config or WorkerConfig()
         self._sender = None

@@ -106,9 +106,15 @@ def test_full_server_answers_resource_exhausted_promptly(start):
     long = SamplingParams(max_tokens=2000, ignore_eos=True)
     # Cancelled below, long before they end: their deadline only bounds a hung server (their
     # first token waits for the worker's first step, tens of seconds on a loaded CPU).
-    calls = [c.generate("Tell me a story.", long, timeout_s=600) for c in clients[:2]]
-    next(calls[0])  # it runs; the second waits in the worker's queue
-    wait_until(lambda: srv.server.frontend.inflight == 2, 120, "both requests to be admitted")
+    calls = [clients[0].generate("Tell me a story.", long, timeout_s=600)]
+    next(calls[0])  # it holds the running seat...
+    # ...before the second is sent, which therefore waits in the worker's queue. (Sent at once,
+    # the two raced: on their own channels the second reached the server first about one time
+    # in ten, took the seat, and the first's token came only after its 2000, when it had gone.)
+    calls.append(clients[1].generate("Tell me a story.", long, timeout_s=600))
+    # A second request that ended says how, rather than never being admitted.
+    wait_until(lambda: srv.server.frontend.inflight == 2 or calls[1].done(), 120, "both requests to be admitted")
+    assert not calls[1].done(), f"the queued request ended: {calls[1].code()} {calls[1].details()!r}"
     with pytest.raises(grpc.RpcError) as err:
         next(clients[2].generate("One more", SamplingParams(max_tokens=2), timeout_s=10))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

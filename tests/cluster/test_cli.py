@@ -40,10 +40,11 @@ def test_missing_model_path():
 def test_serve_flags_land_in_the_config_sections():
     proc = pdserve("serve", "--check-config", "--max-waiting-per-worker", "7", "--retry-after-s", "2.5",
                    "--max-migrations", "0", "--migration-wait-s", "9", "--transfer-timeout-s", "11",
-                   "--routing", "least_load", "--api-key-file", "token")
+                   "--routing", "least_load", "--api-key-file", "token", "--kv-require", "rdma")
     assert proc.returncode == 0, proc.stderr
     for words in ("max_waiting_per_worker=7", "retry_after_s=2.5", "max_migrations=0", "migration_wait_s=9.0",
-                  "transfer_timeout_s=11.0", "routing='least_load'", "api_key_file='token'"):
+                  "transfer_timeout_s=11.0", "routing='least_load'", "api_key_file='token'", "require='rdma'",
+                  "LoopConfig(idle_wait_s=0.05"):
         assert words in proc.stdout, words
 
 

@@ -29,6 +29,13 @@ def test_yaml_sections_build_the_same_objects_as_flags(tmp_path):
     ({"kv_transport": {"direct_writes": "no"}}, "direct_writes must be true or false"),
     ({"server": {"tls_cert": "cert.pem"}}, "tls_cert and tls_key go together"),
     ({"coordinator": {"max_migrations": -1}}, "max_migrations must be >= 0"),
+    ({"kv_transport": {"require": "nvlink"}}, "kv_transport.require must be 'any' or one of"),
+    ({"kv_transport": {"require": "cuda_ipc", "allowed_transports": ["shm", "tcp"]}}, "leaves none of"),
+    ({"kv_transport": {"allowed_transports": ["ib"]}}, "allowed_transports must be some of"),
+    ({"loop": {"idle_wait_s": 0}}, "LoopConfig.idle_wait_s must be > 0"),
+    ({"loop": {"idle": 1}}, "unknown keys in config section 'loop'"),
+    ({"server": {"shutdown_grace_s": -1}}, "shutdown_grace_s must be >= 0"),
+    ({"pools": {"actor_max_concurrency": 0}}, "actor_max_concurrency must be >= 1"),
 ])
 def test_bad_config_is_a_clear_value_error(data, words):
     with pytest.raises(ValueError, match=words):
@@ -105,3 +112,27 @@ def test_client_auth_reads_the_files_and_the_env(tmp_path, monkeypatch):
     (tmp_path / "empty").write_text("")
     with pytest.raises(ValueError, match="is empty"):
         client_auth(ServerConfig(api_key_file=str(tmp_path / "empty")))
+
+
+@pytest.mark.parametrize("require, allowed, want", [
+    ("any", ("cuda_ipc", "rdma", "shm", "tcp"), {"cuda_ipc", "rdma", "shm", "tcp"}),
+    ("cuda_ipc", ("cuda_ipc", "rdma", "shm", "tcp"), {"cuda_ipc"}),
+    ("rdma", ("cuda_ipc", "rdma", "shm", "tcp"), {"cuda_ipc", "rdma"}),
+    ("shm", ("rdma", "shm", "tcp"), {"rdma", "shm"}),
+    ("tcp", ("tcp",), {"tcp"}),
+    ("any", ("shm",), {"shm"}),
+])
+def test_require_is_the_slowest_transport_a_pair_may_use(require, allowed, want):
+    config = config_from_dict({"kv_transport": {"require": require, "allowed_transports": list(allowed)}})
+    assert config.kv_transport.transports == want
+
+
+def test_the_loop_and_shutdown_settings_come_from_the_file(tmp_path):
+    from pdserve.engine.loop import LoopConfig
+
+    f = tmp_path / "c.yaml"
+    f.write_text("loop: {idle_wait_s: 0.01, stop_timeout_s: 3}\nserver: {shutdown_grace_s: 0.5}\n"
+                 "kv_transport: {require: rdma}\n")
+    config = load_config(f)
+    assert config.loop == LoopConfig(idle_wait_s=0.01, stop_timeout_s=3.0)
+    assert config.server.shutdown_grace_s == 0.5 and config.kv_transport.require == "rdma"
