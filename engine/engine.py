@@ -22,7 +22,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import StepGraphs
 from pdserve.engine.grammar import StructuredOutputs
 from pdserve.engine.kv_budget import blocks_that_fit, draft_memory
-from pdserve.engine.kv_pool import KVLayout, KVPool
+from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
 from pdserve.engine.parallel import ShardPlan, TensorParallel, check_splits
@@ -127,8 +127,8 @@ class Engine:
         if self.ranks is not None:
             self.kv_shards += self.ranks.open_pools(num_blocks)
         # The KV of every head, as one rank would lay it out: what moves between workers.
-        self.kv_wire_layout = KVLayout(self.model_name, dtype, arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                                       config.cache.block_size)
+        self.kv_wire_layout = kv_layout(self.model_name, dtype, ShardPlan.of(arch), arch.num_layers, arch.head_dim,
+                                        config.cache.block_size)
         capacity = num_blocks * layout.block_size
         if config.model.max_model_len is not None and capacity < limit:
             raise ValueError(f"max_model_len {limit} needs {limit} KV slots; the pool has {capacity}")
@@ -169,7 +169,7 @@ class Engine:
         """Stop the engine's other tensor-parallel ranks (idempotent; also done when the
         engine is garbage-collected). A single-rank engine holds nothing to stop."""
         if self.ranks is not None:
-            self.ranks.close()
+            self._stop_ranks()  # the finalizer's own call: runs once, however often close() is
 
     # Requests ------------------------------------------------------------
 
