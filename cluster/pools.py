@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 
 from pdserve.cluster.config import HealthConfig
 from pdserve.cluster.health import WorkerHealth
@@ -80,7 +80,22 @@ class Pool:
         self.workers = list(await asyncio.gather(*(self._spawn() for _ in range(self.size))))
 
     async def _spawn(self) -> Worker:
+        """A started worker. Ray at times reports an actor dead before its constructor ran (it never
+        got a process); that one is created again, up to `HealthConfig.start_attempts` times."""
         worker_id = f"{self.role}-{next(self._ids)}"
+        for attempt in range(1, self.health.start_attempts + 1):
+            try:
+                actor, address = await self._start_actor(worker_id)
+                break
+            except ActorDiedError as e:
+                if e.actor_init_failed or attempt == self.health.start_attempts:
+                    raise
+                logger.warning("%s worker %s died before it started; creating it again (attempt %d of %d): %s",
+                               self.role, worker_id, attempt + 1, self.health.start_attempts, e)
+        logger.info("%s worker %s started%s", self.role, worker_id, f" (KV at {address})" if address else "")
+        return Worker(self.role, actor, WorkerState(worker_id), WorkerHealth(self.health, time.monotonic()), address)
+
+    async def _start_actor(self, worker_id: str) -> tuple[Any, PeerAddress | None]:
         spec = self.spec
         options: dict[str, Any] = {"num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus, "max_restarts": 0,
                                    "max_concurrency": spec.max_concurrency}
@@ -89,12 +104,10 @@ class Pool:
         cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(spec.cls)  # not settable in .options()
         actor = cls.options(**options).remote(worker_id, *spec.args)
         try:
-            address = await asyncio.wait_for(actor.start.remote(), self.health.start_timeout_s)
+            return actor, await asyncio.wait_for(actor.start.remote(), self.health.start_timeout_s)
         except BaseException:
             ray.kill(actor, no_restart=True)
             raise
-        logger.info("%s worker %s started%s", self.role, worker_id, f" (KV at {address})" if address else "")
-        return Worker(self.role, actor, WorkerState(worker_id), WorkerHealth(self.health, time.monotonic()), address)
 
     async def check(self) -> None:
         """Ping every worker; a dead or stuck one is reported, killed and replaced."""

@@ -291,7 +291,18 @@ def tail(log: Path, n: int = 4000) -> str:
     return log.read_text(errors="replace")[-n:]
 
 
-def start_serving(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float) -> subprocess.Popen[str]:
+def ray_log_problems(ray_tmp: Path, n: int = 40) -> str:
+    """The last warnings and errors of the host's Ray processes (their logs die with the host)."""
+    lines = []
+    for path in sorted((ray_tmp / "ray" / "session_latest" / "logs").glob("*")):
+        if path.suffix in (".out", ".err", ".log") and path.is_file():
+            lines += [f"{path.name}: {line}" for line in path.read_text(errors="replace").splitlines()
+                      if " E " in line[:40] or " W " in line[:40] or "Error" in line]
+    return "\n".join(lines[-n:])
+
+
+def start_serving(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float,
+                  ray_tmp: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + timeout_s
@@ -311,7 +322,8 @@ def start_serving(cmd: list[str], env: dict[str, str], log: Path, timeout_s: flo
         if not line and proc.poll() is not None or time.monotonic() > deadline:
             stop(proc)
             out.close()
-            pytest.fail(f"pdserve serve did not start (exit {proc.poll()}):\n{tail(log)}")
+            pytest.fail(f"pdserve serve did not start (exit {proc.poll()}):\n{tail(log)}\n"
+                        f"Ray's logs on the host:\n{ray_log_problems(ray_tmp)}")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -374,7 +386,7 @@ def test_ray_up_then_pdserve_joins_and_serves_then_ray_down_stops_everything(hos
         port = free_port()
         serve = [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--config", str(serve_config),
                  "--address", address, "--port", str(port), "--metrics-port", str(free_port()), "--no-http"]
-        server = start_serving(serve, host.env, log, timeout_s=300)
+        server = start_serving(serve, host.env, log, timeout_s=300, ray_tmp=host.root / "tmp")
         try:
             out = collect(f"127.0.0.1:{port}", "Hi", SamplingParams(temperature=0.0, max_tokens=4))
             assert out.token_ids and out.text, out

@@ -1,0 +1,61 @@
+"""A pool's start on real Ray actors: a worker whose process dies before its constructor ends is
+created again (up to HealthConfig.start_attempts), one whose constructor raises is not."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from pdserve.cluster.config import HealthConfig
+from pdserve.cluster.pools import ActorSpec, Pool
+
+
+class _Worker:
+    """Counts its constructions in `folder`; the first `crashes` of them end the process outright,
+    as the kernel's OOM killer or a segfault would; with `raises`, every one raises instead."""
+
+    def __init__(self, worker_id: str, folder: str, crashes: int, raises: bool) -> None:
+        made = len(os.listdir(folder))
+        Path(folder, f"{made}").touch()
+        if raises:
+            raise ValueError("this constructor always fails")
+        if made < crashes:
+            os._exit(1)
+        self.worker_id = worker_id
+
+    def start(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+def _pool(folder: Path, crashes: int, raises: bool, attempts: int) -> Pool:
+    spec = ActorSpec(_Worker, (str(folder), crashes, raises), num_cpus=0, num_gpus=0, resource="",
+                     max_concurrency=1)
+    return Pool("prefill", 1, spec, HealthConfig(start_timeout_s=60, start_attempts=attempts))
+
+
+def test_a_worker_that_died_before_it_started_is_created_again(ray_cluster: None, tmp_path: Path) -> None:
+    pool = _pool(tmp_path, crashes=1, raises=False, attempts=2)
+    asyncio.run(pool.start())
+    assert len(pool.workers) == 1 and pool.workers[0].worker_id == "prefill-0"
+    assert len(os.listdir(tmp_path)) == 2  # one crash, one start
+
+
+def test_attempts_are_bounded(ray_cluster: None, tmp_path: Path) -> None:
+    pool = _pool(tmp_path, crashes=5, raises=False, attempts=2)
+    with pytest.raises(ActorDiedError):
+        asyncio.run(pool.start())
+    assert len(os.listdir(tmp_path)) == 2
+
+
+def test_a_constructor_that_raises_is_not_retried(ray_cluster: None, tmp_path: Path) -> None:
+    pool = _pool(tmp_path, crashes=0, raises=True, attempts=3)
+    with pytest.raises(ActorDiedError, match="this constructor always fails"):
+        asyncio.run(pool.start())
+    assert len(os.listdir(tmp_path)) == 1
