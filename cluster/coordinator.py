@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -80,6 +81,18 @@ def _transfer_failed(decode: Worker, error: TransferError) -> WorkerUnavailable:
     return WorkerLost(message)
 
 
+# Where a request's first token spends its time, hop by hop (RequestReport.hops), in path order.
+# Disaggregated: a decode seat and a prefill worker chosen; the prefill worker's engine takes the
+# request (after its current step), computes the prompt and samples; the rest of the KV send; the
+# prefill call's Ray dispatch and return (and a reservation that outlasted the prefill). The
+# decode worker's admission follows the first token, off its path.
+# Colocated: the worker chosen; the submit call; the engine's queue, compute and the poll that
+# brings the first token back. "other" (the frontend's own, filled in there): everything else
+# from the request's arrival, so that the hops add up to its TTFT.
+DISAGGREGATED_HOPS = ("seat", "prefill_queue", "prefill_compute", "kv_wait", "prefill_rpc")
+COLOCATED_HOPS = ("seat", "submit", "first_delta")
+
+
 @dataclass(slots=True)
 class RequestReport:
     """What a request's run tells besides its tokens, filled in as it goes: a frontend puts it
@@ -88,6 +101,10 @@ class RequestReport:
     # How its KV moved from prefill to decode worker, one per attempt that moved any (a
     # migrated request has several; a colocated one, or one that ended at its first token, none).
     transfers: list[KVTransferInfo] = field(default_factory=list)
+    # Seconds of its first token per hop (DISAGGREGATED_HOPS or COLOCATED_HOPS), of the attempt
+    # that produced it. Beside the path: "reserve", the decode worker's reservation (it runs
+    # alongside the prefill).
+    hops: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -182,35 +199,44 @@ class Coordinator:
         """One attempt at `req` on one decode worker (and one prefill worker). A `migrated`
         one waits (`config.migration_wait_s`) for a healthy worker, e.g. a lost one's replacement."""
         rid = req.request_id
+        started = time.perf_counter()
+        hops: dict[str, float] = {} if report is None or migrated else report.hops
         hashes = prefix_block_hashes(req.prompt_token_ids, self.block_size)
         wait_s = self.config.migration_wait_s if migrated else 0.0
         if self.prefill is None:
             decode = await self._pick_waiting(self.decode, [], self._decode_policy, wait_s)
         else:
             decode = await self._take_seat(wait_s)
+        hops["seat"] = time.perf_counter() - started
         if decode.worker_id not in self._pollers:  # a replacement: do not wait for the health loop
             self._start_poller(decode)
         stream = self._streams[rid] = _Stream(decode)
         decode.state.inflight += 1  # no await since the choice: the seat is ours
         finished = False
+        admitting: asyncio.Future[None] | None = None
         try:
             if self.prefill is None:
+                submitted = time.perf_counter()
                 try:
                     await decode.actor.submit.remote(req)
                 except ACTOR_LOST as e:
                     await self.decode.replace(decode)
                     raise WorkerLost(f"worker {decode.worker_id} was lost") from e
+                hops["submit"] = time.perf_counter() - submitted
             else:
-                first = await self._prefill(req, decode, hashes, wait_s, report)
-                if first is not None:
-                    finished = first.finished
-                    yield first
-                    if finished:
-                        return
+                first, admitting = await self._prefill(req, decode, hashes, wait_s, report, hops)
+                finished = first.finished
+                yield first  # the decode worker admits the request meanwhile: not on the first token's path
+                if finished:
+                    return
+                await admitting
+            waited = time.perf_counter()
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, Exception):
                     raise item
+                if "first_delta" not in hops and self.prefill is None:
+                    hops["first_delta"] = time.perf_counter() - waited
                 finished = item.finished
                 yield item
                 if finished:
@@ -218,6 +244,11 @@ class Coordinator:
         finally:
             decode.state.inflight -= 1
             del self._streams[rid]
+            if admitting is not None:
+                # The abort must reach the decode worker after the admit, not overtake it.
+                await asyncio.wait([admitting], timeout=self.config.abort_timeout_s)
+                if admitting.done() and not admitting.cancelled() and admitting.exception() is not None:
+                    logger.info("request %s: admit after its end failed: %s", rid, admitting.exception())
             if not finished and decode.state.healthy:
                 asyncio.ensure_future(self._abort(decode, rid))
             async with self._seat_freed:
@@ -241,16 +272,21 @@ class Coordinator:
                     await asyncio.wait_for(self._seat_freed.wait(), self.config.seat_recheck_s)
 
     async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int], wait_s: float,
-                       report: RequestReport | None) -> TokenDelta | None:
+                       report: RequestReport | None,
+                       hops: dict[str, float]) -> tuple[TokenDelta, asyncio.Future[None] | None]:
         """Reserve on `decode` and prefill elsewhere at once, hand the KV over; returns the
-        first token's delta. The receiver holds KV that arrives before its reservation, so
-        the reservation (a call that waits for the decode engine's current step) is not on
-        the first token's path; a refused one cancels the prefill."""
+        first token's delta and, unless that ended the request, its admission on `decode`
+        (started, not awaited: the first token need not wait for it). The receiver holds KV
+        that arrives before its reservation, so the reservation (a call that waits for the
+        decode engine's current step) is not on the first token's path; a refused one
+        cancels the prefill."""
         prefill = await self._pick_waiting(self.prefill, hashes, self.policy, wait_s)
         prefill.state.inflight += 1
+        called = time.perf_counter()
         ref = prefill.actor.prefill.remote(req, decode.address)
         try:
             await self._reserve(req, decode)
+            hops["reserve"] = time.perf_counter() - called
         except BaseException:
             ray.cancel(ref)  # the worker aborts the request and frees its blocks
             prefill.state.inflight -= 1
@@ -267,21 +303,26 @@ class Coordinator:
             raise _transfer_failed(decode, e) from e
         finally:
             prefill.state.inflight -= 1
+        if out.times is not None:
+            hops.update(prefill_queue=out.times.queue_s, prefill_compute=out.times.compute_s,
+                        kv_wait=out.times.kv_wait_s, prefill_rpc=time.perf_counter() - called - out.times.total_s)
         if out.transfer is not None:
             self.metrics.kv_transfer(out.transfer)
             if report is not None:
                 report.transfers.append(out.transfer)
         if not out.needs_decode:  # the first token ended it: give the reservation back
             await self._abort(decode, req.request_id)
-            return out.first
+            return out.first, None
+        return out.first, asyncio.ensure_future(self._admit(decode, req.request_id, out.first.token_ids[0]))
+
+    async def _admit(self, decode: Worker, request_id: str, first_token_id: int) -> None:
         try:
-            await decode.actor.admit.remote(req.request_id, out.first.token_ids[0])
+            await decode.actor.admit.remote(request_id, first_token_id)
         except TransferError as e:
             raise _transfer_failed(decode, e) from e
         except ACTOR_LOST as e:
             await self.decode.replace(decode)
             raise WorkerLost(f"decode worker {decode.worker_id} was lost") from e
-        return out.first
 
     async def _reserve(self, req: WorkerRequest, decode: Worker) -> None:
         try:

@@ -92,11 +92,12 @@ class Frontend:
         """Run one request; yields its text deltas, the last with a finish reason (STOP or LENGTH).
 
         timeout_s: the client's deadline (None: `default_timeout_s`). report: filled in as
-        the request runs (its KV transfers), complete once the last delta is out. Raises
+        the request runs (its KV transfers, its first token's hops), complete once the last delta is out. Raises
         RequestFailed; closing the iterator early cancels the request and frees its blocks everywhere.
         """
         self.check_capacity()
         start = time.perf_counter()
+        report = report if report is not None else RequestReport()
         worker_req = WorkerRequest(uuid.uuid4().hex, request.prompt_token_ids, request.params)  # no stop strings
         timeout = self.default_timeout_s if timeout_s is None else max(0.0, timeout_s)
         deadline = asyncio.get_running_loop().time() + timeout
@@ -129,7 +130,7 @@ class Frontend:
             self.count(status)
 
     async def _stream(self, req: WorkerRequest, request: ProcessedRequest, start: float, deadline: float,
-                      report: RequestReport | None) -> AsyncIterator[TextDelta]:
+                      report: RequestReport) -> AsyncIterator[TextDelta]:
         # The deadline bounds each wait for the workers, not the caller's time between deltas:
         # a timeout scope around a `yield` would cancel whichever task is consuming the stream.
         stream = self.processor.output_stream(request)
@@ -145,6 +146,7 @@ class Frontend:
                 now = time.perf_counter()
                 if last is None:
                     self.metrics.ttft.observe(now - start)
+                    self.metrics.first_token_hops(report.hops, now - start)
                 else:
                     self.metrics.itl.observe(now - last)
                 last = now

@@ -19,6 +19,10 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve_request_latency_seconds", "Request arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        # hop: RequestReport.hops' keys (cluster/coordinator.py) and "other": what the frontend
+        # spent besides (parsing is before arrival; admission, the first delta's way out).
+        self.hops = Histogram("pdserve_first_token_hop_seconds", "A first token's time in one hop of its path",
+                              ["hop"], buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter("pdserve_requests", "Finished requests by gRPC status", ["status"], registry=r)
         self.tokens = Counter("pdserve_generated_tokens", "Generated tokens", registry=r)
         self.running = Gauge("pdserve_running_sequences", "Running sequences", ["role", "worker"], registry=r)
@@ -69,6 +73,13 @@ class Metrics:
             self.spec_mean_accepted.labels(worker_id).set(load.spec.mean_accepted_length)
             for k, n in load.spec.num_steps_by_k.items():
                 self.spec_steps.labels(worker_id, str(k)).set(n)
+
+    def first_token_hops(self, hops: dict[str, float], ttft_s: float) -> None:
+        """Observe each hop of a first token's path, and the rest of its `ttft_s` as "other"
+        ("reserve" runs beside the prefill: it is not part of the sum)."""
+        for hop, seconds in hops.items():
+            self.hops.labels(hop).observe(seconds)
+        self.hops.labels("other").observe(max(0.0, ttft_s - sum(s for h, s in hops.items() if h != "reserve")))
 
     def worker_lost(self, role: str) -> None:
         self.workers_lost.labels(role).inc()

@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 
 import torch
 
 from pdserve.engine.config import EngineConfig, WorkerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.loop import LoopConfig, LoopWorker, log_failure
-from pdserve.engine.messages import KVTransferInfo, PrefillOutput, WorkerRequest
+from pdserve.engine.messages import KVTransferInfo, PrefillOutput, PrefillTimes, WorkerRequest
 from pdserve.engine.outputs import TokenDelta
 from pdserve.engine.sequence import FinishReason
 from pdserve.kv_transport import PeerAddress, TransferResult, TransportConfig
@@ -67,6 +68,7 @@ class PrefillWorker(LoopWorker):
         request, send the KV to `decode_peer` (queued behind the prompt's forward, so that
         it travels while the first token is sampled). The blocks are released (full ones
         stay in the prefix cache) whatever happens; a failed send raises its TransferError."""
+        called = time.perf_counter()
         rid = req.request_id
         waiter: asyncio.Future[TokenDelta] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = waiter
@@ -77,9 +79,11 @@ class PrefillWorker(LoopWorker):
             self._sender.prepare(rid, decode_peer)
         try:
             await self.loop.call(lambda e: e.add_request(list(req.prompt_token_ids), params, rid, hold_kv=True))
+            taken = time.perf_counter()
             # No bound of its own: a long prompt's steps take minutes on a CPU. The request's
             # deadline cancels this call, and the pool replaces an engine that stopped progressing.
             first = await waiter
+            sampled = time.perf_counter()
         except BaseException:
             self._waiters.pop(rid, None)
             await self._stop_sending(rid)
@@ -100,9 +104,11 @@ class PrefillWorker(LoopWorker):
             await self._stop_sending(rid)
             # Not awaited, for the same reason; the engine runs it before its next step.
             self.loop.submit(lambda e: e.release(rid)).add_done_callback(log_failure)
+        sent = time.perf_counter()
         first = dataclasses.replace(first, finish_reason=None if needs_decode else first.finish_reason,
                                     held_block_ids=())
-        return PrefillOutput(first, needs_decode, transfer)
+        times = PrefillTimes(taken - called, sampled - taken, sent - sampled)
+        return PrefillOutput(first, needs_decode, transfer, times)
 
     async def _stop_sending(self, rid: str) -> None:
         """Whatever of `rid` is still being sent or prepared stops before its blocks go back."""

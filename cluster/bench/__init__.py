@@ -77,6 +77,7 @@ async def run_bench(args: argparse.Namespace) -> int:
             if args.metrics_url:
                 print(f"{'Server: requests OK / tokens generated:':<40}"
                       f"{summary['server_completed']:.0f} / {summary['server_output_tokens']:.0f}")
+                print(format_hops(summary))
             if args.plot:
                 args.plot.mkdir(parents=True, exist_ok=True)
                 plot_cdfs(run, args.plot / f"latency_cdf_{i}_rate_{shape.request_rate:g}.png")
@@ -128,8 +129,26 @@ def _scrape(url: str | None) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
 
 
+_HOP = re.compile(r'^pdserve_first_token_hop_seconds_sum\{hop="([^"]+)"\}$')
+
+
 def _server_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {key: after.get(name, 0.0) - before.get(name, 0.0) for key, name in _COUNTERS.items()}
+    """The server's request and token counts over the run, and its first tokens' mean time
+    per hop (`hop_<name>_ms`: pdserve_first_token_hop_seconds, the run's observations only)."""
+    counts = {key: after.get(name, 0.0) - before.get(name, 0.0) for key, name in _COUNTERS.items()}
+    for name in after:
+        if (m := _HOP.match(name)) is not None:
+            count_name = name.replace("_sum{", "_count{")
+            n = after.get(count_name, 0.0) - before.get(count_name, 0.0)
+            if n > 0:
+                counts[f"hop_{m.group(1)}_ms"] = (after[name] - before.get(name, 0.0)) / n * 1000
+    return counts
+
+
+def format_hops(summary: dict[str, float | int | None]) -> str:
+    """One line: the server's mean first-token time per hop, in path order as the server observed them."""
+    hops = [(k[4:-3], v) for k, v in summary.items() if k.startswith("hop_") and k.endswith("_ms")]
+    return "Server: first token by hop (mean ms):    " + ", ".join(f"{h} {v:.1f}" for h, v in hops)
 
 
 def _write_json(path: Path, args: argparse.Namespace, summaries: list[dict], run: RunResult | None) -> None:

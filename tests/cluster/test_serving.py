@@ -243,3 +243,37 @@ def test_admission_queues_up_to_capacity_and_refuses_beyond_it_at_once(start):
 def _num_admitted(srv) -> int:
     """Requests the gRPC service holds (running and queued)."""
     return srv.server.frontend.inflight
+
+
+def _histogram(srv, name: str) -> dict[tuple[str, str], float]:
+    """(sample name, hop label) -> value of one of the server's histograms."""
+    return {(s.name, s.labels.get("hop", "")): s.value for m in srv.server.metrics.registry.collect()
+            if m.name == name for s in m.samples}
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_first_tokens_hops_are_its_path_and_add_up_to_its_ttft(mode, start, disaggregated, tokenizer):
+    from pdserve.cluster.coordinator import COLOCATED_HOPS, DISAGGREGATED_HOPS
+
+    srv = disaggregated if mode == "disaggregated" else start(pools={"mode": "colocated"})
+    hops_before = _histogram(srv, "pdserve_first_token_hop_seconds")
+    ttft_before = _histogram(srv, "pdserve_time_to_first_token_seconds")
+    out = collect(srv.target, prompt_ids(tokenizer, 40), SamplingParams(temperature=0.0, max_tokens=3))
+    assert len(out.token_ids) == 3
+    hops_after = _histogram(srv, "pdserve_first_token_hop_seconds")
+    ttft_after = _histogram(srv, "pdserve_time_to_first_token_seconds")
+
+    def delta(hop: str, sample: str) -> float:
+        key = (f"pdserve_first_token_hop_seconds_{sample}", hop)
+        return hops_after.get(key, 0.0) - hops_before.get(key, 0.0)
+
+    path = (*DISAGGREGATED_HOPS, "other") if mode == "disaggregated" else (*COLOCATED_HOPS, "other")
+    observed = {hop for (_, hop) in hops_after if delta(hop, "count") > 0}
+    assert observed == set(path) | ({"reserve"} if mode == "disaggregated" else set())
+    assert all(delta(hop, "count") == 1 for hop in observed)
+    assert all(delta(hop, "sum") >= 0 for hop in observed)
+    # The prefill worker computed the prompt, or the colocated engine did: not free.
+    assert delta("prefill_compute" if mode == "disaggregated" else "first_delta", "sum") > 0
+    ttft = (ttft_after[("pdserve_time_to_first_token_seconds_sum", "")]
+            - ttft_before.get(("pdserve_time_to_first_token_seconds_sum", ""), 0.0))
+    assert sum(delta(hop, "sum") for hop in path) == pytest.approx(ttft, rel=1e-6, abs=1e-9)
