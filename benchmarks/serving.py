@@ -4,7 +4,10 @@ while a burst of long prompts arrives (the claim disaggregation exists for).
     python -m benchmarks.serving --model dummy:llama-3.1-8b [--rates 2,8] [--num-requests 48]
 
 Disaggregated: one prefill worker and one decode worker (one GPU each on a
-two-GPU machine, KV over UCX). Colocated: one mixed worker on one GPU. Each mode
+two-GPU machine, KV over UCX; `--gpus-per-worker 0.5` puts both on one GPU, to time the
+control plane on real kernels). Colocated: one mixed worker on one GPU. After each rate,
+the server's own breakdown of a first token's time by hop (pdserve_first_token_hop_seconds,
+mean ms; the hops add up to the server's TTFT). Each mode
 runs in this process against a real server through real gRPC streams, sent by `pdserve
 bench`'s gRPC backend and load generator (pdserve.cluster.bench). Prints one table.
 """
@@ -62,10 +65,14 @@ async def burst_run(backend: GrpcBackend, vocab: int, burst_len: int, burst_coun
 async def run_mode(mode: str, args: argparse.Namespace) -> list[tuple]:
     config = config_from_dict({
         "engine": {"model": {"source": args.model},
+                   # Workers sharing a GPU: each sizes its KV from the memory free when it starts (all
+                   # of it, for the first), so their pools are sized here instead.
+                   "cache": {"num_blocks": args.num_blocks} if args.num_blocks else {},
                    "scheduler": {"max_num_batched_tokens": args.token_budget}},
-        "server": {"port": 0, "metrics_port": 0},
+        "server": {"port": 0, "metrics_port": 0, "http": False},
         "admission": {"max_waiting_per_worker": 1024},
-        "pools": {"mode": mode, "num_prefill": 1, "num_decode": 1},
+        "pools": {"mode": mode, "num_prefill": 1, "num_decode": 1,
+                  **({"gpus_per_worker": args.gpus_per_worker} if args.gpus_per_worker else {})},
     })
     server = await start_server(config)
     rows = []
@@ -76,18 +83,46 @@ async def run_mode(mode: str, args: argparse.Namespace) -> list[tuple]:
         # shape, and a compile inside a timed run shows up as a seconds-long TTFT tail.
         await load_run(backend, 4.0, 4, args.prompt_len, 8, vocab)
         for rate in args.rates:
+            before = hop_sums(server.metrics)
             run = await load_run(backend, rate, args.num_requests, args.prompt_len, args.output_len, vocab)
             rows.append(_row(f"{mode}, {rate:g} req/s", run.results))
             summary = summarize(run)
             print(f"{mode}, {rate:g} req/s: {summary['output_throughput']:.0f} output tok/s, "
                   f"TPOT p50 {summary['median_tpot_ms']:.1f} ms")
-        gaps = await burst_run(backend, vocab, args.burst_len, args.burst_count)
-        rows.append(_row(f"{mode}, ITL during {args.burst_count}x{args.burst_len} burst", [], gaps))
+            print(f"{mode}, {rate:g} req/s, first token by hop (server, mean ms): "
+                  + ", ".join(f"{hop} {ms:.2f}" for hop, ms in hop_means(before, hop_sums(server.metrics)).items()))
+        if args.burst_count:
+            gaps = await burst_run(backend, vocab, args.burst_len, args.burst_count)
+            rows.append(_row(f"{mode}, ITL during {args.burst_count}x{args.burst_len} burst", [], gaps))
         print_kv_transfers(mode, server.metrics)
     finally:
         await backend.close()
         await server.stop()
     return rows
+
+
+def hop_sums(metrics: Metrics) -> dict[str, tuple[float, float]]:
+    """hop -> (sum of seconds, count) of the server's first-token hops so far (TTFT as "ttft")."""
+    out: dict[str, list[float]] = {}
+    for family in metrics.registry.collect():
+        if family.name in ("pdserve_first_token_hop_seconds", "pdserve_time_to_first_token_seconds"):
+            for s in family.samples:
+                hop = s.labels.get("hop", "ttft")
+                if s.name.endswith("_sum"):
+                    out.setdefault(hop, [0.0, 0.0])[0] = s.value
+                elif s.name.endswith("_count"):
+                    out.setdefault(hop, [0.0, 0.0])[1] = s.value
+    return {hop: (total, n) for hop, (total, n) in out.items()}
+
+
+def hop_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean ms per hop over the observations between `before` and `after`."""
+    means = {}
+    for hop, (total, n) in after.items():
+        total0, n0 = before.get(hop, (0.0, 0.0))
+        if n > n0:
+            means[hop] = (total - total0) / (n - n0) * 1000
+    return means
 
 
 def print_kv_transfers(mode: str, metrics: Metrics) -> None:
@@ -132,6 +167,9 @@ def main() -> None:
     ap.add_argument("--burst-len", type=int, default=8192)
     ap.add_argument("--burst-count", type=int, default=8)
     ap.add_argument("--token-budget", type=int, default=2048)
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (needed when workers share a GPU)")
+    ap.add_argument("--gpus-per-worker", type=float, default=None,
+                    help="GPUs per worker (0.5: a prefill and a decode worker share one GPU)")
     asyncio.run(main_async(ap.parse_args()))
 
 
