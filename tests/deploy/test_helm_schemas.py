@@ -90,6 +90,15 @@ def test_rendered_manifests_validate(render: Render, values: str) -> None:
                                       "template": template}, K8S_VERSION, strict=True)
 
 
+def test_manifests_with_client_authentication_validate(render: Render) -> None:
+    docs = render(sets=("auth.tlsSecret=t", "auth.clientCaSecret=c", "auth.apiKeySecret=k"))
+    for doc in docs:
+        validate(doc)
+    for name, template in pod_templates(one(docs, "RayCluster")).items():
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
+                                      "template": template}, K8S_VERSION, strict=True)
+
+
 def test_crd_validation_catches_mistakes(render: Render) -> None:
     cluster = copy.deepcopy(one(render(), "RayCluster"))
     cluster["spec"]["workerGroupSpecs"][0]["replicas"] = "two"
