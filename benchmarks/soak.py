@@ -1,7 +1,7 @@
 """Soak: a real `pdserve serve` under steady load for a long time, its decode worker killed
 every few minutes; is anything lost, failed, leaked or growing?
 
-    python -m benchmarks.soak [--minutes 30] [--kill-every 5] [--rate R] [--out soak-out]
+    python -m benchmarks.soak [--minutes 30] [--kill-every 5] [--rate R] [--out /tmp/pdserve-soak]
 
 Starts `pdserve serve` (CPU, the default model, one prefill and one decode worker) as a
 child process, measures its capacity with a short burst (unless --rate is given) and
@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -56,7 +57,7 @@ class SoakConfig:
     output_len: int = 32
     sample_s: float = 5.0
     idle_timeout_s: float = 120.0  # after the load, for the workers to become idle
-    out: Path = Path("soak-out")
+    out: Path = Path(tempfile.gettempdir()) / "pdserve-soak"
 
     def __post_init__(self) -> None:
         if self.minutes <= 0 or self.kill_every_min < 0 or self.sample_s <= 0:
@@ -378,7 +379,7 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--sample-s", type=float, default=5.0, help="seconds between RSS samples")
-    ap.add_argument("--out", type=Path, default=Path("soak-out"), help="folder for rss.csv, rss.png, serve.log")
+    ap.add_argument("--out", type=Path, default=SoakConfig.out, help="folder for rss.csv, rss.png, serve.log")
     args = ap.parse_args()
     cfg = SoakConfig(minutes=args.minutes, kill_every_min=args.kill_every, rate=args.rate,
                      input_len=args.input_len, output_len=args.output_len, sample_s=args.sample_s, out=args.out)
