@@ -1,22 +1,63 @@
-"""Bearer tokens for the client APIs: a gRPC server interceptor and an ASGI middleware.
+"""Client authentication for the client APIs: TLS (optionally mutual) and bearer tokens.
 
-Both compare in constant time and let the health checks through (probes carry no token).
-The token itself is never logged or echoed.
+TLS: the gRPC server credentials and the HTTP API's uvicorn options, from ServerConfig's
+files. With a client CA (mutual TLS) both refuse a client without a certificate signed by
+it in the TLS handshake, before any request is read.
+
+Tokens: a gRPC server interceptor and an ASGI middleware. Both compare in constant time
+and let the health checks through (probes carry no token). The token itself is never
+logged or echoed.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve.cluster.config import ClientAuth, ServerConfig
+
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 HEALTH_PATHS = ("/health",)
 _MESSAGE = "missing or wrong bearer token (Authorization: Bearer <token>)"
+
+
+def grpc_server_credentials(auth: ClientAuth) -> grpc.ServerCredentials:
+    """TLS credentials of the gRPC port (`auth.tls` must be true); with a client CA, a client
+    must present a certificate that chains to it."""
+    assert auth.tls_cert_chain is not None and auth.tls_private_key is not None
+    return grpc.ssl_server_credentials([(auth.tls_private_key, auth.tls_cert_chain)],
+                                       root_certificates=auth.tls_client_ca,
+                                       require_client_auth=auth.mutual_tls)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpTls:
+    """The HTTP API's TLS files (uvicorn reads them itself): certificate (chain), key, and
+    the CA client certificates must chain to ("" asks for none)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str = ""
+
+    @classmethod
+    def of(cls, server: ServerConfig) -> HttpTls | None:
+        """None when `server` has no TLS (plaintext)."""
+        if not server.tls_cert:
+            return None
+        return cls(server.tls_cert, server.tls_key, server.tls_client_ca)
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"ssl_certfile": self.cert_file, "ssl_keyfile": self.key_file}
+        if self.client_ca_file:
+            options.update(ssl_ca_certs=self.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        return options
 
 
 def _matches(header: str | bytes | None, token: str) -> bool:

@@ -190,7 +190,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         parallel={"tensor_parallel_size": args.tensor_parallel_size},
         server={"host": args.host, "port": args.port, "metrics_port": args.metrics_port,
                 "http_port": args.http_port, "http": False if args.no_http else None,
-                "tls_cert": args.tls_cert, "tls_key": args.tls_key, "api_key_file": args.api_key_file},
+                "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
+                "api_key_file": args.api_key_file},
         pools={"mode": args.mode, "num_prefill": args.num_prefill, "num_decode": args.num_decode,
                "routing": args.routing, "gpus_per_worker": args.gpus_per_worker, "prefill_tp": args.prefill_tp,
                "decode_tp": args.decode_tp},
@@ -258,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = serve.add_argument_group("client authentication (off by default; see ServerConfig)")
     a.add_argument("--tls-cert", default=None, help="PEM certificate (chain): gRPC and HTTP speak TLS only")
     a.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    a.add_argument("--tls-client-ca", default=None,
+                   help="PEM CA (bundle) whose certificates clients must present (mutual TLS; needs --tls-cert)")
     a.add_argument("--api-key-file", default=None, help="file with the bearer token every client must send "
                                                         "(default: $PDSERVE_API_KEY; unset: none asked)")
     serve.add_argument("--check-config", action="store_true", help="print the resulting config and exit")

@@ -42,6 +42,9 @@ class ServerConfig:
         go on before they are cut.
     tls_cert/tls_key: PEM files of the server's certificate (chain) and private key: gRPC and
         the HTTP API then speak TLS only. Both or neither ("" = plaintext, loopback by default).
+    tls_client_ca: PEM file of the CA (bundle) whose certificates clients must present (mutual
+        TLS): gRPC and the HTTP API refuse, in the TLS handshake, a client without a certificate
+        signed by it. Needs tls_cert and tls_key; "" asks clients for no certificate.
     api_key_file: a file holding the bearer token clients must send (gRPC metadata
         `authorization: Bearer <token>`, HTTP header `Authorization: Bearer <token>`; the
         OpenAI clients' api_key). Without it, $PDSERVE_API_KEY; without either, no token is
@@ -58,11 +61,15 @@ class ServerConfig:
     shutdown_grace_s: float = 2.0
     tls_cert: str = ""
     tls_key: str = ""
+    tls_client_ca: str = ""
     api_key_file: str = ""
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("ServerConfig.tls_cert and tls_key go together: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("ServerConfig.tls_client_ca (client certificates, mutual TLS) needs the server's "
+                             "own TLS: set tls_cert and tls_key too")
         ports = (self.port, self.http_port, self.metrics_port)
         if not all(0 <= p <= 65535 for p in ports):
             raise ValueError(f"ServerConfig ports must be in [0, 65535], got port={self.port}, "
@@ -320,15 +327,21 @@ def cluster_secret() -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class ClientAuth:
-    """What the frontends ask of clients (see ServerConfig): TLS key material and the token."""
+    """What the frontends ask of clients (see ServerConfig): TLS key material, the CA client
+    certificates must chain to (mutual TLS), and the token."""
 
     tls_cert_chain: bytes | None = field(default=None, repr=False)
     tls_private_key: bytes | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
+    tls_client_ca: bytes | None = field(default=None, repr=False)
 
     @property
     def tls(self) -> bool:
         return self.tls_cert_chain is not None
+
+    @property
+    def mutual_tls(self) -> bool:
+        return self.tls_client_ca is not None
 
 
 def client_auth(server: ServerConfig) -> ClientAuth:
@@ -345,11 +358,17 @@ def client_auth(server: ServerConfig) -> ClientAuth:
 
     cert = read(server.tls_cert, "TLS certificate (server.tls_cert)") if server.tls_cert else None
     key = read(server.tls_key, "TLS key (server.tls_key)") if server.tls_key else None
+    client_ca = None
+    if server.tls_client_ca:
+        client_ca = read(server.tls_client_ca, "client CA file (server.tls_client_ca)")
+        if b"-----BEGIN CERTIFICATE-----" not in client_ca:
+            raise ValueError(f"the client CA file (server.tls_client_ca) {server.tls_client_ca!r} holds no "
+                             "PEM certificate")
     if server.api_key_file:
         token: str | None = read(server.api_key_file, "API key file (server.api_key_file)").decode().strip()
     else:
         token = os.environ.get(API_KEY_ENV) or None
-    return ClientAuth(cert, key, token)
+    return ClientAuth(cert, key, token, client_ca)
 
 
 _SECTIONS: dict[str, type] = {

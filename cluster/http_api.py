@@ -31,7 +31,7 @@ from starlette.routing import Route
 from starlette.types import Send
 
 from pdserve.cluster import openai_models as m
-from pdserve.cluster.auth import BearerTokenMiddleware
+from pdserve.cluster.auth import BearerTokenMiddleware, HttpTls
 from pdserve.cluster.frontend import Frontend, RequestFailed, Status
 from pdserve.cluster.openai_protocol import ChatRenderer, Choice, CompletionRenderer, chat_choices, completion_choices
 from pdserve.engine.outputs import TextDelta
@@ -302,11 +302,11 @@ class _Uvicorn(uvicorn.Server):
 class HttpServer:
     """uvicorn serving the API on the running event loop; `start` binds, `stop` drains."""
 
-    def __init__(self, frontend: Frontend, tls: tuple[str, str] | None = None, api_key: str | None = None,
+    def __init__(self, frontend: Frontend, tls: HttpTls | None = None, api_key: str | None = None,
                  shutdown_grace_s: float = 2.0) -> None:
         self.api = OpenAIApi(frontend)
         self._shutdown_grace_s = shutdown_grace_s  # ServerConfig.shutdown_grace_s
-        self._tls = tls  # (certificate file, key file): HTTPS only
+        self._tls = tls  # HTTPS only (with a client CA: mutual TLS)
         self._api_key = api_key  # asked of every call but /health (cluster/auth.py)
         self._server: _Uvicorn | None = None
         self._task: asyncio.Task | None = None
@@ -325,10 +325,10 @@ class HttpServer:
         app = self.api.app()
         if self._api_key:
             app = BearerTokenMiddleware(app, self._api_key)
-        cert, key = self._tls or (None, None)
+        tls = self._tls.uvicorn_options() if self._tls else {}
         config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning",
                                 access_log=False, timeout_graceful_shutdown=self._shutdown_grace_s, ws="none",
-                                ssl_certfile=cert, ssl_keyfile=key)
+                                **tls)
         self._server = _Uvicorn(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -18,7 +18,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.cluster.auth import BearerTokenInterceptor
+from pdserve.cluster.auth import BearerTokenInterceptor, HttpTls, grpc_server_credentials
 from pdserve.cluster.config import ServeConfig, client_auth, cluster_secret, fit_pools_to_gpus
 from pdserve.cluster.coordinator import Coordinator
 from pdserve.cluster.frontend import Frontend
@@ -166,8 +166,7 @@ async def start_server(config: ServeConfig) -> Server:
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.server.host}:{config.server.port}"
     if auth.tls:
-        port = server.add_secure_port(address, grpc.ssl_server_credentials([(auth.tls_private_key,
-                                                                             auth.tls_cert_chain)]))
+        port = server.add_secure_port(address, grpc_server_credentials(auth))
     else:
         port = server.add_insecure_port(address)
     if port == 0:
@@ -177,8 +176,7 @@ async def start_server(config: ServeConfig) -> Server:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     http = None
     if config.server.http:
-        tls = (config.server.tls_cert, config.server.tls_key) if auth.tls else None
-        http = HttpServer(frontend, tls, auth.api_key, config.server.shutdown_grace_s)
+        http = HttpServer(frontend, HttpTls.of(config.server), auth.api_key, config.server.shutdown_grace_s)
         try:
             await http.start(config.server.host, config.server.http_port)
         except BaseException:
@@ -187,9 +185,10 @@ async def start_server(config: ServeConfig) -> Server:
             raise
     if config.server.metrics_port:
         metrics.serve(config.server.host, config.server.metrics_port)
+    tls = ("on, client certificates required" if auth.mutual_tls else "on") if auth.tls else "off"
     logger.info("pdserve serving %s on %s:%d, HTTP %s (%s, %s; TLS %s, bearer token %s)", files.name,
                 config.server.host, port, http.port if http else "off", coordinator.mode,
-                "GPU" if torch.cuda.is_available() else "CPU", "on" if auth.tls else "off",
+                "GPU" if torch.cuda.is_available() else "CPU", tls,
                 "asked" if auth.api_key else "not asked")
     return Server(server, coordinator, health_servicer, metrics, port, frontend, http, config.server.shutdown_grace_s)
 

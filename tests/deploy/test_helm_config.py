@@ -14,7 +14,7 @@ import yaml
 
 from pdserve.cluster.config import KVTransportSettings, PoolConfig, RayConfig, ServeConfig, ServerConfig
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tests.deploy.conftest import GPU_VALUES, Render, one
+from tests.deploy.conftest import GPU_VALUES, Render, one, run_helm, template_args
 
 POD_IP = "10.1.2.3"
 RAY_PORTS = {6379, 8265, 10001, 52365, 8076}  # GCS, dashboard, client, dashboard agent, object manager
@@ -213,3 +213,26 @@ def test_tls_and_an_api_key_from_secrets(render: Render, tmp_path: Path, monkeyp
         assert head[probe]["tcpSocket"] == {"port": 50051} and "grpc" not in head[probe]
     default = served_config(render(), tmp_path, monkeypatch).server
     assert (default.tls_cert, default.api_key_file) == ("", "")
+
+
+def test_client_certificates_from_a_ca_secret(render: Render, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render(sets=("auth.tlsSecret=pdserve-tls", "auth.clientCaSecret=pdserve-client-ca"))
+    server = served_config(docs, tmp_path, monkeypatch).server
+    assert server.tls_client_ca == "/etc/pdserve-client-ca/ca.crt"
+    assert (server.tls_cert, server.tls_key) == ("/etc/pdserve-tls/tls.crt", "/etc/pdserve-tls/tls.key")
+    mounts = {m["name"]: m for m in head_container(docs)["volumeMounts"]}
+    assert mounts["client-ca"]["mountPath"] == "/etc/pdserve-client-ca" and mounts["client-ca"]["readOnly"]
+    volumes = {v["name"]: v for v in one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["volumes"]}
+    assert volumes["client-ca"]["secret"]["secretName"] == "pdserve-client-ca"
+    other_key = render(sets=("auth.tlsSecret=t", "auth.clientCaSecret=c", "auth.clientCaSecretKey=bundle.pem"))
+    assert served_config(other_key, tmp_path, monkeypatch).server.tls_client_ca == "/etc/pdserve-client-ca/bundle.pem"
+    plain = render(sets=("auth.tlsSecret=pdserve-tls",))
+    assert served_config(plain, tmp_path, monkeypatch).server.tls_client_ca == ""
+    assert "client-ca" not in {m["name"] for m in head_container(plain)["volumeMounts"]}
+
+
+def test_a_client_ca_secret_without_tls_fails(helm: str) -> None:
+    proc = run_helm(helm, *template_args(sets=("auth.clientCaSecret=pdserve-client-ca",)))
+    assert proc.returncode != 0
+    assert "auth.clientCaSecret (client certificates, mutual TLS) needs auth.tlsSecret" in proc.stderr, proc.stderr

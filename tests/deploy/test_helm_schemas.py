@@ -6,8 +6,12 @@ refused by values.schema.json with a message naming the value."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import json
 import shutil
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from pdserve.cluster.config import ServeConfig
 from tests.deploy.conftest import CHART, GPU_VALUES, ROOT, Render, one, run_helm, template_args
 
 K8S_VERSION = "1.30"  # the kubectl the helm package ships beside it; gRPC probes are GA since 1.27
@@ -90,6 +95,15 @@ def test_rendered_manifests_validate(render: Render, values: str) -> None:
                                       "template": template}, K8S_VERSION, strict=True)
 
 
+def test_manifests_with_client_authentication_validate(render: Render) -> None:
+    docs = render(sets=("auth.tlsSecret=t", "auth.clientCaSecret=c", "auth.apiKeySecret=k"))
+    for doc in docs:
+        validate(doc)
+    for name, template in pod_templates(one(docs, "RayCluster")).items():
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
+                                      "template": template}, K8S_VERSION, strict=True)
+
+
 def test_crd_validation_catches_mistakes(render: Render) -> None:
     cluster = copy.deepcopy(one(render(), "RayCluster"))
     cluster["spec"]["workerGroupSpecs"][0]["replicas"] = "two"
@@ -133,20 +147,128 @@ def test_mismatched_gpus_per_worker_fail(helm: str) -> None:
     assert "must equal decode.gpus/(decode.workersPerPod x decode TP)" in proc.stderr, proc.stderr
 
 
-def test_schema_names_only_real_config_fields() -> None:
-    """values.schema.json spells config keys as cluster/config.py's dataclasses do."""
-    import dataclasses
-    import json
+# Serve-config fields the chart sets itself from the pods and auth.* Secrets, so
+# values.schema.json refuses them under config: (a value there would be overwritten).
+CHART_OWNED = {
+    "server.host", "server.tls_cert", "server.tls_key", "server.tls_client_ca", "server.api_key_file",
+    "pools.num_prefill", "pools.num_decode", "pools.gpus_per_worker", "pools.prefill_resource",
+    "pools.decode_resource", "ray.address", "ray.node_ip_address",
+}
 
+
+def config_fields(cls: type = ServeConfig, prefix: str = "") -> dict[str, Any]:
+    """Every leaf field of the serve config, as a dotted path (`engine.model.source`) to its
+    type: dataclasses.fields from ServeConfig down, a dataclass-typed field being a section."""
+    hints = typing.get_type_hints(cls)
+    leaves: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            leaves.update(config_fields(kind, f"{prefix}{f.name}."))
+        else:
+            leaves[prefix + f.name] = kind
+    return leaves
+
+
+def json_types(kind: Any) -> set[str]:
+    """The JSON types a YAML value of the Python type `kind` may take."""
+    if kind is type(None):
+        return {"null"}
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return set().union(*(json_types(a) for a in args))
+    if typing.get_origin(kind) in (tuple, list):
+        return {"array"}
+    simple = {str: "string", Path: "string", bool: "boolean", int: "integer", float: "number"}
+    assert kind in simple, f"no JSON type for {kind!r}: teach json_types"
+    return {simple[kind]}
+
+
+def schema_fields(node: dict[str, Any], prefix: str = "") -> dict[str, dict[str, Any]]:
+    """The schema's leaves under `config`, as dotted paths to their entries."""
+    leaves: dict[str, dict[str, Any]] = {}
+    for name, entry in node["properties"].items():
+        if entry.get("type") == "object":
+            assert entry.get("additionalProperties") is False, f"config.{prefix}{name} must refuse unknown keys"
+            leaves.update(schema_fields(entry, f"{prefix}{name}."))
+        else:
+            leaves[prefix + name] = entry
+    return leaves
+
+
+def config_schema() -> dict[str, Any]:
+    return json.loads((CHART / "values.schema.json").read_text())["properties"]["config"]
+
+
+def test_the_walk_reads_the_sections_config_from_dict_reads() -> None:
     from pdserve.cluster.config import _ENGINE_SECTIONS, _SECTIONS
 
-    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["config"]["properties"]
-    sections = {f"engine.{k}": (c, schema["engine"]["properties"][k]) for k, c in _ENGINE_SECTIONS.items()}
-    sections.update({k: (c, schema[k]) for k, c in _SECTIONS.items() if k in schema})
-    for where, (cls, section) in sections.items():
-        unknown = set(section["properties"]) - {f.name for f in dataclasses.fields(cls)}
-        assert not unknown, f"values.schema.json config.{where} has keys {cls.__name__} lacks: {sorted(unknown)}"
+    sections = {path.rpartition(".")[0] for path in config_fields()}
+    assert sections == {f"engine.{k}" for k in _ENGINE_SECTIONS} | set(_SECTIONS)
 
+
+def test_the_schema_covers_every_serve_config_field_and_nothing_else() -> None:
+    """values.schema.json (additionalProperties: false) and cluster/config.py cannot drift:
+    every field a user may set has an entry of its JSON type, and no entry names a field
+    the config lacks."""
+    fields, entries = config_fields(), schema_fields(config_schema())
+    assert not CHART_OWNED - set(fields), f"CHART_OWNED names no field: {sorted(CHART_OWNED - set(fields))}"
+    missing = sorted(set(fields) - set(entries) - CHART_OWNED)
+    assert not missing, f"values.schema.json config lacks serve-config fields: {missing}"
+    unknown = sorted(set(entries) - set(fields))
+    assert not unknown, f"values.schema.json config has keys cluster/config.py lacks: {unknown}"
+    owned = sorted(set(entries) & CHART_OWNED)
+    assert not owned, f"values.schema.json lets config set what the chart sets itself: {owned}"
+    for path, entry in entries.items():
+        declared = entry["type"] if isinstance(entry["type"], list) else [entry["type"]]
+        assert set(declared) == json_types(fields[path]), \
+            f"config.{path}: schema type {declared}, but the config's field is {fields[path]}"
+
+
+def test_the_schema_takes_every_default_and_refuses_what_the_config_refuses() -> None:
+    """The config's own defaults validate; a value under a field's minimum or outside its
+    enum is refused by both the schema and the config."""
+    from pdserve.cluster.config import config_from_dict
+
+    schema = config_schema()
+    defaults = dataclasses.asdict(ServeConfig())
+    for path in CHART_OWNED:
+        section, name = path.split(".")
+        del defaults[section][name]
+    defaults.pop("ray")
+    defaults["engine"]["model"]["cache_dir"] = "/var/cache/pdserve"
+    defaults["kv_transport"]["allowed_transports"] = list(defaults["kv_transport"]["allowed_transports"])
+    jsonschema.validate(defaults, schema)
+    for path, entry in schema_fields(schema).items():
+        section, _, name = path.rpartition(".")
+        bad = None
+        if "enum" in entry:
+            bad = "no-such-value" if "string" in str(entry["type"]) else 3
+        elif "minimum" in entry:
+            bad = entry["minimum"] - 1
+        elif "exclusiveMinimum" in entry:
+            bad = entry["exclusiveMinimum"]
+        if bad is None or path in {"server.port", "server.http_port"}:  # the chart needs fixed ports; 0 is fine
+            continue
+        values: dict[str, Any] = {}
+        node = values
+        for part in section.split("."):
+            node = node.setdefault(part, {})
+        node[name] = bad
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(values, {**schema, "required": []})
+        if path == "engine.model.max_model_len":  # only the model knows its own length
+            continue
+        with pytest.raises(ValueError):
+            config_from_dict(values)
+
+
+def test_chart_owned_fields_are_the_ones_the_chart_sets(render: Render) -> None:
+    docs = render(sets=("auth.tlsSecret=t", "auth.clientCaSecret=c", "auth.apiKeySecret=k"))
+    rendered = yaml.safe_load(one(docs, "ConfigMap")["data"]["config.yaml"])
+    for path in CHART_OWNED:
+        section, name = path.split(".")
+        assert name in rendered[section], f"the chart does not set {path}, so config: should be able to"
 
 
 def test_notes_tell_how_to_call_it(helm: str, tmp_path: Path) -> None:

@@ -60,6 +60,12 @@ GPUs per worker over its tensor-parallel size. */}}
 {{- $_ := set (get $cfg "server") "tls_cert" "/etc/pdserve-tls/tls.crt" -}}
 {{- $_ := set (get $cfg "server") "tls_key" "/etc/pdserve-tls/tls.key" -}}
 {{- end -}}
+{{- if .Values.auth.clientCaSecret -}}
+{{- if not .Values.auth.tlsSecret -}}
+{{- fail "auth.clientCaSecret (client certificates, mutual TLS) needs auth.tlsSecret: the server's own TLS" -}}
+{{- end -}}
+{{- $_ := set (get $cfg "server") "tls_client_ca" (printf "/etc/pdserve-client-ca/%s" .Values.auth.clientCaSecretKey) -}}
+{{- end -}}
 {{- if .Values.auth.apiKeySecret -}}
 {{- $_ := set (get $cfg "server") "api_key_file" (printf "/etc/pdserve-api-key/%s" .Values.auth.apiKeySecretKey) -}}
 {{- end -}}
