@@ -167,7 +167,8 @@ def main() -> None:
     ap.add_argument("--burst-len", type=int, default=8192)
     ap.add_argument("--burst-count", type=int, default=8)
     ap.add_argument("--token-budget", type=int, default=2048)
-    ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (needed when workers share a GPU)")
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="KV blocks per worker (needed when workers share a GPU)")
     ap.add_argument("--gpus-per-worker", type=float, default=None,
                     help="GPUs per worker (0.5: a prefill and a decode worker share one GPU)")
     asyncio.run(main_async(ap.parse_args()))

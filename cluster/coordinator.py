@@ -244,7 +244,7 @@ class Coordinator:
         finally:
             decode.state.inflight -= 1
             del self._streams[rid]
-            if admitting is not None:
+            if admitting is not None and not admitting.done():
                 # The abort must reach the decode worker after the admit, not overtake it.
                 await asyncio.wait([admitting], timeout=self.config.abort_timeout_s)
                 if admitting.done() and not admitting.cancelled() and admitting.exception() is not None:

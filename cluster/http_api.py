@@ -184,7 +184,8 @@ class _Run:
         self.choices = choices
         self.num_running = len(choices)
         self.queue: asyncio.Queue[tuple[Choice, TextDelta] | RequestFailed] = asyncio.Queue()
-        self.tasks = [asyncio.create_task(self._one(frontend, c)) for c in choices]
+        self.tasks = {id(c): asyncio.create_task(self._one(frontend, c)) for c in choices}
+        self._finished: set[int] = set()  # choices whose last delta is out
 
     async def _one(self, frontend: Frontend, choice: Choice) -> None:
         try:
@@ -202,7 +203,9 @@ class _Run:
             raise item
         choice, delta = item
         choice.output.add(delta)
-        self.num_running -= delta.finished
+        if delta.finished:
+            self.num_running -= 1
+            self._finished.add(id(choice))
         return item
 
     async def wait_all(self) -> None:
@@ -210,8 +213,11 @@ class _Run:
             pass
 
     def cancel(self) -> None:
-        for t in self.tasks:
-            t.cancel()
+        """Cancel the choices still running. A finished one's task is left to end by itself: it
+        is in its request's cleanup (and counts it OK) after its last delta."""
+        for key, task in self.tasks.items():
+            if key not in self._finished:
+                task.cancel()
 
 
 async def _events(run: _Run, first: tuple[Choice, TextDelta] | None, renderer: Renderer,
