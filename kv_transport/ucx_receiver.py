@@ -20,7 +20,16 @@ from pdserve.kv_transport.handshake import data_tag, layout_fields
 from pdserve.kv_transport.receive_table import ReceiveTable
 from pdserve.kv_transport.shards import PoolShards
 from pdserve.kv_transport.staging import as_bytes
-from pdserve.kv_transport.ucx_link import PROBE_BYTES, PROBE_ID, Control, Session, ensure_ucx, server_handshake, spawn
+from pdserve.kv_transport.ucx_link import (
+    PROBE_BYTES,
+    PROBE_ID,
+    Control,
+    Session,
+    ensure_ucx,
+    server_handshake,
+    spawn,
+    ucx_io,
+)
 from pdserve.kv_transport.wire import error_to_wire
 
 logger = logging.getLogger(__name__)
@@ -150,7 +159,7 @@ class _Connection:
         staging = await self._table.staging(num_blocks)
         try:
             # Posted on the control endpoint so that closing it cancels the receive.
-            await self._ctl.ep.recv(as_bytes(staging), tag=data_tag(self._key, request_id), force_tag=True)
+            await ucx_io(self._ctl.ep.recv(as_bytes(staging), tag=data_tag(self._key, request_id), force_tag=True))
         except Exception as e:  # noqa: BLE001
             self._receiving.discard(request_id)
             self._table.failed(request_id, PeerLost(f"request {request_id!r}: data receive failed: {e}"))
@@ -253,5 +262,5 @@ class UcxKVReceiver:
         session = await server_handshake(ctl, self._fields, self._config, self._kv.num_blocks, self._offer_pool,
                                          self._incarnation)
         probe = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=self._kv.device)
-        await ctl.ep.recv(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True)
+        await ucx_io(ctl.ep.recv(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True))
         return session

@@ -34,7 +34,16 @@ from pdserve.kv_transport.pool_writer import PoolWriter
 from pdserve.kv_transport.shards import PoolShards
 from pdserve.kv_transport.staging import as_bytes, check_block_ids, has_repeats, staging_num_blocks
 from pdserve.kv_transport.transport_info import ep_info, transport_from_ep_info
-from pdserve.kv_transport.ucx_link import PROBE_BYTES, PROBE_ID, Control, Session, client_handshake, ensure_ucx, spawn
+from pdserve.kv_transport.ucx_link import (
+    PROBE_BYTES,
+    PROBE_ID,
+    Control,
+    Session,
+    client_handshake,
+    ensure_ucx,
+    spawn,
+    ucx_io,
+)
 from pdserve.kv_transport.wire import error_from_wire
 
 logger = logging.getLogger(__name__)
@@ -217,7 +226,7 @@ class _Connection:
 
     async def _send_data(self, request_id: str, staging: torch.Tensor) -> None:
         try:
-            await self._data_ep.send(as_bytes(staging), tag=data_tag(self._key, request_id), force_tag=True)
+            await ucx_io(self._data_ep.send(as_bytes(staging), tag=data_tag(self._key, request_id), force_tag=True))
         except Exception as e:  # noqa: BLE001 - any UCX failure means the link is gone
             self.close(PeerLost(f"{self.peer}: data send failed: {e}"))
 
@@ -418,7 +427,7 @@ class UcxKVSender:
 
     async def _connect(self, peer: PeerAddress) -> _Connection:
         try:
-            ep = await ucxx.create_endpoint(peer.host, peer.port)
+            ep = await ucx_io(ucxx.create_endpoint(peer.host, peer.port))
         except Exception as e:  # noqa: BLE001 - refused, unreachable, reset
             raise PeerLost(f"cannot connect to {peer}: {e}") from e
         ctl = Control(ep)
@@ -433,7 +442,8 @@ class UcxKVSender:
             else:
                 if self._config.fast_data_path:
                     address = ucxx.get_ucx_address_from_buffer(session.peer_worker_address)
-                    data_ep = await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
+                    data_ep = await ucx_io(ucxx.create_endpoint_from_worker_address(address,
+                                                                                    endpoint_error_handling=False))
                 transport = await self._probe(data_ep, session)
             if not self._config.allows(transport):
                 reason = f"transport to {peer} is {transport}, allowed: {sorted(self._config.allowed_transports)}"
@@ -477,6 +487,6 @@ class UcxKVSender:
     async def _probe(self, data_ep: Any, session: Session) -> str:
         """Send one bulk-sized message so UCX wires up the data path, then read which transport it chose."""
         probe = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=self._pool.device)
-        await data_ep.send(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True)
+        await ucx_io(data_ep.send(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True))
         memory = "cuda" if self._pool.is_cuda else "host"
         return transport_from_ep_info(ep_info(data_ep.ucp_endpoint), memory)
