@@ -18,7 +18,7 @@ Modules (only the ucx_* ones and transport_info import ucxx):
     receive_table  receiver bookkeeping shared by every transport (either arrival order)
     keepalive      a sender's "still computing" beat for the requests it prepared
     loopback       in-process fake with the same semantics, for tests above
-    ucx_link       ucxx setup, control frames, the handshake over UCX
+    ucx_link       ucxx setup (thread progress, one event loop), ucx_io, control frames, the handshake over UCX
     ucx_sender     UcxKVSender (one connection per receiver)
     ucx_receiver   UcxKVReceiver (listener, authenticated connections)
     transport_info which transport UCX picked (ucp_ep_print_info)
