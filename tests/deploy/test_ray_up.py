@@ -227,7 +227,11 @@ def host(model_folder: Path) -> Iterator[Host]:
         init = psutil.Process(sshd.pid).children()[0]
         server = init.children()[0]
         # TMPDIR: ray up / ray down's config cache and bootstrap config files stay in root too.
-        env = {**os.environ, **common, "TMPDIR": str(root), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+        # Not the RAY_* variables a Ray started in this test process left behind: ray.init sets
+        # RAY_AUTH_MODE=token in os.environ (Ray 2.60), and a driver with it cannot talk to the
+        # ray-up cluster, which runs without tokens (its workers' creation is cancelled).
+        mine = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env = {**mine, **common, "TMPDIR": str(root), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
         proxy = f"{shlex.quote(sys.executable)} {shlex.quote(str(HERE / 'local_sshd.py'))} bridge {port}"
         yield Host(root, home, key, proxy, env, sshd, ns_of(init.pid), frozenset({init.pid, server.pid}))
     finally:
@@ -291,13 +295,13 @@ def tail(log: Path, n: int = 4000) -> str:
     return log.read_text(errors="replace")[-n:]
 
 
-def ray_log_problems(ray_tmp: Path, n: int = 40) -> str:
+def ray_log_problems(ray_tmp: Path, n: int = 60) -> str:
     """The last warnings and errors of the host's Ray processes (their logs die with the host)."""
     lines = []
     for path in sorted((ray_tmp / "ray" / "session_latest" / "logs").glob("*")):
-        if path.suffix in (".out", ".err", ".log") and path.is_file():
+        if path.suffix in (".out", ".err", ".log") and path.is_file() and not path.name.startswith("dashboard"):
             lines += [f"{path.name}: {line}" for line in path.read_text(errors="replace").splitlines()
-                      if " E " in line[:40] or " W " in line[:40] or "Error" in line]
+                      if " E " in line[:40] or " W " in line[:40] or line.startswith(("Traceback", "E", "ray."))]
     return "\n".join(lines[-n:])
 
 
