@@ -141,17 +141,24 @@ def test_grpc_plaintext_is_refused_and_health_needs_no_token(secured):
         assert info.workers
 
 
+def _openai_serves_the_token_only(http: httpx.Client, url: str) -> str:
+    """The official client with the token is served; with a wrong one it gets AuthenticationError.
+    Returns the model's id."""
+    good = openai.OpenAI(base_url=url, api_key=TOKEN, http_client=http, max_retries=0)
+    model = good.models.list().data[0].id
+    out = good.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens == 3
+    bad = openai.OpenAI(base_url=url, api_key="wrong-token", http_client=http, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=model, prompt="Hello", max_tokens=3)
+    return model
+
+
 def test_openai_client_over_https_with_the_token(secured):
     srv = secured[0]
     url = srv.http_url.replace("http://", "https://") + "/v1"
     with httpx.Client(verify=ssl.create_default_context(cafile=srv.config.server.tls_cert)) as http:
-        good = openai.OpenAI(base_url=url, api_key=TOKEN, http_client=http, max_retries=0)
-        model = good.models.list().data[0].id
-        out = good.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
-        assert out.usage.completion_tokens == 3
-        bad = openai.OpenAI(base_url=url, api_key="wrong-token", http_client=http, max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            bad.completions.create(model=model, prompt="Hello", max_tokens=3)
+        model = _openai_serves_the_token_only(http, url)
         missing = http.post(url + "/completions", json={"model": model, "prompt": "Hello"})
         assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
         assert http.get(srv.http_url.replace("http://", "https://") + "/health").status_code == 200
@@ -240,13 +247,7 @@ def _https_url(m: _Mutual) -> str:
 def test_openai_client_over_mutual_tls_with_the_token(mutual):
     url = _https_url(mutual) + "/v1"
     with _https(mutual, mutual.client) as http:
-        good = openai.OpenAI(base_url=url, api_key=TOKEN, http_client=http, max_retries=0)
-        model = good.models.list().data[0].id
-        out = good.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
-        assert out.usage.completion_tokens == 3
-        bad = openai.OpenAI(base_url=url, api_key="wrong-token", http_client=http, max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            bad.completions.create(model=model, prompt="Hello", max_tokens=3)
+        _openai_serves_the_token_only(http, url)
         assert http.get(_https_url(mutual) + "/health").status_code == 200
 
 
