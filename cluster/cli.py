@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"times a request may continue elsewhere after losing its worker (default "
                         f"{coordinator.max_migrations}; 0 = fail it)")
     r.add_argument("--migration-wait-s", type=float, default=None,
-                   help=f"a continued request waits this long for a healthy worker (default "
+                   help=f"a request waits this long for a lost worker's replacement (default "
                         f"{coordinator.migration_wait_s:g})")
     r.add_argument("--transfer-timeout-s", type=float, default=None,
                    help="bound on a KV transfer from its sender's last sign of life (default "

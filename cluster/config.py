@@ -110,8 +110,9 @@ class CoordinatorConfig:
     max_migrations: how often one request may continue on another worker after losing
         one (its prompt plus the tokens streamed so far prefilled again); 0 fails it with
         UNAVAILABLE at once, as before.
-    migration_wait_s: a continued request waits this long for a healthy worker (the
-        lost one's replacement, when it was the only one) before UNAVAILABLE.
+    migration_wait_s: a request that finds no healthy worker of a role waits up to this
+        long for a lost one's replacement, before UNAVAILABLE: a continued request always,
+        a new one while a replacement is under way (with none, it is refused at once).
     """
 
     poll_wait_s: float = 0.5

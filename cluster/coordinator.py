@@ -196,17 +196,17 @@ class Coordinator:
                 self.metrics.migrations.inc()
 
     async def _run(self, req: WorkerRequest, migrated: bool, report: RequestReport | None) -> AsyncIterator[TokenDelta]:
-        """One attempt at `req` on one decode worker (and one prefill worker). A `migrated`
-        one waits (`config.migration_wait_s`) for a healthy worker, e.g. a lost one's replacement."""
+        """One attempt at `req` on one decode worker (and one prefill worker). Finding no
+        healthy worker of a role, it waits (`_may_wait`) for a lost one's replacement."""
         rid = req.request_id
         started = time.perf_counter()
         hops: dict[str, float] = {} if report is None or migrated else report.hops
         hashes = prefix_block_hashes(req.prompt_token_ids, self.block_size)
-        wait_s = self.config.migration_wait_s if migrated else 0.0
+        give_up = asyncio.get_running_loop().time() + self.config.migration_wait_s
         if self.prefill is None:
-            decode = await self._pick_waiting(self.decode, [], self._decode_policy, wait_s)
+            decode = await self._pick_waiting(self.decode, [], self._decode_policy, migrated, give_up)
         else:
-            decode = await self._take_seat(wait_s)
+            decode = await self._take_seat(migrated, give_up)
         hops["seat"] = time.perf_counter() - started
         if decode.worker_id not in self._pollers:  # a replacement: do not wait for the health loop
             self._start_poller(decode)
@@ -224,7 +224,7 @@ class Coordinator:
                     raise WorkerLost(f"worker {decode.worker_id} was lost") from e
                 hops["submit"] = time.perf_counter() - submitted
             else:
-                first, admitting = await self._prefill(req, decode, hashes, wait_s, report, hops)
+                first, admitting = await self._prefill(req, decode, hashes, migrated, give_up, report, hops)
                 finished = first.finished
                 yield first  # the decode worker admits the request meanwhile: not on the first token's path
                 if finished:
@@ -254,15 +254,21 @@ class Coordinator:
             async with self._seat_freed:
                 self._seat_freed.notify()
 
-    async def _take_seat(self, wait_s: float) -> Worker:
+    def _may_wait(self, pool: Pool, migrated: bool, give_up: float) -> bool:
+        """Whether a request finding no healthy worker in `pool` waits on: until `give_up`
+        (`config.migration_wait_s` after it began), while a lost worker is being replaced, or
+        in any case for a `migrated` request (its lost worker's replacement may not have
+        begun yet). With nothing being replaced a new request is refused at once."""
+        return (migrated or pool.replacing > 0) and asyncio.get_running_loop().time() < give_up
+
+    async def _take_seat(self, migrated: bool, give_up: float) -> Worker:
         """A decode worker with a free running seat; waits for one (in arrival order). The
         wait re-checks now and then, so that a replaced worker's seats are found too. With
-        no healthy decode worker, waits up to `wait_s` for one, then WorkerUnavailable."""
-        give_up = asyncio.get_running_loop().time() + wait_s
+        no healthy decode worker, waits while `_may_wait`, then WorkerUnavailable."""
         async with self._seat_freed:
             while True:
                 healthy = self.decode.healthy()
-                if not healthy and asyncio.get_running_loop().time() >= give_up:
+                if not healthy and not self._may_wait(self.decode, migrated, give_up):
                     raise WorkerUnavailable("no healthy decode worker")
                 free = [w for w in healthy if w.state.inflight < self.seats_per_worker]
                 if free:
@@ -271,8 +277,8 @@ class Coordinator:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._seat_freed.wait(), self.config.seat_recheck_s)
 
-    async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int], wait_s: float,
-                       report: RequestReport | None,
+    async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int], migrated: bool,
+                       give_up: float, report: RequestReport | None,
                        hops: dict[str, float]) -> tuple[TokenDelta, asyncio.Future[None] | None]:
         """Reserve on `decode` and prefill elsewhere at once, hand the KV over; returns the
         first token's delta and, unless that ended the request, its admission on `decode`
@@ -280,7 +286,7 @@ class Coordinator:
         that arrives before its reservation, so the reservation (a call that waits for the
         decode engine's current step) is not on the first token's path; a refused one
         cancels the prefill."""
-        prefill = await self._pick_waiting(self.prefill, hashes, self.policy, wait_s)
+        prefill = await self._pick_waiting(self.prefill, hashes, self.policy, migrated, give_up)
         prefill.state.inflight += 1
         called = time.perf_counter()
         ref = prefill.actor.prefill.remote(req, decode.address)
@@ -333,11 +339,11 @@ class Coordinator:
             await self.decode.replace(decode)
             raise WorkerLost(f"decode worker {decode.worker_id} was lost") from e
 
-    async def _pick_waiting(self, pool: Pool, hashes: list[int], policy: RoutingPolicy, wait_s: float) -> Worker:
-        """`_pick`, waiting up to `wait_s` for a healthy worker (a lost one's replacement)."""
-        give_up = asyncio.get_running_loop().time() + wait_s
-        while not pool.healthy() and asyncio.get_running_loop().time() < give_up:
-            await asyncio.sleep(min(self.config.seat_recheck_s, wait_s))
+    async def _pick_waiting(self, pool: Pool, hashes: list[int], policy: RoutingPolicy, migrated: bool,
+                            give_up: float) -> Worker:
+        """`_pick`, waiting for a healthy worker while `_may_wait`."""
+        while not pool.healthy() and self._may_wait(pool, migrated, give_up):
+            await asyncio.sleep(self.config.seat_recheck_s)
         return self._pick(pool, hashes, policy)
 
     def _pick(self, pool: Pool, hashes: list[int], policy: RoutingPolicy) -> Worker:

@@ -72,6 +72,7 @@ class Pool:
         self.on_lost: Callable[[Worker], Awaitable[None]] | None = None
         self._ids = itertools.count()
         self.num_replaced = 0
+        self.replacing = 0  # replacements under way: a request finding no healthy worker may wait for one
 
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers if w.state.healthy]
@@ -134,16 +135,20 @@ class Pool:
             return
         worker.state.healthy = False
         logger.warning("%s worker %s is lost (%s); replacing it", self.role, worker.worker_id, reason)
-        if self.on_lost is not None:
-            await self.on_lost(worker)
-        ray.kill(worker.actor, no_restart=True)
+        self.replacing += 1
         try:
-            fresh = await self._spawn()
-        except Exception:
-            logger.exception("could not replace %s worker %s", self.role, worker.worker_id)
-            return
-        self.workers[self.workers.index(worker)] = fresh
-        self.num_replaced += 1
+            if self.on_lost is not None:
+                await self.on_lost(worker)
+            ray.kill(worker.actor, no_restart=True)
+            try:
+                fresh = await self._spawn()
+            except Exception:
+                logger.exception("could not replace %s worker %s", self.role, worker.worker_id)
+                return
+            self.workers[self.workers.index(worker)] = fresh
+            self.num_replaced += 1
+        finally:
+            self.replacing -= 1
 
     async def stop(self) -> None:
         for w in self.workers:

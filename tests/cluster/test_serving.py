@@ -159,6 +159,23 @@ def test_a_stream_whose_decode_worker_is_sigkilled_continues_on_its_replacement(
     wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
 
 
+def test_a_new_request_waits_for_the_only_decode_workers_replacement(disaggregated, engine):
+    """The only decode worker is SIGKILLed and found lost: a request that arrives while its
+    replacement starts waits for it (it is not refused UNAVAILABLE) and gets the engine's tokens."""
+    import ray
+
+    coordinator = disaggregated.server.coordinator
+    prompt, params = "Name three colours.", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = engine.generate([prompt], params)[0].token_ids
+    victim = coordinator.decode.workers[0]
+    os.kill(ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30), signal.SIGKILL)
+    wait_until(lambda: coordinator.decode.replacing == 1, 30, "the pool to begin replacing its lost worker")
+    got = collect(disaggregated.target, prompt, params, 300)
+    assert got.token_ids == want
+    assert coordinator.decode.workers[0] is not victim and coordinator.decode.replacing == 0
+    wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
+
+
 def test_a_request_whose_prefill_worker_is_sigkilled_mid_prefill_is_retried(disaggregated, engine, tokenizer):
     """The prefill worker dies while it computes the prompt: the request is prefilled again
     on the replacement and the client's stream is the undisturbed run's."""
