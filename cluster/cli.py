@@ -135,38 +135,23 @@ def _generate_remote(args: argparse.Namespace, params: SamplingParams) -> int:
 
 
 def _client(args: argparse.Namespace):  # -> pdserve.cluster.client.Client
-    """A gRPC client for --target with the server's CA (--tls-ca) and token (--api-key-file or
-    $PDSERVE_API_KEY, read where the server reads its own)."""
+    """A gRPC client for --target with the credentials its flags name (credentials.from_args)."""
     from pdserve.cluster.client import Client
-    from pdserve.cluster.config import ServerConfig, client_auth
+    from pdserve.cluster.credentials import from_args
 
-    ca = None
-    if args.tls_ca:
-        try:
-            with open(args.tls_ca, "rb") as f:
-                ca = f.read()
-        except OSError as e:
-            raise ValueError(f"cannot read the CA file {args.tls_ca!r}: {e.strerror}") from e
-    return Client(args.target, ca, client_auth(ServerConfig(api_key_file=args.api_key_file or "")).api_key)
-
-
-def _add_client_auth_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-ca", default=None, help="PEM file of the CA (or self-signed certificate) the gRPC "
-                                                  "server's certificate must chain to: connect over TLS")
-    p.add_argument("--api-key-file", default=None, help="file with the server's bearer token "
-                                                        "(default: $PDSERVE_API_KEY, if set)")
+    return Client(args.target, from_args(args))
 
 
 def _generate_http(args: argparse.Namespace, params: SamplingParams) -> int:
-    from pdserve.cluster.config import ServerConfig, client_auth
+    from pdserve.cluster.credentials import from_args
     from pdserve.cluster.http_client import HttpApiError, stream_text
 
-    api_key = client_auth(ServerConfig(api_key_file=args.api_key_file or "")).api_key
+    credentials = from_args(args)
     for i, prompt in enumerate(args.prompts):
         if len(args.prompts) > 1:
             print(f"--- [{i}]")
         try:
-            for text in stream_text(args.target, prompt, params, args.chat, args.timeout, api_key, args.tls_ca):
+            for text in stream_text(args.target, prompt, params, args.chat, args.timeout, credentials):
                 sys.stdout.write(text)
                 sys.stdout.flush()
         except HttpApiError as e:
@@ -230,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         KVTransportSettings,
         PoolConfig,
     )
+    from pdserve.cluster.credentials import add_credential_args
     from pdserve.kv_transport.config import TRANSPORT_CLASSES
 
     admission, coordinator, kv, pools = AdmissionConfig(), CoordinatorConfig(), KVTransportSettings(), PoolConfig()
@@ -243,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", help="host:port of a pdserve server's gRPC API, or http://host:port of its "
                                       "OpenAI HTTP API (default: run the engine in-process)")
     gen.add_argument("--timeout", type=float, default=None, help="deadline per request, seconds (--target)")
-    _add_client_auth_args(gen)
+    add_credential_args(gen)
     _add_model_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -309,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="show a server's mode, model and workers")
     info.add_argument("--target", default="127.0.0.1:50051")
-    _add_client_auth_args(info)
+    add_credential_args(info)
     info.set_defaults(func=cmd_info)
     return parser
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from pdserve.cluster.credentials import ClientCredentials
 from pdserve.engine.sampling import SamplingParams
 from pdserve.proto.v1 import generation_pb2 as pb
 from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
@@ -27,15 +28,14 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
 
 
 class Client:
-    """`root_certificates`: PEM of the CA (or the self-signed certificate) to trust: the
-    channel speaks TLS. `api_key`: sent as `authorization: Bearer <api_key>` on every call."""
+    """A gRPC client of pdserve.v1.Generation; `credentials`: TLS (mutual TLS) files and the
+    bearer token it presents (None: plaintext, no token)."""
 
-    def __init__(self, target: str, root_certificates: bytes | None = None, api_key: str | None = None) -> None:
-        if root_certificates is None:
-            self.channel = grpc.insecure_channel(target)
-        else:
-            self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    def __init__(self, target: str, credentials: ClientCredentials | None = None) -> None:
+        credentials = credentials or ClientCredentials()
+        tls = credentials.grpc_credentials()
+        self.channel = grpc.insecure_channel(target) if tls is None else grpc.secure_channel(target, tls)
+        self._metadata = credentials.grpc_metadata()
         self.stub = pb_grpc.GenerationStub(self.channel)
 
     def close(self) -> None:

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import json
-import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+from pdserve.cluster.credentials import ClientCredentials
 from pdserve.engine.sampling import SamplingParams
 
 
@@ -21,10 +21,10 @@ class HttpApiError(Exception):
 
 
 def stream_text(base_url: str, prompt: str, params: SamplingParams, chat: bool = False,
-                timeout_s: float | None = None, api_key: str | None = None,
-                ca_file: str | None = None) -> Iterator[str]:
+                timeout_s: float | None = None, credentials: ClientCredentials | None = None) -> Iterator[str]:
     """Yields the text of one completion (chat completion with `chat`) as the server streams it.
-    `api_key`: the server's bearer token; `ca_file`: the CA to trust for an https:// URL."""
+    `credentials`: the TLS files for an https:// URL and the server's bearer token."""
+    credentials = credentials or ClientCredentials()
     body: dict[str, object] = {
         "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
         "top_k": params.top_k, "min_p": params.min_p, "stream": True, "ignore_eos": params.ignore_eos,
@@ -44,11 +44,9 @@ def stream_text(base_url: str, prompt: str, params: SamplingParams, chat: bool =
     else:
         body["prompt"] = prompt
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream", **credentials.http_headers()}
     req = urllib.request.Request(base_url.rstrip("/") + path, json.dumps(body).encode(), headers)
-    context = ssl.create_default_context(cafile=ca_file) if ca_file else None
+    context = credentials.ssl_context()
     try:
         resp = urllib.request.urlopen(req, timeout=timeout_s, context=context)
     except urllib.error.HTTPError as e:

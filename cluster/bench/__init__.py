@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import re
 import sys
 import urllib.request
@@ -27,6 +26,7 @@ from pdserve.cluster.bench.backends import Backend, GrpcBackend, OpenAIBackend
 from pdserve.cluster.bench.dataset import SYNTHETIC_CHAT, BenchRequest, jsonl_requests, random_requests
 from pdserve.cluster.bench.report import Slo, format_table, plot_cdfs, plot_sweep, summarize
 from pdserve.cluster.bench.runner import LoadShape, RunResult, run_load
+from pdserve.cluster.credentials import add_credential_args, from_args
 
 __all__ = ["add_parser", "run_bench"]
 
@@ -55,6 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     p.add_argument("--plot", type=Path, default=None, help="write PNG plots into this folder")
     p.add_argument("--no-progress", action="store_true")
+    add_credential_args(p)
     p.set_defaults(func=lambda args: asyncio.run(run_bench(args)))
 
 
@@ -96,8 +97,8 @@ def _is_http(target: str) -> bool:
 
 def _backend(args: argparse.Namespace) -> Backend:
     if _is_http(args.target):
-        return OpenAIBackend(args.target, args.model, args.temperature, os.environ.get("OPENAI_API_KEY"))
-    return GrpcBackend(args.target, args.temperature)
+        return OpenAIBackend(args.target, args.model, args.temperature, from_args(args))
+    return GrpcBackend(args.target, args.temperature, from_args(args))
 
 
 async def _requests(args: argparse.Namespace, backend: Backend) -> list[BenchRequest]:

@@ -12,6 +12,7 @@ from typing import Protocol
 import grpc
 
 from pdserve.cluster.bench.dataset import BenchRequest
+from pdserve.cluster.credentials import ClientCredentials
 from pdserve.proto.v1 import generation_pb2 as pb
 from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
 
@@ -66,13 +67,16 @@ class GrpcBackend:
 
     name = "grpc"
 
-    def __init__(self, target: str, temperature: float = 1.0) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
+    def __init__(self, target: str, temperature: float = 1.0, credentials: ClientCredentials | None = None) -> None:
+        credentials = credentials or ClientCredentials()
+        tls = credentials.grpc_credentials()
+        self._channel = grpc.aio.insecure_channel(target) if tls is None else grpc.aio.secure_channel(target, tls)
+        self._metadata = credentials.grpc_metadata()
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._temperature = temperature
 
     async def vocab_size(self) -> int | None:
-        models = await self._stub.ListModels(pb.ListModelsRequest(), timeout=30)
+        models = await self._stub.ListModels(pb.ListModelsRequest(), timeout=30, metadata=self._metadata)
         return models.models[0].vocab_size if models.models else None
 
     async def send(self, request: BenchRequest, timeout_s: float) -> RequestResult:
@@ -86,7 +90,7 @@ class GrpcBackend:
             msg.messages.messages.extend(pb.ChatMessage(**m) for m in request.messages or ())
         result = RequestResult(start=time.perf_counter(), input_tokens=request.input_len)
         try:
-            async for resp in self._stub.Generate(msg, timeout=timeout_s):
+            async for resp in self._stub.Generate(msg, timeout=timeout_s, metadata=self._metadata):
                 if resp.token_ids:
                     result.chunk_times.append(time.perf_counter())
                     result.output_tokens += len(resp.token_ids)
@@ -107,12 +111,13 @@ class OpenAIBackend:
     name = "openai"
 
     def __init__(self, base_url: str, model: str | None = None, temperature: float = 1.0,
-                 api_key: str | None = None) -> None:
+                 credentials: ClientCredentials | None = None) -> None:
         import httpx
 
         self._httpx = httpx
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
+        credentials = credentials or ClientCredentials()
+        self._client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=credentials.http_headers(),
+                                         verify=credentials.ssl_context() or True,
                                          timeout=httpx.Timeout(600.0, connect=30.0))
         self._model = model
         self._temperature = temperature

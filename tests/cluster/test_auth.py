@@ -24,7 +24,9 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.cluster.cli import main
 from pdserve.cluster.client import Client
+from pdserve.cluster.credentials import ClientCredentials
 from pdserve.engine.sampling import SamplingParams
 from pdserve.proto.v1 import generation_pb2 as pb
 from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
@@ -111,7 +113,7 @@ def _code(call) -> grpc.StatusCode:
 
 def test_grpc_over_tls_with_the_token_serves(secured):
     srv, ca, _ = secured
-    with Client(srv.target, ca, TOKEN) as client:
+    with Client(srv.target, ClientCredentials(srv.config.server.tls_cert, api_key=TOKEN)) as client:
         out = [t for r in client.generate("Hello", GREEDY, timeout_s=120) for t in r.token_ids]
         assert len(out) == 3
         assert client.list_models().models
@@ -120,7 +122,7 @@ def test_grpc_over_tls_with_the_token_serves(secured):
 @pytest.mark.parametrize("api_key", [None, "wrong-token", TOKEN + "x"])
 def test_grpc_without_the_right_token_is_unauthenticated(secured, api_key):
     srv, ca, _ = secured
-    with Client(srv.target, ca, api_key) as client:
+    with Client(srv.target, ClientCredentials(srv.config.server.tls_cert, api_key=api_key)) as client:
         assert _code(client.generate("Hello", GREEDY, timeout_s=30)) == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as err:
             client.server_info()
@@ -129,7 +131,7 @@ def test_grpc_without_the_right_token_is_unauthenticated(secured, api_key):
 
 def test_grpc_plaintext_is_refused_and_health_needs_no_token(secured):
     srv, ca, _ = secured
-    with Client(srv.target, None, TOKEN) as plain:
+    with Client(srv.target, ClientCredentials(api_key=TOKEN)) as plain:
         assert _code(plain.generate("Hello", GREEDY, timeout_s=10)) == grpc.StatusCode.UNAVAILABLE
     with grpc.secure_channel(srv.target, grpc.ssl_channel_credentials(ca)) as channel:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
@@ -279,6 +281,37 @@ def _raw_https_get(m: _Mutual, client: tuple[Path, Path] | None) -> bytes:
 
 def test_the_raw_tls_check_sees_an_answer_with_the_right_certificate(mutual):
     assert _raw_https_get(mutual, mutual.client).startswith(b"HTTP/1.1 200")
+
+
+def _credential_flags(m: _Mutual, client: tuple[Path, Path] | None, token_file: Path) -> list[str]:
+    flags = ["--tls-ca", str(m.server_ca), "--api-key-file", str(token_file)]
+    return flags + ([] if client is None else ["--tls-client-cert", str(client[0]), "--tls-client-key", str(client[1])])
+
+
+@pytest.mark.parametrize("api", ["grpc", "http"])
+def test_pdserves_own_clients_present_a_client_certificate(mutual, api, tmp_path, capsys):
+    """`pdserve generate`, `info` and `bench` over mutual TLS with the token: served with the
+    client CA's certificate, refused without one."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    target = _https_url(mutual) if api == "http" else mutual.srv.target
+    flags = _credential_flags(mutual, mutual.client, token_file)
+    assert main(["generate", "--target", target, "--max-tokens", "3", "--temperature", "0", *flags, "Hello"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main(["bench", "--target", target, "--num-prompts", "2", "--input-len", "8", "--output-len", "2",
+                 "--vocab-size", "1000", "--no-progress", *flags]) == 0
+    assert "Successful requests" in capsys.readouterr().out
+    if api == "grpc":
+        assert main(["info", "--target", target, *flags]) == 0
+        assert "colocated" in capsys.readouterr().out
+    no_certificate = _credential_flags(mutual, None, token_file)
+    assert main(["generate", "--target", target, "--max-tokens", "3", *no_certificate, "Hello"]) == 1
+    assert "error" in capsys.readouterr().err
+
+
+def test_a_client_certificate_without_its_key_is_a_clear_error(mutual, capsys):
+    assert main(["info", "--target", mutual.srv.target, "--tls-client-cert", str(mutual.client[0])]) == 2
+    assert "--tls-client-cert and --tls-client-key together" in capsys.readouterr().err
 
 
 def test_a_client_ca_without_the_servers_own_tls_is_refused():
