@@ -103,7 +103,8 @@ class SchedulerConfig:
     max_num_seqs: sequences running at once.
     enable_chunked_prefill: split prompts longer than the remaining budget.
     async_scheduling: overlap steps: step N+1 is scheduled and queued on the device before
-        step N's tokens are read back (they feed N+1 on the device). Off while speculating.
+        step N's tokens are read back (they feed N+1 on the device). A speculative step (K > 0)
+        waits for the step before it; steps at K = 0 overlap.
     """
 
     max_num_batched_tokens: int = 2048

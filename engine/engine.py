@@ -301,18 +301,29 @@ class Engine:
     def step(self) -> list[TokenDelta]:
         """Run one iteration; returns a delta for every request that got tokens.
 
-        With `SchedulerConfig.async_scheduling` (and no speculator) steps overlap: this call
-        queues the next step on the GPU first, and only then waits for the previous one's
-        tokens and returns their deltas, so the host's work runs while the GPU computes.
+        With `SchedulerConfig.async_scheduling` steps overlap: this call queues the next step
+        on the GPU first, and only then waits for the previous one's tokens and returns their
+        deltas, so the host's work runs while the GPU computes. A speculative step does not
+        overlap (its proposals need the tokens before it); a step at K = 0 (the speculator's
+        `plan`, e.g. adaptive K at a large batch) is a plain one and does.
         """
         deltas: list[TokenDelta] = []
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and not self._can_overlap():  # a speculator was just set
+        if previous is not None and not self._can_overlap():
             deltas += self._resolve(previous)
             previous = None
         if self.scheduler.landing:
             self._admit_landed()
-        proposals = self._propose() if self.speculator is not None else None
+        proposals = None
+        if self.speculator is not None:
+            seqs, limits = self._decoding()
+            k = self.speculator.plan(seqs) if any(limits) else 0
+            if k > 0 and previous is not None:  # the drafter reads the tokens of the step before
+                deltas += self._resolve(previous)
+                previous = None
+                seqs, limits = self._decoding()
+            if k > 0:
+                proposals = self._propose(seqs, [min(k, limit) for limit in limits])
         batch = self.scheduler.schedule()
         if self.speculator is not None:
             for seq in batch.preempted:
@@ -330,8 +341,7 @@ class Engine:
     def _can_overlap(self) -> bool:
         # A constrained sequence's mask for step N+1 needs step N's token: while one is live,
         # steps do not overlap (each resolves before the next is queued).
-        return (self.config.scheduler.async_scheduling and self.speculator is None
-                and not self.structured.has_active)
+        return self.config.scheduler.async_scheduling and not self.structured.has_active
 
     def _launch(self, batch: ScheduledBatch, proposals: _StepProposals | None,
                 previous: _LaunchedStep | None) -> _LaunchedStep:
@@ -397,10 +407,9 @@ class Engine:
         for seq in done:
             callback(seq.request_id, tuple(seq.block_ids), event)
 
-    def _propose(self) -> _StepProposals | None:
-        """Draft tokens for every running sequence that is decoding (its last token
-        is the only one without KV); they are verified in this step's pass."""
-        assert self.speculator is not None
+    def _decoding(self) -> tuple[list[Sequence], list[int]]:
+        """The running sequences that are decoding (the last token is the only one without
+        KV) and how many tokens each may propose at most (0: it is at its last token)."""
         seqs, limits = [], []
         graphs = self.runner.graphs is not None
         for seq in self.scheduler.running:
@@ -411,6 +420,12 @@ class Engine:
             if seq.num_computed_tokens == seq.num_tokens - 1 and (limit > 0 or graphs):
                 seqs.append(seq)
                 limits.append(max(limit, 0))
+        return seqs, limits
+
+    def _propose(self, seqs: list[Sequence], limits: list[int]) -> _StepProposals | None:
+        """Draft tokens for the decoding `seqs`, at most `limits[i]` each; they are verified
+        in this step's pass."""
+        assert self.speculator is not None
         if not any(limits):
             return None
         proposals = self.speculator.propose(seqs, limits)
@@ -425,7 +440,7 @@ class Engine:
             # accepted (their KV is trimmed as a rejected guess's is; eagerly, on the CPU, they
             # would cost compute). Drafted on the device: placeholders here, read there (zeros
             # past a proposal).
-            num = min(width, self.max_model_len - seq.num_tokens) if graphs else n
+            num = min(width, self.max_model_len - seq.num_tokens) if self.runner.graphs is not None else n
             seq.spec_token_ids.extend(host[i][:n] + [0] * (num - n) if host is not None
                                       else [PLACEHOLDER_TOKEN_ID] * num)
             if num:

@@ -106,10 +106,16 @@ class Proposals:
 class Speculator(Protocol):
     metrics: SpecMetrics
 
+    def plan(self, seqs: list[Sequence]) -> int:
+        """This step's K for the decoding `seqs`: how many tokens each may propose; 0 makes
+        it a plain step (which may overlap the step before it). Called once per step."""
+        ...
+
     def propose(self, seqs: list[Sequence], max_num_tokens: list[int]) -> Proposals:
         """Draft tokens to follow each sequence's last token (whose KV the target
         has not computed yet): at most `max_num_tokens[i]` for `seqs[i]` (0: none, it
-        is at its last token). A sequence that proposes none gets a plain decode's token."""
+        is at its last token; never more than `plan`'s K). A sequence that proposes none
+        gets a plain decode's token."""
         ...
 
     def verify(self, seqs: list[Sequence], proposals: Proposals, rows: list[int], num_proposed: list[int],

@@ -27,12 +27,13 @@ class SpecDecoder:
         self.adaptive = adaptive
         self.metrics = SpecMetrics()
 
-    def propose(self, seqs: list[Sequence], max_num_tokens: list[int]) -> Proposals:
-        k = self.num_speculative_tokens
-        if self.adaptive is not None:
-            k = self.adaptive.k_for(seqs)
+    def plan(self, seqs: list[Sequence]) -> int:
+        k = self.adaptive.k_for(seqs) if self.adaptive is not None else self.num_speculative_tokens
         self.metrics.record_step(k)
-        return self.drafter.propose(seqs, [min(k, limit) for limit in max_num_tokens])
+        return k
+
+    def propose(self, seqs: list[Sequence], max_num_tokens: list[int]) -> Proposals:
+        return self.drafter.propose(seqs, max_num_tokens)
 
     def verify(self, seqs: list[Sequence], proposals: Proposals, rows: list[int], num_proposed: list[int],
                logits: list[torch.Tensor]) -> list[list[int]]:

@@ -120,6 +120,42 @@ def test_greedy_is_token_identical_in_a_mixed_batch(engine, requests, baseline, 
         assert got.logprob == pytest.approx(want.logprob, abs=1e-3)
 
 
+class EveryOther(SpecDecoder):
+    """Plans K = 0 and K in turn: plain steps (which overlap the step before) and speculative
+    ones (which first resolve the step in flight) follow each other."""
+
+    def __init__(self, inner: SpecDecoder) -> None:
+        super().__init__(inner.drafter, inner.sampler, inner.num_speculative_tokens)
+        self.plans: list[int] = []
+
+    def plan(self, seqs: list[Sequence]) -> int:
+        k = self.num_speculative_tokens if len(self.plans) % 2 else 0
+        self.plans.append(k)
+        self.metrics.record_step(k)
+        return k
+
+
+def test_steps_at_k_zero_overlap_and_greedy_output_is_unchanged(engine, requests, baseline):
+    spec = EveryOther(build_speculator(engine, DRAFTERS["self_draft"]))
+    engine.set_speculator(spec)
+    tokens = {rid: [] for rid, _, _ in requests}
+    overlapped = 0
+    try:
+        for rid, prompt, params in requests:
+            engine.add_request(prompt, params, rid)
+        while engine.has_unfinished:
+            for delta in engine.step():
+                tokens[delta.request_id].extend(delta.token_ids)
+            overlapped += engine._in_flight is not None  # the step just queued resolves in the next call
+    finally:
+        engine.set_speculator(None)
+    assert tokens == baseline[0]
+    assert 0 in spec.plans and spec.num_speculative_tokens in spec.plans
+    assert overlapped >= spec.plans.count(0) // 2  # plain steps overlapped (some are the last ones)
+    assert spec.metrics.num_proposed > 0 and spec.metrics.num_accepted > 0
+    assert all_blocks_free(engine)
+
+
 @pytest.mark.parametrize("spec_config", [
     SpecConfig(method="self_draft", num_draft_layers=30, num_speculative_tokens=6),  # all layers: the target
     SpecConfig(method="draft_model", draft_model="default", num_speculative_tokens=6),
