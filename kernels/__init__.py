@@ -2,7 +2,7 @@
 one for Hopper, for prompts without earlier context), paged decode, the
 block-to-block copy of the KV transport's direct path, and the decoder layer's
 elementwise steps (RMSNorm fused with the residual add, rotary embedding in place,
-SwiGLU's silu-and-mul).
+SwiGLU's silu-and-mul), and the one-row linear layer of a batch-1 decode step (GEMV).
 
 One file per kernel family; each holds private @triton.jit kernels and one public
 launcher that checks shapes, dtypes and strides. Without a GPU, set TRITON_INTERPRET=1
@@ -16,6 +16,7 @@ from pdserve.kernels.block_copy import copy_blocks
 from pdserve.kernels.cache_write import cache_write
 from pdserve.kernels.flash_prefill import flash_prefill
 from pdserve.kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
+from pdserve.kernels.gemv import gemv
 from pdserve.kernels.paged_decode import (
            decode_num_splits,
            decode_workspace,
@@ -27,5 +28,5 @@ from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.rotary import apply_rotary
 
 __all__ = ["apply_rotary", "cache_write", "copy_blocks", "decode_num_splits", "decode_workspace", "flash_prefill",
-           "flash_prefill_ws", "flash_prefill_ws_paged", "flash_prefill_ws_supported", "paged_decode",
+           "flash_prefill_ws", "flash_prefill_ws_paged", "flash_prefill_ws_supported", "gemv", "paged_decode",
            "paged_verify", "paged_verify_fits", "rms_norm", "silu_and_mul"]

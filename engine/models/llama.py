@@ -6,7 +6,8 @@ step's attention callable, which writes k, v into the pool and attends.
 As in vLLM, each layer's residual add is fused into the next norm: a layer takes and
 returns (x, residual), x being the output of its last block not yet added. On CUDA the
 norms (with that add), the rotary embedding and SwiGLU's activation are one Triton
-kernel each, working in place where they can; on the CPU they keep transformers' torch
+kernel each, working in place where they can, and a one-row linear layer (a batch-1
+decode step) is `kernels.gemv`; on the CPU they keep transformers' torch
 arithmetic, which the HF parity tests compare greedy tokens against.
 
 Under tensor parallelism (`engine.parallel`) each rank builds the layers of its shard:
@@ -28,6 +29,7 @@ from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.rope import RotaryEmbedding
 from pdserve.engine.parallel import Collectives, ShardPlan, TensorParallel
 from pdserve.kernels.activation import silu_and_mul
+from pdserve.kernels.gemv import gemv
 from pdserve.kernels.rms_norm import rms_norm
 
 
@@ -64,7 +66,17 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class RowParallelLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear whose one-row products on CUDA (a batch-1 decode step) run `kernels.gemv`,
+    which reads the weights faster than cuBLAS does at that shape."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.shape[0] == 1:
+            return gemv(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+class RowParallelLinear(Linear):
     """A linear layer whose input dimension is split over the ranks: each multiplies its
     slice, the partial sums are all-reduced, the bias is added once (by rank 0)."""
 
@@ -106,7 +118,7 @@ class Attention(nn.Module):
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * arch.head_dim
         self.kv_size = self.num_kv_heads * arch.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, arch.hidden_size, arch.o_bias, tp)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
@@ -125,7 +137,7 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelArch, tp: TensorParallel) -> None:
         super().__init__()
         inter = tp.plan.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * inter, bias=arch.mlp_bias)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * inter, bias=arch.mlp_bias)
         self.down_proj = RowParallelLinear(inter, arch.hidden_size, arch.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(tp, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = nn.Linear(arch.hidden_size, tp.plan.vocab_per_rank, bias=False)
+        self.lm_head = Linear(arch.hidden_size, tp.plan.vocab_per_rank, bias=False)
         self.tie_weights()
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_positions, device)
 

@@ -1,0 +1,71 @@
+"""y = x @ W.T (+ b) for one row of x: the linear layers of a batch-1 decode step.
+
+At one row a linear layer is a pure weight read, and cuBLAS's kernels for that shape
+leave bandwidth behind on the mid-sized projections of a Llama layer (measured on the
+H200, CUDA graphs, back to back, cold weights: 4096 x 4096 at 2.70 TB/s, 6144 x 4096 at
+3.35 TB/s). Each program here owns BLOCK_N output rows and walks all of K in BLOCK_K
+steps, accumulating in float32 elementwise and reducing once at the end: no split-K
+partials, no second kernel, one launch per layer. 3.25 and 3.76 TB/s on the same shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,      # [K], contiguous
+    w_ptr,      # [N, K], rows contiguous (stride_wn apart)
+    b_ptr,      # [N] or a dummy when not HAS_BIAS
+    y_ptr,      # [N], contiguous
+    N, stride_wn, K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        if EVEN:
+            w = tl.load(row_ptrs + cols[None, :], eviction_policy="evict_first")
+            x = tl.load(x_ptr + cols)
+        else:
+            w = tl.load(row_ptrs + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0,
+                        eviction_policy="evict_first")
+            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+def _config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps), from a sweep of the 8B's projections on the H200
+    (benchmarks/RESULTS.md, "A GEMV for one row")."""
+    if k >= 8192:
+        return 8, 512, 8
+    if n >= 16384 and n < 65536:
+        return 16, 256, 4
+    return 8, 256, 4
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] @ weight.T [K, N] (+ bias [N]) -> [1, N] in x's dtype; accumulates in float32.
+
+    x's last dim and weight's rows contiguous; one launch, no host sync: safe to capture in
+    a CUDA graph.
+    """
+    n, k = weight.shape
+    assert x.shape == (1, k) and x.stride(-1) == 1 and weight.stride(1) == 1, (x.shape, weight.shape)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps = _config(n, k)
+    even = n % block_n == 0 and k % block_k == 0
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else y, y, n, weight.stride(0), k,
+        HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    return y

@@ -1,0 +1,47 @@
+"""gemv (one row of x times W.T, plus a bias) against the float64 product: shapes that fill
+its blocks and shapes that do not (masked rows and columns), both configurations (K below
+and above 8192), bias or none, strided weight rows; the result is rounded once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels import gemv
+
+COVERS = ("gemv",)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Under the interpreter (no GPU) big shapes are slow: the K >= 8192 configuration gets one small N.
+SHAPES = [(8, 256), (24, 512), (50, 300), (3, 17), (40, 8192 + 96)]
+
+
+def _check(n: int, k: int, dtype: torch.dtype, with_bias: bool, pad: int) -> None:
+    gen = torch.Generator().manual_seed(n * 7919 + k)
+    w_buf = torch.randn(n, k + pad, generator=gen).to(dtype)
+    w = w_buf.to(DEVICE)[:, :k]  # rows `pad` elements apart
+    x = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if with_bias else None
+    ref = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
+    out = gemv(x, w, bias)
+    assert out.shape == (1, n) and out.dtype == dtype
+    # float32 accumulation over k products, then one rounding to the dtype.
+    scale = (x.double().abs() @ w.double().abs().T).max().item()
+    atol = scale * (k * 2 * torch.finfo(torch.float32).eps + torch.finfo(dtype).eps)
+    torch.testing.assert_close(out.double(), ref, rtol=torch.finfo(dtype).eps, atol=atol)
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_the_product(n, k, dtype, with_bias):
+    _check(n, k, dtype, with_bias, pad=0)
+
+
+def test_gemv_reads_strided_weight_rows():
+    _check(40, 300, torch.float32, with_bias=True, pad=13)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
+def test_gemv_at_the_8b_shapes(n, k):
+    _check(n, k, torch.bfloat16, with_bias=False, pad=0)
