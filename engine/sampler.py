@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.sampling import SamplingParams
+from pdserve.kernels.sampling import gumbel_argmax
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +94,19 @@ class Sampler:
     def draw(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
              with_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token per row of logits [N, vocab], on the device, nothing read back: [N] int64,
-        and (with_probs, or when some row samples) the distributions they were drawn from,
-        [N, vocab] float32, one-hot on greedy rows."""
+        and (with_probs, or when some row samples on the torch path) the distributions they
+        were drawn from, [N, vocab] float32, one-hot on greedy rows. On CUDA, rows that only
+        need a temperature (no top-k/top-p/min-p, no seed of their own) are drawn in one
+        pass over the logits (`kernels.gumbel_argmax`), from a seed the shared generator
+        draws on the device."""
+        if all(p.greedy for p in params) and not with_probs:
+            return logits.argmax(dim=-1), None
+        if logits.is_cuda and not with_probs and all(_plain(p) for p in params):
+            temps = on_device([0.0 if p.greedy else p.temperature for p in params], torch.float32, logits.device)
+            seed = torch.randint(0, 2**62, (1,), device=logits.device, generator=self._generator)
+            return gumbel_argmax(logits, temps, seed), None
         greedy_ids = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
-            if not with_probs:
-                return greedy_ids, None
             return greedy_ids, torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).float()
         probs = self._filtered_probs(logits, params)
         noise = self.noise(probs.shape, request_ids, params, "exponential")
@@ -149,6 +157,11 @@ class Sampler:
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             logits = _apply_top_k_top_p_min_p(logits, params)
         return torch.softmax(logits, dim=-1)
+
+
+def _plain(p: SamplingParams) -> bool:
+    """Drawn at its temperature alone, from the shared stream (or greedy)."""
+    return p.greedy or (p.seed is None and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)
 
 
 def _fill(t: torch.Tensor, kind: str, generator: torch.Generator) -> None:

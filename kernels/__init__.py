@@ -2,7 +2,8 @@
 one for Hopper, for prompts without earlier context), paged decode, the
 block-to-block copy of the KV transport's direct path, and the decoder layer's
 elementwise steps (RMSNorm fused with the residual add, rotary embedding in place,
-SwiGLU's silu-and-mul), and the one-row linear layer of a batch-1 decode step (GEMV).
+SwiGLU's silu-and-mul), the one-row linear layer of a batch-1 decode step (GEMV), and sampling at a temperature
+in one pass (Gumbel-max).
 
 One file per kernel family; each holds private @triton.jit kernels and one public
 launcher that checks shapes, dtypes and strides. Without a GPU, set TRITON_INTERPRET=1
@@ -26,7 +27,8 @@ from pdserve.kernels.paged_decode import (
 )
 from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.rotary import apply_rotary
+from pdserve.kernels.sampling import gumbel_argmax
 
 __all__ = ["apply_rotary", "cache_write", "copy_blocks", "decode_num_splits", "decode_workspace", "flash_prefill",
-           "flash_prefill_ws", "flash_prefill_ws_paged", "flash_prefill_ws_supported", "gemv", "paged_decode",
-           "paged_verify", "paged_verify_fits", "rms_norm", "silu_and_mul"]
+           "flash_prefill_ws", "flash_prefill_ws_paged", "flash_prefill_ws_supported", "gemv", "gumbel_argmax",
+           "paged_decode", "paged_verify", "paged_verify_fits", "rms_norm", "silu_and_mul"]
