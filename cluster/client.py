@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import grpc
-
 from pdserve.cluster.credentials import ClientCredentials
 from pdserve.engine.sampling import SamplingParams
 from pdserve.proto.v1 import generation_pb2 as pb
@@ -33,8 +31,7 @@ class Client:
 
     def __init__(self, target: str, credentials: ClientCredentials | None = None) -> None:
         credentials = credentials or ClientCredentials()
-        tls = credentials.grpc_credentials()
-        self.channel = grpc.insecure_channel(target) if tls is None else grpc.secure_channel(target, tls)
+        self.channel = credentials.grpc_channel(target)
         self._metadata = credentials.grpc_metadata()
         self.stub = pb_grpc.GenerationStub(self.channel)
 

@@ -48,6 +48,16 @@ class ClientCredentials:
         return grpc.ssl_channel_credentials(ca, _read(self.key_file, "client key (--tls-client-key)"),
                                             _read(self.cert_file, "client certificate (--tls-client-cert)"))
 
+    def grpc_channel(self, target: str) -> grpc.Channel:
+        """A channel to `target`: TLS when `tls`, else plaintext."""
+        tls = self.grpc_credentials()
+        return grpc.insecure_channel(target) if tls is None else grpc.secure_channel(target, tls)
+
+    def grpc_aio_channel(self, target: str) -> grpc.aio.Channel:
+        """`grpc_channel` for asyncio."""
+        tls = self.grpc_credentials()
+        return grpc.aio.insecure_channel(target) if tls is None else grpc.aio.secure_channel(target, tls)
+
     def ssl_context(self) -> ssl.SSLContext | None:
         """The HTTPS context, None for plain HTTP (an https:// URL then trusts the system's CAs)."""
         if not self.tls:

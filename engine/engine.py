@@ -409,7 +409,8 @@ class Engine:
 
     def _decoding(self) -> tuple[list[Sequence], list[int]]:
         """The running sequences that are decoding (the last token is the only one without
-        KV) and how many tokens each may propose at most (0: it is at its last token)."""
+        KV) and how many tokens each may propose at most (0: it is at its last token). Clears
+        every running sequence's proposals of the step before."""
         seqs, limits = [], []
         graphs = self.runner.graphs is not None
         for seq in self.scheduler.running:

@@ -154,14 +154,19 @@ class Sampler:
         device = logits.device
         temps = on_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device)
         logits = logits / temps[:, None]
-        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        if any(_filters(p) for p in params):
             logits = _apply_top_k_top_p_min_p(logits, params)
         return torch.softmax(logits, dim=-1)
 
 
+def _filters(p: SamplingParams) -> bool:
+    """Whether top-k, top-p or min-p cut the row's distribution."""
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+
+
 def _plain(p: SamplingParams) -> bool:
     """Drawn at its temperature alone, from the shared stream (or greedy)."""
-    return p.greedy or (p.seed is None and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)
+    return p.greedy or (p.seed is None and not _filters(p))
 
 
 def _fill(t: torch.Tensor, kind: str, generator: torch.Generator) -> None:

@@ -69,8 +69,7 @@ class GrpcBackend:
 
     def __init__(self, target: str, temperature: float = 1.0, credentials: ClientCredentials | None = None) -> None:
         credentials = credentials or ClientCredentials()
-        tls = credentials.grpc_credentials()
-        self._channel = grpc.aio.insecure_channel(target) if tls is None else grpc.aio.secure_channel(target, tls)
+        self._channel = credentials.grpc_aio_channel(target)
         self._metadata = credentials.grpc_metadata()
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._temperature = temperature
