@@ -26,7 +26,7 @@ blocks on both sides). Three data paths:
   waiting on a CUDA event sees it tens of microseconds late).
 - "ucx fast": gather, one UCX message over a worker-address endpoint without UCX error
   handling, scatter, acknowledgement.
-- "ucx checked": the same over the listener endpoint, error handling on.
+- "ucx checked": the same over the control endpoint, error handling on.
 On GPU the receiver process sees only its own GPU (CUDA_VISIBLE_DEVICES), as under Ray.
 
 Baselines in the same run, same bytes: cuda, a torch peer copy cuda:0 -> cuda:1,

@@ -18,16 +18,32 @@ Modules (only the ucx_* ones and transport_info import ucxx):
     receive_table  receiver bookkeeping shared by every transport (either arrival order)
     keepalive      a sender's "still computing" beat for the requests it prepared
     loopback       in-process fake with the same semantics, for tests above
-    ucx_link       ucxx setup (thread progress, one event loop), ucx_io, control frames, the handshake over UCX
+    ucx_link       ucxx setup (thread progress, one event loop), ucx_io, links, control frames, the handshake over UCX
     ucx_sender     UcxKVSender (one connection per receiver)
-    ucx_receiver   UcxKVReceiver (listener, authenticated connections)
+    ucx_receiver   UcxKVReceiver (hellos at worker level, authenticated connections; no listener)
     transport_info which transport UCX picked (ucp_ep_print_info)
     wire           errors in control frames
 
-Wire protocol per connection: control endpoint (listener-made, UCX error handling on)
-carries JSON frames: hello/challenge/auth/accept (handshake; the challenge names the
-receiver's incarnation, and a sender that addressed another one refuses: PeerReplaced; accept carries the pool's
-CUDA IPC handle when the pool is on a GPU), then one of two data paths per connection:
+Connecting: nothing listens. A receiver's PeerAddress (passed to senders through Ray)
+carries its UCX worker address and a proof of the cluster secret over it (a sender with
+another secret refuses at once: HandshakeRefused); a sender makes an endpoint from it (UCX
+error handling on) and sends its hello on the well-known HELLO_TAG, naming its own worker
+address and a fresh connection id, with a proof over them; the receiver, waiting on that
+tag at worker level, drops a hello without a valid proof (UCX asserts on some malformed
+addresses), else makes its endpoint back from it. Those two endpoints (and a sender's
+data endpoint without error handling, `fast_data_path`) are the link between the two
+workers: made once, shared by every connection between them, closed for good when one
+breaks (ucx_link.Link says why). A dead peer's endpoint errors, which fails every receive
+posted on it (control frames, data): each side notices a dead other at once, and the
+timeouts bound the rest.
+
+Wire protocol per connection: JSON control frames, one tagged message each, on tags
+derived from the connection id (one per direction), so that concurrent senders never
+interleave: hello/challenge/auth/accept (handshake, HMAC proofs of the cluster secret; the
+challenge names the receiver's incarnation, and a sender that addressed another one
+refuses: PeerReplaced; accept carries the pool's CUDA IPC handle when the pool is on a
+GPU), a probe message that shows which transport UCX picked, then one of two data paths
+per connection:
 - direct writes (GPUs of one host that can map the handle): xfer(mode=write, the
   sender's interprocess CUDA events) -> grant (the receiver's block ids) -> the sender
   copies block to block into the mapped pool (pool_writer: one CUDA-graph replay of

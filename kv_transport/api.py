@@ -8,7 +8,7 @@ the block ids it holds; when a transfer fails, the caller frees them.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -50,13 +50,18 @@ class TransferRejected(TransferError):
 
 @dataclass(frozen=True, slots=True)
 class PeerAddress:
-    """Where a receiver listens (host and port of its control listener), and which
-    incarnation of it: a receiver started again at the same address is a new one, and a
-    sender refuses to send what was addressed to the old (PeerReplaced). "" matches any."""
+    """How senders reach a receiver, passed to them out of band (through Ray): no listener,
+    no port. `worker_address` is the receiver's UCX worker address (opaque bytes, which a
+    sender connects to); `host` is the address its worker is known by (its node's), for logs;
+    `incarnation` names this life of the receiver: one started again is a new one, and a
+    sender refuses to send what was addressed to the old (PeerReplaced). "" matches any.
+    `proof`: the receiver's proof of the cluster secret over its worker address
+    (handshake.prove_address), so that a sender with another secret refuses at once."""
 
     host: str
-    port: int
+    worker_address: bytes = field(default=b"", repr=False)
     incarnation: str = ""
+    proof: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +176,7 @@ class KVReceiver(Protocol):
         ...
 
     async def close(self) -> None:
-        """Stop listening; pending expects resolve with TransferCancelled."""
+        """Stop taking senders; pending expects resolve with TransferCancelled."""
         ...
 
 

@@ -17,9 +17,11 @@ class TransportConfig:
     Attributes:
         secret: cluster secret (>= 16 bytes). Peers prove they know it with an HMAC
             challenge-response; it never travels on the wire.
-        listen_host: address a receiver advertises to senders. ucxx listeners bind
-            every interface whatever this says, which is why peers must authenticate.
-        listen_port: receiver's listening port; 0 lets UCX pick a free one.
+        listen_host: the address this worker is known by (its node's, see node.py): named in
+            its PeerAddress for logs, and, when it is a loopback one (a local cluster), UCX
+            keeps its network transports on the loopback device. Nothing listens on it for the
+            transport: senders connect to a receiver's UCX worker address, which reaches
+            them through Ray (PeerAddress), and authenticate with `secret`.
         connect_timeout_s: bound on connecting plus the handshake.
         transfer_timeout_s: bound on one transfer, from `send()`/`expect()` to its result,
             measured from the sender's last sign of life: a sender keeps the waits of the
@@ -44,7 +46,6 @@ class TransportConfig:
 
     secret: bytes = field(repr=False)
     listen_host: str = "127.0.0.1"
-    listen_port: int = 0
     connect_timeout_s: float = 5.0
     transfer_timeout_s: float = 30.0
     allowed_transports: frozenset[str] = frozenset(TRANSPORT_CLASSES)
@@ -57,8 +58,6 @@ class TransportConfig:
             raise ValueError("TransportConfig.secret must be at least 16 bytes")
         if not self.listen_host:
             raise ValueError("TransportConfig.listen_host must not be empty")
-        if not 0 <= self.listen_port <= 65535:
-            raise ValueError(f"TransportConfig.listen_port out of range: {self.listen_port}")
         for name in ("connect_timeout_s", "transfer_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"TransportConfig.{name} must be > 0, got {getattr(self, name)}")

@@ -38,7 +38,7 @@ class LoopbackNetwork:
         self._receivers: dict[PeerAddress, LoopbackReceiver] = {}
 
     def receiver(self, kv: torch.Tensor | PoolShards, layout: KVLayout, config: TransportConfig) -> LoopbackReceiver:
-        address = PeerAddress("loopback", len(self._receivers) + 1)
+        address = PeerAddress("loopback", f"receiver-{len(self._receivers) + 1}".encode())
         receiver = LoopbackReceiver(self, address, kv, layout, config)
         self._receivers[address] = receiver
         return receiver

@@ -1,14 +1,20 @@
 """UCX plumbing shared by the UCX sender and receiver: process setup, control
 messages and the authenticated handshake.
 
-Every connection has a control endpoint (listener-made, UCX error handling on, so
-a dead peer fails its pending receives) carrying small JSON frames, one UCX
-message each, so that concurrent senders never interleave.
+Nothing listens: a sender makes its control endpoint from the receiver's UCX worker
+address (PeerAddress, passed through Ray) and sends its hello, with its own worker
+address, a fresh connection id and a proof of the cluster secret over both, on HELLO_TAG,
+which the receiver waits on at worker level; the receiver checks the proof, then makes
+its endpoint back from the hello (once per sender worker: see Link). Both control
+endpoints keep UCX error handling on, so that a dead peer fails the receives posted on
+them. Control frames are small JSON, one tagged UCX message each, on tags derived from
+the connection id (handshake.control_tags), so that concurrent senders never interleave.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import struct
@@ -21,7 +27,17 @@ import ucxx
 
 from pdserve.kv_transport.api import HandshakeRefused, PeerReplaced
 from pdserve.kv_transport.config import TransportConfig
-from pdserve.kv_transport.handshake import check_proof, describe_mismatch, fingerprint, new_nonce, prove
+from pdserve.kv_transport.handshake import (
+    CONNECTION_ID_BYTES,
+    HELLO_TAG,
+    check_proof,
+    control_tags,
+    describe_mismatch,
+    fingerprint,
+    new_nonce,
+    prove,
+    prove_hello,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -106,26 +122,50 @@ async def ucx_io(operation: Awaitable[T]) -> T:
         raise UcxIOError(message) from None
 
 
+def parse_frame(buf: np.ndarray) -> dict[str, Any]:
+    """The JSON frame in a received buffer. Raises ValueError on anything else (a
+    stranger's bytes, a frame that claims more than the buffer holds)."""
+    (length,) = _LEN.unpack_from(buf)
+    if length > buf.size - _LEN.size:
+        raise ValueError("malformed control frame (length)")
+    try:
+        msg = json.loads(buf[_LEN.size:_LEN.size + length].tobytes())
+    except UnicodeDecodeError as e:  # json.JSONDecodeError is a ValueError already
+        raise ValueError(f"malformed control frame: {e}") from None
+    if not isinstance(msg, dict) or "t" not in msg:
+        raise ValueError("malformed control frame")
+    return msg
+
+
+def frame_buffer() -> np.ndarray:
+    return np.empty(MAX_FRAME_BYTES, np.uint8)
+
+
 class Control:
-    """Framed JSON messages over a ucxx endpoint (the connection's default tags)."""
+    """Framed JSON messages of one connection over a link's control endpoint, on the
+    connection's tags.
 
-    def __init__(self, ep: Any) -> None:
+    Receives are posted on the endpoint (tags match at worker level, whichever endpoint the
+    peer sent by), so that its error or abort cancels them."""
+
+    def __init__(self, ep: Any, connection_id: bytes, initiator: bool) -> None:
         self.ep = ep
+        self.connection_id = connection_id
+        to_receiver, to_sender = control_tags(connection_id)
+        self._send_tag, self._recv_tag = (to_receiver, to_sender) if initiator else (to_sender, to_receiver)
 
-    async def send(self, msg: dict[str, Any]) -> None:
+    async def send(self, msg: dict[str, Any], tag: int | None = None) -> None:
+        """One frame, on the connection's tag (or `tag`: the hello's)."""
         payload = json.dumps(msg).encode()
         if len(payload) + _LEN.size > MAX_FRAME_BYTES:
             raise ValueError(f"control frame too large ({len(payload)} bytes)")
-        await ucx_io(self.ep.send(np.frombuffer(_LEN.pack(len(payload)) + payload, np.uint8)))
+        frame = np.frombuffer(_LEN.pack(len(payload)) + payload, np.uint8)
+        await ucx_io(self.ep.send(frame, tag=self._send_tag if tag is None else tag, force_tag=True))
 
     async def recv(self) -> dict[str, Any]:
-        buf = np.empty(MAX_FRAME_BYTES, np.uint8)
-        await ucx_io(self.ep.recv(buf))
-        (length,) = _LEN.unpack_from(buf)
-        msg = json.loads(buf[_LEN.size:_LEN.size + length].tobytes())
-        if not isinstance(msg, dict) or "t" not in msg:
-            raise ValueError("malformed control frame")
-        return msg
+        buf = frame_buffer()
+        await ucx_io(self.ep.recv(buf, tag=self._recv_tag, force_tag=True))
+        return parse_frame(buf)
 
     async def expect(self, kind: str) -> dict[str, Any]:
         """Next frame, which must be `kind`; a 'refuse' frame raises HandshakeRefused."""
@@ -136,9 +176,46 @@ class Control:
             raise HandshakeRefused(f"protocol error: expected {kind!r}, got {msg['t']!r}")
         return msg
 
+
+class Link:
+    """The endpoints this process made to one peer worker, made once and shared by every
+    connection to it: a control endpoint (UCX error handling on), and a sender's data
+    endpoint without it (`fast_data_path`), made second.
+
+    UCX pairs the endpoints that two workers make to each other in the order they make
+    them, and refuses a pair whose error handling differs. A receiver makes one endpoint
+    back per sender worker, which pairs with the sender's first (control, both with error
+    handling); the data endpoint pairs with none of the receiver's. Closing and remaking
+    endpoints while both workers live would shift that pairing, so a link is closed once,
+    for good: when its peer died, broke the protocol or stopped answering, or when its
+    owner closes. Its peer is not dialed again (a restarted one has a new worker address).
+    """
+
+    def __init__(self, address: Any, ctl_ep: Any) -> None:
+        self._address = address  # the peer's, unpacked (ucxx.UCXAddress)
+        self.ctl_ep = ctl_ep
+        self._data_ep: Any = None
+
+    @classmethod
+    async def open(cls, worker_address: bytes) -> Link:
+        """Raises UcxIOError (or ValueError-like errors of ucxx) for an address that does not unpack."""
+        address = ucxx.get_ucx_address_from_buffer(worker_address)
+        return cls(address, await ucx_io(ucxx.create_endpoint_from_worker_address(address,
+                                                                                  endpoint_error_handling=True)))
+
+    async def data_ep(self) -> Any:
+        """The endpoint without error handling (UCX then picks shm/cma on one host), made on first use."""
+        if self._data_ep is None:
+            self._data_ep = await ucx_io(ucxx.create_endpoint_from_worker_address(self._address,
+                                                                                  endpoint_error_handling=False))
+        return self._data_ep
+
     def abort(self) -> None:
         # A short close period: a dead peer must not hold the event loop for UCX's 10 s default.
-        self.ep.abort(period=10**8)
+        for ep in (self.ctl_ep, self._data_ep):
+            if ep is not None:
+                ep.abort(period=10**8)
+        self.ctl_ep = self._data_ep = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,17 +224,47 @@ class Session:
 
     key: bytes  # client nonce + server nonce: seeds per-request data tags
     peer_num_blocks: int
-    peer_worker_address: bytes
     peer_pool: dict[str, Any] | None = None  # the receiver's pool as a CUDA IPC handle (cuda_ipc.export_pool)
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """A sender's first frame as the receiver read it at worker level: who to answer, on
+    which connection, and the rest of it for the handshake."""
+
+    connection_id: bytes
+    worker_address: bytes  # the sender's: the receiver's endpoint back is made from it
+    frame: dict[str, Any]
+
+    @classmethod
+    def parse(cls, msg: dict[str, Any], secret: bytes) -> Hello:
+        """Raises ValueError when `msg` is not a hello, or not one from a holder of `secret`
+        (its worker address is unpacked only then: see handshake.prove_hello)."""
+        if msg["t"] != "hello":
+            raise ValueError(f"expected a hello, got {msg['t']!r}")
+        try:
+            nonce, connection_id = bytes.fromhex(msg["nonce"]), bytes.fromhex(msg["conn"])
+            address, proof = bytes.fromhex(msg["worker_address"]), str(msg["proof"])
+            fp = fingerprint(msg["layout"])
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"malformed hello: {e!r}") from None
+        if len(connection_id) != CONNECTION_ID_BYTES or not address:
+            raise ValueError("malformed hello: connection id or worker address")
+        if not hmac.compare_digest(prove_hello(secret, nonce, connection_id, address, fp), proof):
+            raise ValueError("hello without a proof of the cluster secret (different secrets?)")
+        return cls(connection_id, address, msg)
 
 
 async def client_handshake(
     ctl: Control, fields: dict[str, str | int], config: TransportConfig, where: str, incarnation: str = "",
 ) -> Session:
-    """Sender side. Raises HandshakeRefused, or PeerReplaced when the receiver is not the
-    `incarnation` we address ("" takes any), after telling the peer why."""
-    client_nonce = new_nonce()
-    await ctl.send({"t": "hello", "layout": fields, "nonce": client_nonce.hex()})
+    """Sender side: the hello (on HELLO_TAG, naming our worker address and the connection),
+    then the challenge-response. Raises HandshakeRefused, or PeerReplaced when the receiver
+    is not the `incarnation` we address ("" takes any), after telling the peer why."""
+    client_nonce, address = new_nonce(), bytes(ucxx.get_worker_address())
+    proof = prove_hello(config.secret, client_nonce, ctl.connection_id, address, fingerprint(fields))
+    await ctl.send({"t": "hello", "layout": fields, "nonce": client_nonce.hex(), "conn": ctl.connection_id.hex(),
+                    "worker_address": address.hex(), "proof": proof}, tag=HELLO_TAG)
     challenge = await ctl.expect("challenge")
     server_nonce, server_fields = bytes.fromhex(challenge["nonce"]), challenge["layout"]
     reason = ""
@@ -176,21 +283,19 @@ async def client_handshake(
     proof = prove(config.secret, "client", client_nonce, server_nonce, fingerprint(fields))
     await ctl.send({"t": "auth", "proof": proof})
     accept = await ctl.expect("accept")
-    return Session(client_nonce + server_nonce, int(accept["num_blocks"]), bytes.fromhex(accept["worker_address"]),
-                   accept.get("pool"))
+    return Session(client_nonce + server_nonce, int(accept["num_blocks"]), accept.get("pool"))
 
 
 async def server_handshake(
-    ctl: Control, fields: dict[str, str | int], config: TransportConfig, num_blocks: int,
+    ctl: Control, hello: Hello, fields: dict[str, str | int], config: TransportConfig, num_blocks: int,
     pool: Callable[[], dict[str, Any] | None], incarnation: str = "",
 ) -> Session:
-    """Receiver side. Raises HandshakeRefused (after telling the peer why).
+    """Receiver side, from the sender's hello. Raises HandshakeRefused (after telling the peer why).
 
     `pool` describes the receiver's pool for direct writes (None: not offered); it is
     called, and its handle sent, only once the sender has proved the secret.
     """
-    hello = await ctl.expect("hello")
-    client_nonce, client_fields = bytes.fromhex(hello["nonce"]), hello["layout"]
+    client_nonce, client_fields = bytes.fromhex(hello.frame["nonce"]), hello.frame["layout"]
     server_nonce = new_nonce()
     proof = prove(config.secret, "server", client_nonce, server_nonce, fingerprint(fields))
     await ctl.send({"t": "challenge", "layout": fields, "nonce": server_nonce.hex(), "proof": proof,
@@ -205,7 +310,6 @@ async def server_handshake(
     if reason:
         await ctl.send({"t": "refuse", "reason": reason})
         raise HandshakeRefused(reason)
-    # The worker address and the pool handle open the fast data paths; only authenticated peers get them.
-    address = bytes(ucxx.get_worker_address())
-    await ctl.send({"t": "accept", "num_blocks": num_blocks, "worker_address": address.hex(), "pool": pool()})
-    return Session(client_nonce + server_nonce, 0, b"")
+    # The pool handle opens the direct path; only authenticated peers get it.
+    await ctl.send({"t": "accept", "num_blocks": num_blocks, "pool": pool()})
+    return Session(client_nonce + server_nonce, 0)

@@ -1,4 +1,10 @@
-"""KVReceiver over UCX: a listener that authenticates senders and lands their KV."""
+"""KVReceiver over UCX: no listener. It waits at worker level for senders' hellos (on
+HELLO_TAG: a sender connects to the worker address in our PeerAddress), answers each over
+an endpoint made from the sender's worker address, authenticates it, and lands its KV.
+
+One receiver per process: the hellos' tag is the same for all, and a worker-level receive
+matches any of them.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from pdserve.engine.kv_pool import KVLayout
 from pdserve.kv_transport.api import HandshakeRefused, PeerAddress, PeerLost, TransferError, TransferResult
 from pdserve.kv_transport.config import TransportConfig
 from pdserve.kv_transport.cuda_ipc import export_pool
-from pdserve.kv_transport.handshake import data_tag, layout_fields
+from pdserve.kv_transport.handshake import HELLO_TAG, data_tag, layout_fields, prove_address
 from pdserve.kv_transport.receive_table import ReceiveTable
 from pdserve.kv_transport.shards import PoolShards
 from pdserve.kv_transport.staging import as_bytes
@@ -24,8 +30,13 @@ from pdserve.kv_transport.ucx_link import (
     PROBE_BYTES,
     PROBE_ID,
     Control,
+    Hello,
+    Link,
     Session,
+    UcxIOError,
     ensure_ucx,
+    frame_buffer,
+    parse_frame,
     server_handshake,
     spawn,
     ucx_io,
@@ -39,10 +50,12 @@ class _Connection:
     """One authenticated sender: reads its headers, posts receives for its data."""
 
     def __init__(
-        self, ctl: Control, session: Session, kv: PoolShards, table: ReceiveTable,
-        on_close: Callable[[_Connection], None],
+        self, ctl: Control, link: Link, session: Session, kv: PoolShards, table: ReceiveTable,
+        on_close: Callable[[_Connection, bool], None],
     ) -> None:
         self._ctl = ctl
+        self.link = link
+        self.connection_id = ctl.connection_id
         self._on_close = on_close
         self._key = session.key
         self._kv = kv
@@ -55,16 +68,18 @@ class _Connection:
         self.closed = False
         self._reader = asyncio.create_task(self._read())
 
-    def close(self) -> None:
+    def close(self, close_link: bool = True) -> None:
+        """Fail this sender's requests. The link to its worker closes too (which cancels the
+        receives posted on it), unless the sender gave up in good order with nothing in flight."""
         if self.closed:
             return
         self.closed = True
-        for request_id in (*self._receiving, *self._writing):
+        in_flight = (*self._receiving, *self._writing)
+        for request_id in in_flight:
             self._table.failed(request_id, PeerLost(f"request {request_id!r}: sender lost mid-transfer"))
-        self._ctl.abort()  # also cancels the receives posted for in-flight data
+        self._on_close(self, close_link or bool(in_flight))
         for task in (self._reader, *self._tasks):
             task.cancel()
-        self._on_close(self)
 
     async def _read(self) -> None:
         try:
@@ -91,7 +106,8 @@ class _Connection:
                     self._table.cancel(request_id, "cancelled by the sender", writer_done=True)
                 elif msg["t"] == "refuse":
                     logger.warning("KV sender gave up the connection: %s", msg.get("reason"))
-                    break
+                    self.close(close_link=False)
+                    return
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - UCX reports a dead peer as assorted errors
@@ -158,8 +174,8 @@ class _Connection:
     async def _receive(self, request_id: str, num_blocks: int, transport: str) -> None:
         staging = await self._table.staging(num_blocks)
         try:
-            # Posted on the control endpoint so that closing it cancels the receive.
-            await ucx_io(self._ctl.ep.recv(as_bytes(staging), tag=data_tag(self._key, request_id), force_tag=True))
+            # Posted on the link's endpoint so that closing it (or its error) cancels the receive.
+            await ucx_io(self.link.ctl_ep.recv(as_bytes(staging), tag=data_tag(self._key, request_id), force_tag=True))
         except Exception as e:  # noqa: BLE001
             self._receiving.discard(request_id)
             self._table.failed(request_id, PeerLost(f"request {request_id!r}: data receive failed: {e}"))
@@ -172,6 +188,9 @@ class _Connection:
         if self.closed:
             return
         spawn(self._ctl.send({"t": "done", "id": request_id, "error": error_to_wire(error)}), self._tasks)
+
+
+MAX_HANDSHAKES = 64  # hellos answered at once; more are dropped (their senders time out and retry)
 
 
 class UcxKVReceiver:
@@ -187,24 +206,28 @@ class UcxKVReceiver:
         self._fields = layout_fields(layout)
         self._table = ReceiveTable(self._kv, config.transfer_timeout_s)
         self._conns: set[_Connection] = set()
-        self._listener: Any = None
-        self._port = 0
+        self._links: dict[bytes, Link] = {}  # endpoints back to senders' workers, one each (see Link)
+        # Connection ids of senders shaking hands or connected: a hello naming one again
+        # (a replay, or a broken sender) is dropped, so that no two readers share its tags.
+        self._connection_ids: set[bytes] = set()
+        self._handshakes: set[asyncio.Task[None]] = set()
+        self._hellos: asyncio.Task[None] | None = None
+        self._closed = False
         # This receiver's life: one restarted at the same address is another (see PeerAddress).
         self._incarnation = secrets.token_hex(8)
+        address = bytes(ucxx.get_worker_address())
+        self._address = PeerAddress(config.listen_host, address, self._incarnation,
+                                    prove_address(config.secret, address))
 
     @classmethod
     async def start(cls, kv: torch.Tensor | PoolShards, layout: KVLayout, config: TransportConfig) -> UcxKVReceiver:
         receiver = cls(kv, layout, config)
-        # ucxx binds 0.0.0.0 whatever listen_host says (create_listener takes a port, and so does
-        # its C++ ListenerBuilder): the one listener of a local cluster off loopback. The
-        # handshake's HMAC proof of the cluster secret keeps strangers out.
-        receiver._listener = ucxx.create_listener(receiver._on_connect, port=config.listen_port)
-        receiver._port = receiver._listener.port
+        receiver._hellos = asyncio.create_task(receiver._serve_hellos())
         return receiver
 
     @property
     def address(self) -> PeerAddress:
-        return PeerAddress(self._config.listen_host, self._port, self._incarnation)
+        return self._address
 
     @property
     def num_connections(self) -> int:
@@ -221,12 +244,65 @@ class UcxKVReceiver:
         self._table.cancel(request_id)
 
     async def close(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._handshakes:
+            task.cancel()
         for conn in list(self._conns):
             conn.close()
+        for link in self._links.values():
+            link.abort()
+        self._links.clear()
         self._table.close()
+        if self._hellos is not None:
+            await self._release_hello_receive()
+            self._hellos.cancel()
+
+    async def _release_hello_receive(self) -> None:
+        """Complete our receive of hellos with a frame of our own. A worker-level receive
+        cannot be withdrawn alone; left posted, it would take the next hello to this process."""
+        ep = None
+        try:
+            address = ucxx.get_ucx_address_from_buffer(self._address.worker_address)
+            ep = await ucx_io(ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False))
+            ctl = Control(ep, bytes(8), initiator=True)
+            await asyncio.wait_for(ctl.send({"t": "closed"}, tag=HELLO_TAG), self._config.connect_timeout_s)
+            await asyncio.wait_for(asyncio.shield(self._hellos), self._config.connect_timeout_s)
+        except (UcxIOError, asyncio.TimeoutError) as e:
+            logger.info("KV receiver's wait for hellos not released: %s", e)
+        finally:
+            if ep is not None:
+                ep.abort(period=10**8)
+
+    async def _serve_hellos(self) -> None:
+        while not self._closed:
+            buf = frame_buffer()
+            try:
+                await ucx_io(ucxx.recv(buf, HELLO_TAG))
+                msg = parse_frame(buf)
+            except UcxIOError as e:
+                if "Canceled" in str(e):  # ucxx is shutting down
+                    return
+                logger.warning("KV hello not received: %s", e)  # e.g. a stranger's oversized message
+                continue
+            except ValueError as e:
+                logger.warning("KV hello dropped: %s", e)
+                continue
+            if self._closed:
+                return
+            try:
+                hello = Hello.parse(msg, self._config.secret)
+            except ValueError as e:
+                logger.warning("KV hello dropped: %s", e)
+                continue
+            if hello.connection_id in self._connection_ids or len(self._handshakes) >= MAX_HANDSHAKES:
+                logger.warning("KV hello dropped: connection id in use, or %d handshakes running", MAX_HANDSHAKES)
+                continue
+            self._connection_ids.add(hello.connection_id)
+            task = asyncio.create_task(self._on_hello(hello))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
 
     def _offer_pool(self) -> dict[str, Any] | None:
         """The pool's CUDA IPC handle for a sender's direct writes (fresh per sender); none
@@ -240,27 +316,49 @@ class UcxKVReceiver:
             logger.warning("cannot share the KV pool over CUDA IPC, senders will use UCX messages: %s", e)
             return None
 
-    async def _on_connect(self, ep: Any) -> None:
-        # Must be `async def`: ucxx never awaits a coroutine returned by a plain callable.
-        ctl = Control(ep)
+    async def _on_hello(self, hello: Hello) -> None:
+        accepted: tuple[Session, Control, Link] | None = None
         try:
-            session = await asyncio.wait_for(self._accept(ctl), self._config.connect_timeout_s)
-        except (HandshakeRefused, asyncio.TimeoutError) as e:
+            # Bounded as a whole: the endpoint back, the handshake and the probe.
+            accepted = await asyncio.wait_for(self._accept(hello), self._config.connect_timeout_s)
+        except HandshakeRefused as e:  # said and done: nothing of it is left in flight on the link
             logger.warning("KV sender refused: %s", e)
-            ctl.abort()
+        except asyncio.CancelledError:  # close()
+            pass
+        except Exception as e:  # noqa: BLE001 - timed out, vanished mid-handshake, or malformed
+            logger.warning("KV sender lost during the handshake: %s", e)
+            self._close_link(hello.worker_address)  # a receive may still be posted on it
+        # Failed, or closed (the receiver, or the link by another connection's failure) meanwhile.
+        if accepted is None or self._closed or self._links.get(hello.worker_address) is not accepted[2]:
+            self._connection_ids.discard(hello.connection_id)
             return
-        except Exception as e:  # noqa: BLE001 - a peer that vanished mid-handshake
-            logger.info("KV sender lost during the handshake: %s", e)
-            ctl.abort()
-            return
-        if self._listener is None:  # closed while this sender was shaking hands
-            ctl.abort()
-            return
-        self._conns.add(_Connection(ctl, session, self._kv, self._table, self._conns.discard))
+        session, ctl, link = accepted
+        self._conns.add(_Connection(ctl, link, session, self._kv, self._table, self._connection_closed))
 
-    async def _accept(self, ctl: Control) -> Session:
-        session = await server_handshake(ctl, self._fields, self._config, self._kv.num_blocks, self._offer_pool,
-                                         self._incarnation)
+    def _connection_closed(self, conn: _Connection, close_link: bool) -> None:
+        self._conns.discard(conn)
+        self._connection_ids.discard(conn.connection_id)
+        if close_link:
+            self._close_link(next((a for a, link in self._links.items() if link is conn.link), b""))
+
+    def _close_link(self, worker_address: bytes) -> None:
+        """Close the endpoint back to a sender's worker, and every connection over it."""
+        link = self._links.pop(worker_address, None)
+        if link is None:
+            return
+        for conn in [c for c in self._conns if c.link is link]:
+            conn.close()
+        link.abort()
+
+    async def _accept(self, hello: Hello) -> tuple[Session, Control, Link]:
+        link = self._links.get(hello.worker_address)
+        if link is None:
+            # The hello's proof was checked: the address is a genuine one. (ucxx makes the
+            # endpoint before its first await: no other hello gets in between.)
+            link = self._links[hello.worker_address] = await Link.open(hello.worker_address)
+        ctl = Control(link.ctl_ep, hello.connection_id, initiator=False)
+        session = await server_handshake(ctl, hello, self._fields, self._config, self._kv.num_blocks,
+                                         self._offer_pool, self._incarnation)
         probe = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=self._kv.device)
-        await ucx_io(ctl.ep.recv(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True))
-        return session
+        await ucx_io(link.ctl_ep.recv(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True))
+        return session, ctl, link

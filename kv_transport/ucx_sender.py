@@ -1,10 +1,12 @@
-"""KVSender over UCX: one authenticated connection per receiver, one data message per request."""
+"""KVSender over UCX: one authenticated connection per receiver (made from its worker
+address, see ucx_link), one data message per request."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -13,12 +15,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import ucxx
 
 from pdserve.engine.kv_pool import KVLayout
 from pdserve.kv_transport.api import (
+    HandshakeRefused,
     PeerAddress,
     PeerLost,
+    PeerReplaced,
     SlowPathRefused,
     TransferCancelled,
     TransferError,
@@ -28,7 +31,7 @@ from pdserve.kv_transport.api import (
 )
 from pdserve.kv_transport.config import TransportConfig
 from pdserve.kv_transport.cuda_ipc import open_pool
-from pdserve.kv_transport.handshake import data_tag, layout_fields
+from pdserve.kv_transport.handshake import data_tag, layout_fields, new_connection_id, prove_address
 from pdserve.kv_transport.keepalive import KeepAlive
 from pdserve.kv_transport.pool_writer import PoolWriter
 from pdserve.kv_transport.shards import PoolShards
@@ -38,6 +41,7 @@ from pdserve.kv_transport.ucx_link import (
     PROBE_BYTES,
     PROBE_ID,
     Control,
+    Link,
     Session,
     client_handshake,
     ensure_ucx,
@@ -211,18 +215,17 @@ class _Connection:
         return request_id in self._data
 
     def close(self, error: TransferError) -> None:
+        """Fail every transfer of this connection. The owner then closes its link (see
+        ucx_link.Link), which cancels the receives and sends UCX still has in flight."""
         if self.error is not None:
             return
         self.error = error
         for waiter in (*self._acks.values(), *self._grants.values()):
             if not waiter.done():
                 waiter.set_result(error)
-        if self._data_ep is not self._ctl.ep:
-            self._data_ep.abort(period=10**8)
-        self._ctl.abort()
+        self._on_close(self)
         for task in (self._reader, *self._data.values(), *self._tasks):
             task.cancel()
-        self._on_close(self)
 
     async def _send_data(self, request_id: str, staging: torch.Tensor) -> None:
         try:
@@ -288,6 +291,8 @@ class UcxKVSender:
         self._bytes_per_block = self._pool.bytes_per_block
         self._conns: dict[PeerAddress, _Connection] = {}
         self._connecting: dict[PeerAddress, asyncio.Task[_Connection]] = {}
+        self._links: dict[bytes, Link] = {}  # by the receiver's worker address
+        self._closed_links: dict[bytes, str] = {}  # receivers not dialed again, and why
         self._in_flight: set[str] = set()
         self._prepared: dict[str, _Connection] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -366,6 +371,9 @@ class UcxKVSender:
             task.cancel()
         for conn in list(self._conns.values()):
             conn.close(TransferCancelled("sender closed"))
+        for link in self._links.values():
+            link.abort()
+        self._links.clear()
 
     async def _send(
         self, request_id: str, ids: torch.Tensor, peer: PeerAddress, attempt: _Attempt, after: torch.cuda.Event | None
@@ -425,34 +433,46 @@ class UcxKVSender:
         except asyncio.TimeoutError:
             raise TransferTimeout(f"connecting to {peer} took over {self._config.connect_timeout_s}s") from None
 
-    async def _connect(self, peer: PeerAddress) -> _Connection:
+    async def _link(self, peer: PeerAddress) -> Link:
+        link = self._links.get(peer.worker_address)
+        if link is not None:
+            return link
+        if (why := self._closed_links.get(peer.worker_address)) is not None:
+            raise PeerLost(f"{peer}: not dialed again, its link closed ({why})")
+        if not hmac.compare_digest(prove_address(self._config.secret, peer.worker_address), peer.proof):
+            raise HandshakeRefused(f"{peer} failed to prove the cluster secret (different secrets?)")
         try:
-            ep = await ucx_io(ucxx.create_endpoint(peer.host, peer.port))
-        except Exception as e:  # noqa: BLE001 - refused, unreachable, reset
+            # Error handling on: the receiver's death fails the receives posted on it.
+            link = await Link.open(peer.worker_address)
+        except Exception as e:  # noqa: BLE001 - an address that does not unpack, unreachable
             raise PeerLost(f"cannot connect to {peer}: {e}") from e
-        ctl = Control(ep)
-        data_ep = ep
+        self._links[peer.worker_address] = link
+        return link
+
+    async def _connect(self, peer: PeerAddress) -> _Connection:
+        link = await self._link(peer)
+        ctl = Control(link.ctl_ep, new_connection_id(), initiator=True)
+        data_ep = link.ctl_ep
         try:
             session = await client_handshake(ctl, self._fields, self._config, str(peer), peer.incarnation)
             peer_kv = self._open_peer_pool(session, peer)
             if peer_kv is not None:
                 # KV goes straight into the mapped pool; the probe only completes the handshake.
                 transport = "cuda_ipc"
-                await self._probe(ep, session)
+                await self._probe(link.ctl_ep, session)
             else:
                 if self._config.fast_data_path:
-                    address = ucxx.get_ucx_address_from_buffer(session.peer_worker_address)
-                    data_ep = await ucx_io(ucxx.create_endpoint_from_worker_address(address,
-                                                                                    endpoint_error_handling=False))
+                    data_ep = await link.data_ep()
                 transport = await self._probe(data_ep, session)
             if not self._config.allows(transport):
                 reason = f"transport to {peer} is {transport}, allowed: {sorted(self._config.allowed_transports)}"
                 await ctl.send({"t": "refuse", "reason": reason})
                 raise SlowPathRefused(reason)
+        except (HandshakeRefused, PeerReplaced, SlowPathRefused):
+            raise  # said and done: nothing of this connection is left in flight on the link
         except BaseException as e:
-            if data_ep is not ep:
-                data_ep.abort(period=10**8)
-            ctl.abort()
+            # Lost, timed out or cancelled mid-way: a receive may still be posted on the link.
+            self._close_link(peer.worker_address, f"handshake with {peer} failed: {e!r}")
             if isinstance(e, Exception) and not isinstance(e, TransferError):
                 raise PeerLost(f"handshake with {peer} failed: {e}") from e
             raise
@@ -483,6 +503,17 @@ class UcxKVSender:
     def _forget(self, conn: _Connection) -> None:
         if self._conns.get(conn.peer) is conn:
             del self._conns[conn.peer]
+        self._close_link(conn.peer.worker_address, str(conn.error))
+
+    def _close_link(self, worker_address: bytes, why: str) -> None:
+        """Close the link to a receiver's worker for good, and every connection over it."""
+        link = self._links.pop(worker_address, None)
+        if link is None:
+            return
+        self._closed_links[worker_address] = why
+        for conn in [c for c in self._conns.values() if c.peer.worker_address == worker_address]:
+            conn.close(PeerLost(f"{conn.peer}: link closed ({why})"))
+        link.abort()
 
     async def _probe(self, data_ep: Any, session: Session) -> str:
         """Send one bulk-sized message so UCX wires up the data path, then read which transport it chose."""

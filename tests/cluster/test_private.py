@@ -89,14 +89,13 @@ def test_a_local_cluster_listens_on_loopback_only(served):
     names = {x.process for x in listeners}
     assert "gcs_server" in names and "raylet" in names, names  # the tree was read
     assert any(x.port == port for x in listeners)
-    # ucxx 0.52 listeners take a port only and bind every interface (see kv_transport/ucx_receiver.py):
-    # the one exception, named by the decode worker process, checked strictly in the test below.
-    exposed = [x for x in listeners if not x.is_loopback and not x.process.startswith("ray::DecodeWork")]
+    exposed = [x for x in listeners if not x.is_loopback]
     assert exposed == [], exposed
 
 
-@pytest.mark.xfail(strict=True, reason="ucxx.create_listener binds 0.0.0.0 whatever the address: it takes no host")
 def test_the_kv_listener_is_on_loopback_too(served):
+    """The KV transport has no listener (senders connect to the receiver's UCX worker
+    address); UCX's TCP transport listens on the loopback device only."""
     proc, _ = served
     decode = [x for x in _listeners(proc.pid) if x.process.startswith("ray::DecodeWork")]
     assert decode and all(x.is_loopback for x in decode), decode

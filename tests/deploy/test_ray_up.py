@@ -399,8 +399,7 @@ def test_ray_up_then_pdserve_joins_and_serves_then_ray_down_stops_everything(hos
             assert any(w.startswith("ray::DecodeWork") for w in workers), workers  # on the ray-up cluster
             sockets = listeners(procs)
             assert {"gcs_server", "raylet"} <= {x[2] for x in sockets}, sockets  # the cluster's sockets were read
-            exposed = [x for x in sockets if not is_loopback(x[0])
-                       and not x[2].startswith("ray::DecodeWork")]  # ucxx's listener: see test_private.py
+            exposed = [x for x in sockets if not is_loopback(x[0])]
             assert exposed == [], exposed
         finally:
             stop(server)

@@ -9,17 +9,21 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
+import json
 import os
 import threading
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
 import torch
 import ucxx
 
 from pdserve.engine.kv_pool import KVLayout, KVPool
-from pdserve.kv_transport import TransferResult, TransportConfig, release_on_failure
+from pdserve.kv_transport import PeerAddress, TransferResult, TransportConfig, release_on_failure
+from pdserve.kv_transport.handshake import HELLO_TAG
+from pdserve.kv_transport.ucx_link import MAX_FRAME_BYTES
 from pdserve.kv_transport.ucx_receiver import UcxKVReceiver
 from pdserve.kv_transport.ucx_sender import UcxKVSender
 
@@ -99,7 +103,7 @@ class _Peer:
         self.tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
-        if self.role == "sender":
+        if self.role in ("sender", "stranger"):
             torch.manual_seed(self.spec.seed)
             self.pool.kv.copy_(torch.randn_like(self.pool.kv))
             self.peer: Any = UcxKVSender(self.pool.kv, self.spec.layout(), self.spec.config())
@@ -123,7 +127,31 @@ class _Peer:
                     self._spawn(request_id, block_ids, self.peer.send(request_id, block_ids, cmd["peer"]))
             if cmd["op"] == "stats":
                 self.conn.send({"op": "stats", **self._stats()})
+            if cmd["op"] == "garbage":
+                await self._send_garbage(cmd["peer"])
+                self.conn.send({"op": "garbage"})
         await self.peer.close()
+
+    async def _send_garbage(self, peer: PeerAddress) -> None:
+        """Unauthenticated and malformed traffic on the receiver's hello tag: bytes that are
+        no frame, a frame longer than its message, an oversized message, hellos whose worker
+        address would not unpack (UCX asserts on some: it must never be unpacked unproven),
+        with a wrong proof or none, and one with a real address but no proof."""
+
+        def frame(msg: dict[str, Any]) -> bytes:
+            payload = json.dumps(msg).encode()
+            return len(payload).to_bytes(4, "little") + payload
+
+        own = bytes(ucxx.get_worker_address()).hex()
+        frames = [b"not a frame", (1 << 20).to_bytes(4, "little") + b"{}", bytes(MAX_FRAME_BYTES + 1),
+                  frame({"t": "hello", "conn": "00" * 8, "worker_address": "ff" * 64}),
+                  frame({"t": "hello", "conn": "22" * 8, "worker_address": "ff" * 64, "nonce": "00" * 16,
+                         "layout": {}, "proof": "00" * 32}),
+                  frame({"t": "hello", "conn": "11" * 8, "worker_address": own})]
+        address = ucxx.get_ucx_address_from_buffer(peer.worker_address)
+        ep = await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=True)
+        for data in frames:
+            await ep.send(np.frombuffer(data, np.uint8), tag=HELLO_TAG, force_tag=True)
 
     def _spawn(self, request_id: str, block_ids: list[int], transfer: Any) -> None:
         async def run() -> None:

@@ -7,7 +7,19 @@ import torch
 
 from pdserve.engine.kv_pool import KVLayout
 from pdserve.kv_transport import TransportConfig
-from pdserve.kv_transport.handshake import check_proof, data_tag, describe_mismatch, fingerprint, layout_fields, prove
+from pdserve.kv_transport.handshake import (
+    HELLO_TAG,
+    check_proof,
+    control_tags,
+    data_tag,
+    describe_mismatch,
+    fingerprint,
+    layout_fields,
+    new_connection_id,
+    prove,
+    prove_address,
+    prove_hello,
+)
 from pdserve.kv_transport.transport_info import classify_tl, transport_from_ep_info
 
 SECRET = b"0123456789abcdef"
@@ -19,7 +31,6 @@ LAYOUT = KVLayout("llama", torch.bfloat16, num_layers=32, num_kv_heads=8, head_d
     [
         {"secret": b"short"},
         {"secret": SECRET, "listen_host": ""},
-        {"secret": SECRET, "listen_port": 70000},
         {"secret": SECRET, "transfer_timeout_s": 0},
         {"secret": SECRET, "connect_timeout_s": -1},
         {"secret": SECRET, "allowed_transports": []},
@@ -124,3 +135,14 @@ _CUDA_LANES_ONLY = """#
 )
 def test_transport_from_ep_info(info: str, memory: str, expected: str) -> None:
     assert transport_from_ep_info(info, memory) == expected
+
+
+def test_connections_have_tags_of_their_own_and_hellos_a_proof() -> None:
+    a, b = new_connection_id(), new_connection_id()
+    assert a != b and len({HELLO_TAG, *control_tags(a), *control_tags(b)}) == 5
+    fp, nonce, address = fingerprint(layout_fields(LAYOUT)), b"n" * 16, b"worker address"
+    other_secret = b"another-secret-of-16"
+    proof = prove_hello(SECRET, nonce, a, address, fp)
+    assert proof not in {prove_hello(SECRET, nonce, b, address, fp), prove_hello(SECRET, nonce, a, b"other", fp),
+                         prove_hello(other_secret, nonce, a, address, fp)}
+    assert prove_address(SECRET, address) != prove_address(other_secret, address)

@@ -252,6 +252,26 @@ def test_sender_killed_mid_transfer(direct: bool) -> None:
         assert stats["held"] == 0 and stats["pending"] == 0 and stats["connections"] == 0
 
 
+def test_malformed_traffic_leaves_the_receiver_serving(pair: tuple[Peer, Peer]) -> None:
+    """Nothing listens, but anyone who has the receiver's worker address can send to its
+    hello tag: garbage there is dropped, and the next sender connects as ever."""
+    receiver, _ = pair
+    connections = receiver.stats()["connections"]
+    spec = PeerSpec(num_blocks=256, timeout_s=TIMEOUT_S)
+    with peers(("stranger", spec), ("sender", spec.with_(seed=5))) as (stranger, sender):
+        stranger.command("garbage", peer=receiver.address)
+        stranger._next("garbage", TIMEOUT_S + SLACK_S)
+        receiver.command("expect", requests=[("after-garbage", [80, 81])])
+        sender.command("send", requests=[("after-garbage", [7, 8])], peer=receiver.address)
+        sent = sender.wait_results(["after-garbage"], TIMEOUT_S + SLACK_S)["after-garbage"]
+        landed = receiver.wait_results(["after-garbage"], TIMEOUT_S + SLACK_S)["after-garbage"]
+        assert sent["ok"] and landed["ok"] and landed["digest"] == sent["digest"], (sent, landed)
+    deadline = time.monotonic() + SLACK_S  # the sender's link closes as its process exits
+    while receiver.stats()["connections"] != connections and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert receiver.stats()["connections"] == connections
+
+
 def test_slow_path_is_refused_when_the_operator_asks(pair: tuple[Peer, Peer]) -> None:
     receiver, _ = pair
     connections = receiver.stats()["connections"]
