@@ -79,11 +79,14 @@ def prove_address(secret: bytes, worker_address: bytes) -> str:
     return hmac.new(secret, b"address|" + worker_address, hashlib.sha256).hexdigest()
 
 
-def prove_hello(secret: bytes, client_nonce: bytes, connection_id: bytes, worker_address: bytes, fp: str) -> str:
+def prove_hello(
+    secret: bytes, client_nonce: bytes, connection_id: bytes, sn: int, worker_address: bytes, fp: str,
+) -> str:
     """A sender's proof in its hello, checked before the receiver unpacks the worker address
-    in it (UCX asserts, ending the process, on some malformed addresses). A replayed hello
-    names a genuine address, and cannot answer the challenge that follows."""
-    msg = b"|".join((b"hello", client_nonce, connection_id, worker_address, fp.encode()))
+    in it (UCX asserts, ending the process, on some malformed addresses) or makes endpoints
+    up to its link's `sn` (ucx_link.Link). A replayed hello names a genuine address and a
+    link already made, and cannot answer the challenge that follows."""
+    msg = b"|".join((b"hello", client_nonce, connection_id, str(sn).encode(), worker_address, fp.encode()))
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()
 
 

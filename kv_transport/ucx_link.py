@@ -5,9 +5,9 @@ Nothing listens: a sender makes its control endpoint from the receiver's UCX wor
 address (PeerAddress, passed through Ray) and sends its hello, with its own worker
 address, a fresh connection id and a proof of the cluster secret over both, on HELLO_TAG,
 which the receiver waits on at worker level; the receiver checks the proof, then makes
-its endpoint back from the hello (once per sender worker: see Link). Both control
-endpoints keep UCX error handling on, so that a dead peer fails the receives posted on
-them. Control frames are small JSON, one tagged UCX message each, on tags derived from
+its endpoints back for the sender's link named in the hello (see Link). Both control
+endpoints keep UCX error handling on, so that a dead peer fails the receives posted
+on them. Control frames are small JSON, one tagged UCX message each, on tags derived from
 the connection id (handshake.control_tags), so that concurrent senders never interleave.
 """
 
@@ -18,8 +18,8 @@ import hmac
 import json
 import logging
 import struct
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -73,6 +73,7 @@ def ensure_ucx(config: TransportConfig) -> None:
     ucxx.init(options=options, progress_mode=config.progress_mode,
               enable_python_future=config.progress_mode == "thread")
     _UCX.loop = loop
+    _UCX.made.clear()  # a new ucxx context is a new UCX worker: its endpoint counts start again
 
 
 @dataclass(slots=True)
@@ -80,6 +81,9 @@ class _UcxState:
     """ucxx is initialised once per process (its context is global): the loop it serves."""
 
     loop: asyncio.AbstractEventLoop | None = None
+    # Endpoints this process's UCX worker has made to each peer worker (by its address), as
+    # UCX numbers them (see Link).
+    made: dict[bytes, int] = field(default_factory=dict)
 
 
 _UCX = _UcxState()
@@ -170,6 +174,8 @@ class Control:
     async def expect(self, kind: str) -> dict[str, Any]:
         """Next frame, which must be `kind`; a 'refuse' frame raises HandshakeRefused."""
         msg = await self.recv()
+        if msg["t"] == "closed":  # the link is gone at the other end: like a UCX error, not a verdict
+            raise UcxIOError("the peer closed the connection")
         if msg["t"] == "refuse":
             raise HandshakeRefused(f"peer refused: {msg.get('reason', '?')}")
         if msg["t"] != kind:
@@ -178,44 +184,65 @@ class Control:
 
 
 class Link:
-    """The endpoints this process made to one peer worker, made once and shared by every
-    connection to it: a control endpoint (UCX error handling on), and a sender's data
-    endpoint without it (`fast_data_path`), made second.
+    """The two endpoints this process made to one peer worker, made together: a control
+    endpoint (UCX error handling on, so that the peer's death fails the receives posted on
+    it) and a data endpoint without error handling (UCX then picks shm/cma on one host:
+    `fast_data_path`).
 
-    UCX pairs the endpoints that two workers make to each other in the order they make
-    them, and refuses a pair whose error handling differs. A receiver makes one endpoint
-    back per sender worker, which pairs with the sender's first (control, both with error
-    handling); the data endpoint pairs with none of the receiver's. Closing and remaking
-    endpoints while both workers live would shift that pairing, so a link is closed once,
-    for good: when its peer died, broke the protocol or stopped answering, or when its
-    owner closes. Its peer is not dialed again (a restarted one has a new worker address).
+    UCX numbers the endpoints each worker makes to a peer and pairs the n-th of one side
+    with the n-th of the other; it refuses a pair whose error handling differs
+    (UCXXUnsupportedError). So every link, on either side, is two endpoints, control then
+    data: the n-th endpoints of the two sides always agree in error handling, whichever
+    links they belong to, and either side may close a link while the other lives and open
+    another. (A link paired with the remains of an older one still carries its frames: UCX
+    matches tags at worker level.) `sn`, this process's count of endpoints to the peer
+    when the link was made, names the link and orders it after the ones before: a sender's
+    hello carries it, so that the receiver knows a new link from another connection over
+    the one it holds.
     """
 
-    def __init__(self, address: Any, ctl_ep: Any) -> None:
-        self._address = address  # the peer's, unpacked (ucxx.UCXAddress)
+    def __init__(self, sn: int, ctl_ep: Any, data_ep: Any, answers: int) -> None:
+        self.sn = sn
         self.ctl_ep = ctl_ep
-        self._data_ep: Any = None
+        self.data_ep = data_ep
+        self.answers = answers  # a receiver's link: the `sn` of the sender's that it answers (else -1)
 
     @classmethod
-    async def open(cls, worker_address: bytes) -> Link:
+    async def open(cls, worker_address: bytes, answers: int = -1) -> Link:
         """Raises UcxIOError (or ValueError-like errors of ucxx) for an address that does not unpack."""
         address = ucxx.get_ucx_address_from_buffer(worker_address)
-        return cls(address, await ucx_io(ucxx.create_endpoint_from_worker_address(address,
-                                                                                  endpoint_error_handling=True)))
-
-    async def data_ep(self) -> Any:
-        """The endpoint without error handling (UCX then picks shm/cma on one host), made on first use."""
-        if self._data_ep is None:
-            self._data_ep = await ucx_io(ucxx.create_endpoint_from_worker_address(self._address,
-                                                                                  endpoint_error_handling=False))
-        return self._data_ep
+        sn = _UCX.made.get(worker_address, 0)
+        ctl_ep = await _make_endpoint(worker_address, address, error_handling=True)
+        try:
+            data_ep = await _make_endpoint(worker_address, address, error_handling=False)
+            return cls(sn, ctl_ep, data_ep, answers)
+        except BaseException:
+            ctl_ep.abort(period=10**8)
+            raise
 
     def abort(self) -> None:
         # A short close period: a dead peer must not hold the event loop for UCX's 10 s default.
-        for ep in (self.ctl_ep, self._data_ep):
-            if ep is not None:
-                ep.abort(period=10**8)
-        self.ctl_ep = self._data_ep = None
+        for ep in (self.ctl_ep, self.data_ep):
+            ep.abort(period=10**8)
+
+    async def retire(self, connections: Sequence[Control], bound_s: float) -> None:
+        """Tell the peer over each of `connections` that it is closed, then abort. An endpoint
+        made from a worker address closes silently: without the word, a live peer would go
+        on sending into a link that nobody reads."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(c.send({"t": "closed"}) for c in connections),
+                                                  return_exceptions=True), bound_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self.abort()
+
+
+async def _make_endpoint(worker_address: bytes, address: Any, error_handling: bool) -> Any:
+    # Counted before the await: ucxx makes the endpoint in the coroutine's first step, before
+    # any other task runs, so the count and UCX's own stay equal.
+    _UCX.made[worker_address] = _UCX.made.get(worker_address, 0) + 1
+    return await ucx_io(ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=error_handling))
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +260,7 @@ class Hello:
     which connection, and the rest of it for the handshake."""
 
     connection_id: bytes
+    sn: int  # names the sender's link to us, and orders it (see Link)
     worker_address: bytes  # the sender's: the receiver's endpoint back is made from it
     frame: dict[str, Any]
 
@@ -245,26 +273,28 @@ class Hello:
         try:
             nonce, connection_id = bytes.fromhex(msg["nonce"]), bytes.fromhex(msg["conn"])
             address, proof = bytes.fromhex(msg["worker_address"]), str(msg["proof"])
-            fp = fingerprint(msg["layout"])
+            fp, sn = fingerprint(msg["layout"]), msg["sn"]
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed hello: {e!r}") from None
         if len(connection_id) != CONNECTION_ID_BYTES or not address:
             raise ValueError("malformed hello: connection id or worker address")
-        if not hmac.compare_digest(prove_hello(secret, nonce, connection_id, address, fp), proof):
+        if type(sn) is not int or sn < 0 or sn % 2:
+            raise ValueError(f"malformed hello: link {sn!r}")
+        if not hmac.compare_digest(prove_hello(secret, nonce, connection_id, sn, address, fp), proof):
             raise ValueError("hello without a proof of the cluster secret (different secrets?)")
-        return cls(connection_id, address, msg)
+        return cls(connection_id, sn, address, msg)
 
 
 async def client_handshake(
-    ctl: Control, fields: dict[str, str | int], config: TransportConfig, where: str, incarnation: str = "",
+    ctl: Control, sn: int, fields: dict[str, str | int], config: TransportConfig, where: str, incarnation: str = "",
 ) -> Session:
     """Sender side: the hello (on HELLO_TAG, naming our worker address and the connection),
     then the challenge-response. Raises HandshakeRefused, or PeerReplaced when the receiver
     is not the `incarnation` we address ("" takes any), after telling the peer why."""
     client_nonce, address = new_nonce(), bytes(ucxx.get_worker_address())
-    proof = prove_hello(config.secret, client_nonce, ctl.connection_id, address, fingerprint(fields))
+    proof = prove_hello(config.secret, client_nonce, ctl.connection_id, sn, address, fingerprint(fields))
     await ctl.send({"t": "hello", "layout": fields, "nonce": client_nonce.hex(), "conn": ctl.connection_id.hex(),
-                    "worker_address": address.hex(), "proof": proof}, tag=HELLO_TAG)
+                    "sn": sn, "worker_address": address.hex(), "proof": proof}, tag=HELLO_TAG)
     challenge = await ctl.expect("challenge")
     server_nonce, server_fields = bytes.fromhex(challenge["nonce"]), challenge["layout"]
     reason = ""

@@ -51,9 +51,9 @@ class _Connection:
 
     def __init__(
         self, ctl: Control, link: Link, session: Session, kv: PoolShards, table: ReceiveTable,
-        on_close: Callable[[_Connection, bool], None],
+        on_close: Callable[[_Connection, bool, bool], None],
     ) -> None:
-        self._ctl = ctl
+        self.control = ctl
         self.link = link
         self.connection_id = ctl.connection_id
         self._on_close = on_close
@@ -68,23 +68,24 @@ class _Connection:
         self.closed = False
         self._reader = asyncio.create_task(self._read())
 
-    def close(self, close_link: bool = True) -> None:
+    def close(self, close_link: bool = True, tell: bool = True) -> None:
         """Fail this sender's requests. The link to its worker closes too (which cancels the
-        receives posted on it), unless the sender gave up in good order with nothing in flight."""
+        receives posted on it), unless the sender gave up in good order with nothing in
+        flight; the sender is told, unless it closed the connection itself (`tell` False)."""
         if self.closed:
             return
         self.closed = True
         in_flight = (*self._receiving, *self._writing)
         for request_id in in_flight:
             self._table.failed(request_id, PeerLost(f"request {request_id!r}: sender lost mid-transfer"))
-        self._on_close(self, close_link or bool(in_flight))
+        self._on_close(self, close_link or bool(in_flight), tell)
         for task in (self._reader, *self._tasks):
             task.cancel()
 
     async def _read(self) -> None:
         try:
             while True:
-                msg = await self._ctl.recv()
+                msg = await self.control.recv()
                 if msg["t"] == "xfer" and msg.get("mode") == "write":
                     self._open_copy_events(str(msg.get("events", "")))
                     self._start_write(str(msg["id"]))
@@ -104,6 +105,9 @@ class _Connection:
                     request_id = str(msg["id"])
                     self._writing.discard(request_id)  # a writer that cancels has no copy in flight
                     self._table.cancel(request_id, "cancelled by the sender", writer_done=True)
+                elif msg["t"] == "closed":  # the sender closed its link
+                    self.close(tell=False)
+                    return
                 elif msg["t"] == "refuse":
                     logger.warning("KV sender gave up the connection: %s", msg.get("reason"))
                     self.close(close_link=False)
@@ -139,7 +143,7 @@ class _Connection:
             return
         ids = base64.b64encode(answer.to(torch.int32).numpy().tobytes()).decode()
         grant = {"t": "grant", "id": request_id, "ids": ids, "ordered": bool(self._copied)}
-        spawn(self._ctl.send(grant), self._tasks)
+        spawn(self.control.send(grant), self._tasks)
 
     def _copy_event(self, index: object) -> torch.cuda.Event | None:
         """The writer's event that completes with the copy of a "written" request (None when
@@ -187,7 +191,7 @@ class _Connection:
     def _ack(self, request_id: str, error: TransferError | None) -> None:
         if self.closed:
             return
-        spawn(self._ctl.send({"t": "done", "id": request_id, "error": error_to_wire(error)}), self._tasks)
+        spawn(self.control.send({"t": "done", "id": request_id, "error": error_to_wire(error)}), self._tasks)
 
 
 MAX_HANDSHAKES = 64  # hellos answered at once; more are dropped (their senders time out and retry)
@@ -211,6 +215,7 @@ class UcxKVReceiver:
         # (a replay, or a broken sender) is dropped, so that no two readers share its tags.
         self._connection_ids: set[bytes] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
+        self._retiring: set[asyncio.Task[None]] = set()  # links telling their senders, then aborting
         self._hellos: asyncio.Task[None] | None = None
         self._closed = False
         # This receiver's life: one restarted at the same address is another (see PeerAddress).
@@ -249,12 +254,11 @@ class UcxKVReceiver:
         self._closed = True
         for task in self._handshakes:
             task.cancel()
+        retiring = [self._close_link(address) for address in list(self._links)]
         for conn in list(self._conns):
             conn.close()
-        for link in self._links.values():
-            link.abort()
-        self._links.clear()
         self._table.close()
+        await asyncio.gather(*(t for t in retiring if t is not None), return_exceptions=True)
         if self._hellos is not None:
             await self._release_hello_receive()
             self._hellos.cancel()
@@ -326,8 +330,10 @@ class UcxKVReceiver:
         except asyncio.CancelledError:  # close()
             pass
         except Exception as e:  # noqa: BLE001 - timed out, vanished mid-handshake, or malformed
-            logger.warning("KV sender lost during the handshake: %s", e)
-            self._close_link(hello.worker_address)  # a receive may still be posted on it
+            logger.warning("KV sender lost during the handshake: %s", e or type(e).__name__)
+            # A receive may still be posted on its link (not on a newer one, which the sender
+            # may have opened meanwhile).
+            self._close_link(hello.worker_address, answers=hello.sn)
         # Failed, or closed (the receiver, or the link by another connection's failure) meanwhile.
         if accepted is None or self._closed or self._links.get(hello.worker_address) is not accepted[2]:
             self._connection_ids.discard(hello.connection_id)
@@ -335,27 +341,50 @@ class UcxKVReceiver:
         session, ctl, link = accepted
         self._conns.add(_Connection(ctl, link, session, self._kv, self._table, self._connection_closed))
 
-    def _connection_closed(self, conn: _Connection, close_link: bool) -> None:
+    async def _link_for(self, hello: Hello) -> Link:
+        """Our link back for the sender's link that the hello names (see Link): the one we
+        hold for it, or one opened now (after closing ours for an older link of the sender's,
+        which it has given up). The hello's proof was checked: its address is a genuine one."""
+        link = self._links.get(hello.worker_address)
+        if link is not None and link.answers == hello.sn:
+            return link
+        if link is not None and link.answers > hello.sn:
+            raise HandshakeRefused(f"a hello for an old link ({hello.sn}): its sender has moved on")
+        self._close_link(hello.worker_address, tell=False)
+        # (ucxx makes both endpoints before its first await: no other hello gets in between.)
+        link = self._links[hello.worker_address] = await Link.open(hello.worker_address, answers=hello.sn)
+        return link
+
+    def _connection_closed(self, conn: _Connection, close_link: bool, tell: bool) -> None:
+        if close_link:  # (while `conn` is still ours: the sender is told over it too)
+            self._close_link(next((a for a, link in self._links.items() if link is conn.link), b""), tell=tell)
         self._conns.discard(conn)
         self._connection_ids.discard(conn.connection_id)
-        if close_link:
-            self._close_link(next((a for a, link in self._links.items() if link is conn.link), b""))
 
-    def _close_link(self, worker_address: bytes) -> None:
-        """Close the endpoint back to a sender's worker, and every connection over it."""
-        link = self._links.pop(worker_address, None)
-        if link is None:
-            return
-        for conn in [c for c in self._conns if c.link is link]:
+    def _close_link(
+        self, worker_address: bytes, answers: int | None = None, tell: bool = True,
+    ) -> asyncio.Task[None] | None:
+        """Close our link to a sender's worker (only if it answers the sender's link
+        `answers`, when given), and every connection over it, telling the sender over each
+        (unless it has moved on to a newer link: `tell` False). Returns the task that tells,
+        then aborts the link."""
+        link = self._links.get(worker_address)
+        if link is None or answers is not None and link.answers != answers:
+            return None
+        del self._links[worker_address]
+        conns = [c for c in self._conns if c.link is link]
+        for conn in conns:
             conn.close()
-        link.abort()
+        if not (tell and conns):
+            link.abort()
+            return None
+        task = asyncio.ensure_future(link.retire([c.control for c in conns], self._config.connect_timeout_s))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        return task
 
     async def _accept(self, hello: Hello) -> tuple[Session, Control, Link]:
-        link = self._links.get(hello.worker_address)
-        if link is None:
-            # The hello's proof was checked: the address is a genuine one. (ucxx makes the
-            # endpoint before its first await: no other hello gets in between.)
-            link = self._links[hello.worker_address] = await Link.open(hello.worker_address)
+        link = await self._link_for(hello)
         ctl = Control(link.ctl_ep, hello.connection_id, initiator=False)
         session = await server_handshake(ctl, hello, self._fields, self._config, self._kv.num_blocks,
                                          self._offer_pool, self._incarnation)

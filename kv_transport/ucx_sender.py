@@ -83,7 +83,7 @@ class _Connection:
         self._on_close = on_close
         self.transport = transport
         self.peer_num_blocks = session.peer_num_blocks
-        self._ctl = ctl
+        self.control = ctl
         self._data_ep = data_ep
         self._key = session.key
         self._acks: dict[str, asyncio.Future[TransferError | None]] = {}
@@ -106,7 +106,7 @@ class _Connection:
         self._acks[request_id] = ack
         header = {"t": "xfer", "id": request_id, "n": staging_num_blocks(staging), "transport": self.transport}
         try:
-            await self._ctl.send(header)
+            await self.control.send(header)
             task = asyncio.create_task(self._send_data(request_id, staging))
             self._data[request_id] = task
             task.add_done_callback(lambda _: self._data.pop(request_id, None))
@@ -124,7 +124,7 @@ class _Connection:
     async def keep_alive(self, request_ids: list[str]) -> None:
         """Tell the receiver we still work on `request_ids` (see keepalive.py)."""
         if not self.closed:
-            await self._ctl.send({"t": "alive", "ids": request_ids})
+            await self.control.send({"t": "alive", "ids": request_ids})
 
     def request_grant(self, request_id: str) -> None:
         """Ask the receiver for the blocks of `request_id` now; `write` uses the answer."""
@@ -148,7 +148,7 @@ class _Connection:
     def _cancel_remote(self, request_id: str) -> None:
         """Tell the receiver we are done with `request_id` without landing it (it frees)."""
         if not self.closed:
-            spawn(self._ctl.send({"t": "cancel", "id": request_id}), self._tasks)
+            spawn(self.control.send({"t": "cancel", "id": request_id}), self._tasks)
 
     async def write(self, request_id: str, ids: torch.Tensor, after: torch.cuda.Event | None) -> TransferError | None:
         """Copy blocks `ids` of the local pool straight into the blocks the receiver grants
@@ -178,7 +178,7 @@ class _Connection:
                     if self._receiver_orders:
                         # "written" travels while the copy runs: the receiver uses the KV once
                         # it sees the event complete.
-                        await self._ctl.send({"t": "written", "id": request_id, "event": index})
+                        await self.control.send({"t": "written", "id": request_id, "event": index})
                         # Our blocks are free for reuse once the copy is done; the loop keeps
                         # serving meanwhile (a 16k-token copy takes ~6 ms).
                         await asyncio.to_thread(copied.synchronize)
@@ -207,7 +207,7 @@ class _Connection:
 
     async def _send_or_close(self, msg: dict[str, Any]) -> None:
         try:
-            await self._ctl.send(msg)
+            await self.control.send(msg)
         except Exception as e:  # noqa: BLE001 - the link is gone
             self.close(PeerLost(f"{self.peer}: connection lost: {e}"))
 
@@ -236,7 +236,7 @@ class _Connection:
     async def _read(self) -> None:
         try:
             while True:
-                msg = await self._ctl.recv()
+                msg = await self.control.recv()
                 if msg["t"] == "grant":
                     self._receiver_orders = bool(msg.get("ordered"))
                     self._resolve_grant(str(msg["id"]), self._granted_ids(msg))
@@ -247,6 +247,9 @@ class _Connection:
                         ack.set_result(error)
                     if error is not None:
                         self._resolve_grant(str(msg["id"]), error)
+                elif msg["t"] == "closed":
+                    self.close(PeerLost(f"{self.peer} closed the connection"))
+                    return
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - UCX reports a dead peer as assorted errors
@@ -292,7 +295,6 @@ class UcxKVSender:
         self._conns: dict[PeerAddress, _Connection] = {}
         self._connecting: dict[PeerAddress, asyncio.Task[_Connection]] = {}
         self._links: dict[bytes, Link] = {}  # by the receiver's worker address
-        self._closed_links: dict[bytes, str] = {}  # receivers not dialed again, and why
         self._in_flight: set[str] = set()
         self._prepared: dict[str, _Connection] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -369,11 +371,12 @@ class UcxKVSender:
         self._alive.close()
         for task in (*self._connecting.values(), *self._tasks):
             task.cancel()
+        links, self._links = self._links, {}
+        retiring = [link.retire([c.control for c in self._conns.values() if c.peer.worker_address == address],
+                                self._config.connect_timeout_s) for address, link in links.items()]
         for conn in list(self._conns.values()):
             conn.close(TransferCancelled("sender closed"))
-        for link in self._links.values():
-            link.abort()
-        self._links.clear()
+        await asyncio.gather(*retiring, return_exceptions=True)
 
     async def _send(
         self, request_id: str, ids: torch.Tensor, peer: PeerAddress, attempt: _Attempt, after: torch.cuda.Event | None
@@ -437,8 +440,6 @@ class UcxKVSender:
         link = self._links.get(peer.worker_address)
         if link is not None:
             return link
-        if (why := self._closed_links.get(peer.worker_address)) is not None:
-            raise PeerLost(f"{peer}: not dialed again, its link closed ({why})")
         if not hmac.compare_digest(prove_address(self._config.secret, peer.worker_address), peer.proof):
             raise HandshakeRefused(f"{peer} failed to prove the cluster secret (different secrets?)")
         try:
@@ -454,7 +455,7 @@ class UcxKVSender:
         ctl = Control(link.ctl_ep, new_connection_id(), initiator=True)
         data_ep = link.ctl_ep
         try:
-            session = await client_handshake(ctl, self._fields, self._config, str(peer), peer.incarnation)
+            session = await client_handshake(ctl, link.sn, self._fields, self._config, str(peer), peer.incarnation)
             peer_kv = self._open_peer_pool(session, peer)
             if peer_kv is not None:
                 # KV goes straight into the mapped pool; the probe only completes the handshake.
@@ -462,7 +463,7 @@ class UcxKVSender:
                 await self._probe(link.ctl_ep, session)
             else:
                 if self._config.fast_data_path:
-                    data_ep = await link.data_ep()
+                    data_ep = link.data_ep
                 transport = await self._probe(data_ep, session)
             if not self._config.allows(transport):
                 reason = f"transport to {peer} is {transport}, allowed: {sorted(self._config.allowed_transports)}"
@@ -506,11 +507,11 @@ class UcxKVSender:
         self._close_link(conn.peer.worker_address, str(conn.error))
 
     def _close_link(self, worker_address: bytes, why: str) -> None:
-        """Close the link to a receiver's worker for good, and every connection over it."""
+        """Close the link to a receiver's worker, and every connection over it. The next
+        connection to it opens another link (in step with the receiver's: see Link)."""
         link = self._links.pop(worker_address, None)
         if link is None:
             return
-        self._closed_links[worker_address] = why
         for conn in [c for c in self._conns.values() if c.peer.worker_address == worker_address]:
             conn.close(PeerLost(f"{conn.peer}: link closed ({why})"))
         link.abort()

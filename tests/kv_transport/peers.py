@@ -130,6 +130,11 @@ class _Peer:
             if cmd["op"] == "garbage":
                 await self._send_garbage(cmd["peer"])
                 self.conn.send({"op": "garbage"})
+            if cmd["op"] == "drop":  # the receiver closes every connection, as on a sender's protocol break
+                for connection in list(self.peer._conns):
+                    connection.close()
+            if cmd["op"] == "stall":
+                self._stall_handshakes(cmd["where"], cmd["count"])
         await self.peer.close()
 
     async def _send_garbage(self, peer: PeerAddress) -> None:
@@ -152,6 +157,22 @@ class _Peer:
         ep = await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=True)
         for data in frames:
             await ep.send(np.frombuffer(data, np.uint8), tag=HELLO_TAG, force_tag=True)
+
+    def _stall_handshakes(self, where: str, count: int) -> None:
+        """The receiver's next `count` handshakes hang past the connect timeout, as in a
+        receiver whose event loop is held up: before it makes its endpoints back to the sender
+        ("hello": it never makes that link's endpoints), or just after ("link")."""
+        receiver, left = self.peer, [count]
+        link_for = receiver._link_for
+
+        async def stalled(hello: Any) -> Any:
+            link = await link_for(hello) if where == "link" else None
+            if left[0] > 0:
+                left[0] -= 1
+                await asyncio.sleep(2 * self.spec.timeout_s)
+            return link if link is not None else await link_for(hello)
+
+        receiver._link_for = stalled
 
     def _spawn(self, request_id: str, block_ids: list[int], transfer: Any) -> None:
         async def run() -> None:

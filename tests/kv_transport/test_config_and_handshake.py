@@ -142,7 +142,8 @@ def test_connections_have_tags_of_their_own_and_hellos_a_proof() -> None:
     assert a != b and len({HELLO_TAG, *control_tags(a), *control_tags(b)}) == 5
     fp, nonce, address = fingerprint(layout_fields(LAYOUT)), b"n" * 16, b"worker address"
     other_secret = b"another-secret-of-16"
-    proof = prove_hello(SECRET, nonce, a, address, fp)
-    assert proof not in {prove_hello(SECRET, nonce, b, address, fp), prove_hello(SECRET, nonce, a, b"other", fp),
-                         prove_hello(other_secret, nonce, a, address, fp)}
+    proof = prove_hello(SECRET, nonce, a, 0, address, fp)
+    assert proof not in {prove_hello(SECRET, nonce, b, 0, address, fp), prove_hello(SECRET, nonce, a, 0, b"other", fp),
+                         prove_hello(SECRET, nonce, a, 2, address, fp),
+                         prove_hello(other_secret, nonce, a, 0, address, fp)}
     assert prove_address(SECRET, address) != prove_address(other_secret, address)

@@ -272,6 +272,41 @@ def test_malformed_traffic_leaves_the_receiver_serving(pair: tuple[Peer, Peer]) 
     assert receiver.stats()["connections"] == connections
 
 
+def test_a_live_receiver_that_missed_its_handshakes_is_reached_again() -> None:
+    """UCX pairs the endpoints two workers make to each other by their order, so a link
+    given up while both live must be remade in step on both sides. The receiver ends the
+    connection, then stalls the next handshake past the timeout, once before making its
+    endpoints back (that link's endpoints exist on the sender only) and once after (both
+    sides made them, then both drop them); each time the sender's next connection reaches
+    it, and the KV lands."""
+    spec = PeerSpec(num_blocks=64, timeout_s=TIMEOUT_S)
+    with peers(("receiver", spec), ("sender", spec.with_(seed=3))) as (receiver, sender):
+        rounds = [("first", None), ("after-a-missed-hello", "hello"), ("after-a-dropped-link", "link"),
+                  ("again", None)]
+        for i, (name, stall) in enumerate(rounds):
+            if stall is not None:
+                receiver.command("drop")  # the receiver ends the connection; the sender notices
+                deadline = time.monotonic() + SLACK_S
+                while sender.stats()["connections"] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                receiver.command("stall", where=stall, count=1)
+                sender.command("send", requests=[(f"lost-{i}", [1, 2])], peer=receiver.address)
+                lost = sender.wait_results([f"lost-{i}"], 2 * TIMEOUT_S + SLACK_S)[f"lost-{i}"]
+                assert not lost["ok"] and lost["error"] in ("TransferTimeout", "PeerLost"), lost
+            blocks = [4 * i + 8, 4 * i + 9]
+            receiver.command("expect", requests=[(name, blocks)])
+            sender.command("send", requests=[(name, [3 * i, 3 * i + 1])], peer=receiver.address)
+            sent = sender.wait_results([name], 3 * TIMEOUT_S + SLACK_S)[name]
+            landed = receiver.wait_results([name], 3 * TIMEOUT_S + SLACK_S)[name]
+            assert sent["ok"] and landed["ok"], (name, sent["message"], landed["message"])
+            assert landed["digest"] == sent["digest"]
+        deadline = time.monotonic() + SLACK_S  # the stalled handshakes' links are closed by now
+        while receiver.stats()["connections"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert receiver.stats()["connections"] == 1 and sender.stats()["connections"] == 1
+        assert receiver.stats()["pending"] == 0 and sender.stats()["held"] == 0
+
+
 def test_slow_path_is_refused_when_the_operator_asks(pair: tuple[Peer, Peer]) -> None:
     receiver, _ = pair
     connections = receiver.stats()["connections"]
