@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -53,6 +54,10 @@ def stream_text(base_url: str, prompt: str, params: SamplingParams, chat: bool =
         raise HttpApiError(e.code, _message(e.read())) from e
     except urllib.error.URLError as e:
         raise HttpApiError(0, f"cannot reach {base_url}: {e.reason}") from e
+    except (http.client.HTTPException, OSError) as e:
+        # E.g. a TLS 1.3 server that refuses our certificate closes the connection after the
+        # handshake: the client sees it only as the response that never comes.
+        raise HttpApiError(0, f"connection to {base_url} failed: {type(e).__name__}: {e}") from e
     with resp:
         for raw in resp:
             line = raw.decode().strip()
