@@ -31,7 +31,8 @@ from pdserve.engine.sampler import PendingSample, Sampler
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence
-from pdserve.engine.speculator import Proposals, Speculator
+from pdserve.engine.spec_step import SpeculativeSteps, StepProposals
+from pdserve.engine.speculator import Speculator
 from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
 from pdserve.engine.tensor_parallel import TensorParallelRanks, kv_layout
 from pdserve.engine.weights import load_model, load_tokenizer, resolve_model
@@ -58,15 +59,6 @@ KVComputed = Callable[[str, tuple[int, ...], "torch.cuda.Event | None"], None]
 
 
 @dataclass(slots=True)
-class _StepProposals:
-    """What the drafter proposed this step: the batch's proposals and each sequence's row."""
-
-    proposals: Proposals
-    rows: dict[Sequence, int]
-    num_proposed: dict[Sequence, int]  # the real ones: `spec_token_ids` may be padded past them
-
-
-@dataclass(slots=True)
 class _LaunchedStep:
     """A step whose forward and sampling are queued on the device."""
 
@@ -75,7 +67,7 @@ class _LaunchedStep:
     rows: dict[Sequence, int]
     sample: PendingSample | None
     verifying: dict[Sequence, torch.Tensor]  # logits [1 + K, vocab] of the sequences that proposed K tokens
-    proposals: _StepProposals | None = None
+    proposals: StepProposals | None = None
     free_after: list[Sequence] = field(default_factory=list)  # finished meanwhile: free once resolved
     batch_seqs: set[Sequence] = field(default_factory=set)
 
@@ -155,7 +147,7 @@ class Engine:
                                 sched_config.max_num_seqs, (1, *verify), spec.max_graph_batch)
             graphs.capture()
         self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, inputs, graphs, self.ranks)
-        self.speculator: Speculator | None = None
+        self._spec: SpeculativeSteps | None = None
         self.structured = StructuredOutputs(self.tokenizer, arch.vocab_size, arch.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._on_kv_computed: KVComputed | None = None
@@ -288,7 +280,12 @@ class Engine:
     def set_speculator(self, speculator: Speculator | None) -> None:
         """Speculate with `speculator` from the next step on (None: stop).
         `decode_node.spec.build_speculator` makes one from `config.spec`."""
-        self.speculator = speculator
+        self._spec = None if speculator is None else SpeculativeSteps(
+            speculator, self.scheduler, self.structured, self.max_model_len, uniform=self.runner.graphs is not None)
+
+    @property
+    def speculator(self) -> Speculator | None:
+        return None if self._spec is None else self._spec.speculator
 
     def set_kv_computed_callback(self, callback: KVComputed | None) -> None:
         """Call `callback(request_id, block_ids, event)` from the step that computes the last
@@ -315,19 +312,17 @@ class Engine:
         if self.scheduler.landing:
             self._admit_landed()
         proposals = None
-        if self.speculator is not None:
-            seqs, limits = self._decoding()
-            k = self.speculator.plan(seqs) if any(limits) else 0
+        if self._spec is not None:
+            k, decoding = self._spec.plan()
             if k > 0 and previous is not None:  # the drafter reads the tokens of the step before
                 deltas += self._resolve(previous)
-                previous = None
-                seqs, limits = self._decoding()
+                previous, decoding = None, None  # (who decodes, afresh)
             if k > 0:
-                proposals = self._propose(seqs, [min(k, limit) for limit in limits])
+                proposals = self._spec.propose(k, decoding)
         batch = self.scheduler.schedule()
-        if self.speculator is not None:
+        if self._spec is not None:
             for seq in batch.preempted:
-                self.speculator.release(seq)
+                self._spec.release(seq)
         launched = self._launch(batch, proposals, previous) if batch.seqs else None
         overlap = launched is not None and self._can_overlap() and not launched.verifying
         if overlap:
@@ -343,7 +338,7 @@ class Engine:
         # steps do not overlap (each resolves before the next is queued).
         return self.config.scheduler.async_scheduling and not self.structured.has_active
 
-    def _launch(self, batch: ScheduledBatch, proposals: _StepProposals | None,
+    def _launch(self, batch: ScheduledBatch, proposals: StepProposals | None,
                 previous: _LaunchedStep | None) -> _LaunchedStep:
         """Queue the batch's forward and sampling; advance each sequence as if the step had
         run, its sampled token a placeholder until the step resolves. `previous`: the step
@@ -379,7 +374,7 @@ class Engine:
         """Wait for a launched step's tokens and turn them into deltas."""
         out = launched.sample.resolve() if launched.sample is not None else None
         self._free_deferred(launched)
-        verified = self._verify_all(launched)
+        verified = self._spec.verify(launched.verifying, launched.proposals) if self._spec is not None else {}
         deltas = []
         for seq in launched.batch.seqs:
             if seq.is_finished:  # finished or aborted while the step ran
@@ -406,79 +401,6 @@ class Engine:
             event.record()
         for seq in done:
             callback(seq.request_id, tuple(seq.block_ids), event)
-
-    def _decoding(self) -> tuple[list[Sequence], list[int]]:
-        """The running sequences that are decoding (the last token is the only one without
-        KV) and how many tokens each may propose at most (0: it is at its last token). Clears
-        every running sequence's proposals of the step before."""
-        seqs, limits = [], []
-        graphs = self.runner.graphs is not None
-        for seq in self.scheduler.running:
-            seq.spec_token_ids.clear()
-            # The accepted tokens plus the target's own must fit max_tokens and the context.
-            limit = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            # With graphs a sequence at its last token verifies padding too (below): the batch stays uniform.
-            if seq.num_computed_tokens == seq.num_tokens - 1 and (limit > 0 or graphs):
-                seqs.append(seq)
-                limits.append(max(limit, 0))
-        return seqs, limits
-
-    def _propose(self, seqs: list[Sequence], limits: list[int]) -> _StepProposals | None:
-        """Draft tokens for the decoding `seqs`, at most `limits[i]` each; they are verified
-        in this step's pass."""
-        assert self.speculator is not None
-        if not any(limits):
-            return None
-        proposals = self.speculator.propose(seqs, limits)
-        width = max(proposals.num_tokens, default=0)
-        if width == 0:
-            return None
-        rows, num_proposed = {}, {}
-        host = proposals.host_token_ids
-        for i, (seq, n) in enumerate(zip(seqs, proposals.num_tokens)):
-            # With CUDA graphs every sequence verifies as many tokens, so that one graph replays
-            # the step: a shorter proposal (one near max_tokens too) is padded with tokens never
-            # accepted (their KV is trimmed as a rejected guess's is; eagerly, on the CPU, they
-            # would cost compute). Drafted on the device: placeholders here, read there (zeros
-            # past a proposal).
-            num = min(width, self.max_model_len - seq.num_tokens) if self.runner.graphs is not None else n
-            seq.spec_token_ids.extend(host[i][:n] + [0] * (num - n) if host is not None
-                                      else [PLACEHOLDER_TOKEN_ID] * num)
-            if num:
-                rows[seq], num_proposed[seq] = i, n
-        return _StepProposals(proposals, rows, num_proposed) if rows else None
-
-    def _verify_all(self, launched: _LaunchedStep) -> dict[Sequence, list[int]]:
-        """The tokens each verifying sequence of the step emits (one read of the device)."""
-        if not launched.verifying:
-            return {}
-        assert self.speculator is not None and launched.proposals is not None
-        seqs = [seq for seq in launched.verifying if not seq.is_finished]
-        if not seqs:
-            return {}
-        step = launched.proposals
-        # The scheduler may have kept fewer than proposed (the token budget).
-        num_proposed = [min(step.num_proposed[s], len(s.spec_token_ids)) for s in seqs]
-        if self.structured.has_active:
-            self._mask_proposals(seqs, num_proposed, launched)
-        token_ids = self.speculator.verify(seqs, step.proposals, [step.rows[s] for s in seqs], num_proposed,
-                                           [launched.verifying[s] for s in seqs])
-        return dict(zip(seqs, token_ids))
-
-    def _mask_proposals(self, seqs: list[Sequence], num_proposed: list[int], launched: _LaunchedStep) -> None:
-        """A constrained sequence's target logits masked, row by row, by what its grammar allows
-        after the proposals before it, so that a draft token outside the grammar is rejected
-        (the proposals' ids come to the host for it: a read per constrained sequence)."""
-        assert launched.proposals is not None
-        step = launched.proposals
-        for seq, n in zip(seqs, num_proposed):
-            if seq.params.structured is None:
-                continue
-            ids = seq.spec_token_ids[:n]
-            if ids and ids[0] == PLACEHOLDER_TOKEN_ID:
-                ids = step.proposals.token_ids[step.rows[seq], :n].tolist()
-            # In place: the rows are a view of the step's logits, which the acceptance reads.
-            self.structured.mask_proposal(seq, launched.verifying[seq][:n + 1], ids)
 
     def _accept_verified(self, seq: Sequence, logits: torch.Tensor, token_ids: list[int]) -> TokenDelta:
         """Keep the proposed tokens the target accepted, plus one of its own.
@@ -545,8 +467,8 @@ class Engine:
             del seq.token_ids[_first_placeholder(seq.token_ids):]
         self.sampler.release(seq.request_id)
         self.structured.release(seq)
-        if self.speculator is not None:
-            self.speculator.release(seq)
+        if self._spec is not None:
+            self._spec.release(seq)
 
     def _free_deferred(self, launched: _LaunchedStep) -> None:
         for seq in launched.free_after:
