@@ -93,8 +93,9 @@ LOOPBACK_DEVICE = "lo"  # Linux's name for it
 T = TypeVar("T")
 
 
-def spawn(coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
-    """Run a fire-and-forget frame send, tracked in `tasks` so that close() can cancel it.
+def spawn(coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> asyncio.Task[None]:
+    """Run a fire-and-forget frame send, tracked in `tasks` so that close() can cancel (or
+    await) it.
 
     Its failure is only logged: a broken link is noticed and handled by the reader loop.
     """
@@ -107,6 +108,7 @@ def spawn(coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> No
             logger.debug("control frame not sent: %s", t.exception())
 
     task.add_done_callback(done)
+    return task
 
 
 class UcxIOError(Exception):

@@ -378,10 +378,7 @@ class UcxKVReceiver:
         if not (tell and conns):
             link.abort()
             return None
-        task = asyncio.ensure_future(link.retire([c.control for c in conns], self._config.connect_timeout_s))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
-        return task
+        return spawn(link.retire([c.control for c in conns], self._config.connect_timeout_s), self._retiring)
 
     async def _accept(self, hello: Hello) -> tuple[Session, Control, Link]:
         link = await self._link_for(hello)
