@@ -88,6 +88,14 @@ class AdaptiveK:
     this batch size: the K with the most expected tokens per unit of time,
     sum_i (1 - α_i^(K+1)) / (1 - α_i) / step_ms(batch, K), K = 0 (no speculation) included.
 
+    A request's α is its recent acceptance shrunk toward the engine's: the engine-wide
+    estimate counts as `prior_weight` judged tokens in every request's, so one unlucky pass
+    at a request's start does not switch speculation off (with only the request's own few
+    tokens, a first token rejected read as α ≈ 0.3, and K = 0 then learns nothing until the
+    next probe), and a new request starts from what this workload accepts, not from a
+    constant. `prior_alpha` is the engine's estimate before anything was judged, worth
+    `prior_weight` judged tokens, and fades as the engine judges its own.
+
     A step at K = 0 learns nothing more, so after `probe_interval` steps at K = 0 one step
     proposes one token again: text that turns predictable (a quote, a code block) gets
     speculation back. A probe is not free (the draft model catches up on every token it
@@ -98,16 +106,26 @@ class AdaptiveK:
     max_k: int
     costs: StepCosts
     prior_alpha: float = 0.7
-    decay: float = 0.8  # weight of the past per pass: about the last five passes count
+    prior_weight: float = 8.0
+    decay: float = 0.8  # weight of a request's past per pass: about its last five passes count
+    overall_decay: float = 0.98  # the same for the engine-wide estimate, per request's pass
     probe_interval: int = 16
     max_probe_interval: int = 256
     _stats: dict[str, _RequestStats] = field(default_factory=dict)
+    _overall: _RequestStats = field(init=False)  # starts as the prior, which fades as passes are judged
     _steps_at_zero: int = 0
     _interval: int = 0  # the current probe interval (0: probe_interval)
 
+    def __post_init__(self) -> None:
+        self._overall = _RequestStats(self.prior_weight * self.prior_alpha, self.prior_weight)
+
+    def overall_alpha(self) -> float:
+        return self._overall.accepted / self._overall.judged
+
     def alpha(self, request_id: str) -> float:
-        s = self._stats.get(request_id)
-        return self.prior_alpha if s is None else s.accepted / s.judged
+        s, w = self._stats.get(request_id), self.prior_weight
+        prior = self.overall_alpha()
+        return prior if s is None else (s.accepted + w * prior) / (s.judged + w)
 
     def k_for(self, seqs: list[Sequence]) -> int:
         alphas = [self.alpha(s.request_id) for s in seqs]
@@ -131,10 +149,11 @@ class AdaptiveK:
         return 0
 
     def update(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
-        s = self._stats.setdefault(request_id, _RequestStats(self.prior_alpha, 1.0))
         judged = num_accepted + (num_accepted < num_proposed)
-        s.accepted = self.decay * s.accepted + num_accepted
-        s.judged = self.decay * s.judged + judged
+        for s, decay in ((self._stats.setdefault(request_id, _RequestStats(0.0, 0.0)), self.decay),
+                         (self._overall, self.overall_decay)):
+            s.accepted = decay * s.accepted + num_accepted
+            s.judged = decay * s.judged + judged
 
     def forget(self, request_id: str) -> None:
         self._stats.pop(request_id, None)

@@ -91,12 +91,24 @@ def test_adaptive_k_backs_off_and_probes():
     assert ks == [0, 0, 0, 1] + [0] * 7 + [1] + [0] * 4
     for _ in range(20):
         ada.update("a", 4, 4)
-    assert ada.k_for(seqs) == 8  # chosen again: the interval is back to 4
+    assert ada.k_for(seqs) > 0  # chosen again: the interval is back to 4
     for _ in range(20):
         ada.update("a", 4, 0)
     assert [ada.k_for(seqs) for _ in range(4)] == [0, 0, 0, 1]
     ada.forget("a")
-    assert ada.alpha("a") == ada.prior_alpha
+    assert ada.alpha("a") == ada.overall_alpha()  # as a new request: from what the engine accepts
+
+
+def test_one_unlucky_pass_at_a_requests_start_keeps_speculation_on():
+    """A first proposal rejected at its first token is one judged token: the request's own
+    estimate alone would read α = 0 and switch speculation off until the next probe."""
+    seqs = [Sequence("a", (1, 2), SamplingParams(), 16)]
+    ada = AdaptiveK(max_k=4, costs=RelativeCosts(0.3))  # speculation pays from α = 0.3
+    for _ in range(2):  # 6% likely at α = 0.76, K = 4
+        assert ada.k_for(seqs) > 0
+        ada.update("a", 4, 0)
+    assert 0.4 < ada.alpha("a") < ada.prior_alpha
+    assert ada.k_for(seqs) > 0
 
 
 class _Costs:
@@ -114,7 +126,7 @@ def test_adaptive_k_weighs_the_step_cost_of_this_batch_size():
     assert ada.k_for(large) == 0  # 1.8 tokens for 30 ms at K = 1 does not beat 1 for 10
     # The requests' own α decides, not the prior: hopeless requests turn it off at any size.
     for s in small:
-        for _ in range(10):
+        for _ in range(30):
             ada.update(s.request_id, 4, 0)
     assert ada.k_for(small) == 0
 
