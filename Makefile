@@ -41,7 +41,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest -q --durations=25  # the slowest tests, for whoever trims CI's time next
+	$(PY) -m pytest -q -rs --durations=25  # skips with their reasons; the slowest tests, for whoever trims CI's time next
 
 # deploy/ray/cluster-local.yaml through the real `ray up` / `ray down` on this machine (part of `make test` too).
 test-ray-up: install
