@@ -7,9 +7,10 @@ PROMPT ?= Explain in two sentences why the sky is blue.
 
 # A second environment with the newest releases pyproject's ranges allow (no
 # constraints file), where a fast subset runs: the kernels under Triton's
-# interpreter and the engine's parity with Hugging Face.
+# interpreter, the engine's parity with Hugging Face, the packaging and the import names
+# (which the newest kernels, proto-plus and transformers must not take for ours).
 NEWEST ?= .venv-newest
-NEWEST_TESTS ?= tests/kernels tests/engine/test_hf_parity.py tests/test_packaging.py
+NEWEST_TESTS ?= tests/kernels tests/engine/test_hf_parity.py tests/test_packaging.py tests/engine/test_namespaces.py
 
 .PHONY: install serve generate test test-newest test-ray-up lint proto
 
@@ -40,7 +41,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest -q --durations=25  # the slowest tests, for whoever trims CI's time next
+	$(PY) -m pytest -q -rs --durations=25  # skips with their reasons; the slowest tests, for whoever trims CI's time next
 
 # deploy/ray/cluster-local.yaml through the real `ray up` / `ray down` on this machine (part of `make test` too).
 test-ray-up: install

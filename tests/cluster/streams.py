@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import socket
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,3 +53,15 @@ def pools_are_full(target: str) -> bool:
         info = client.server_info()
     return all(w.healthy and w.free_kv_blocks == w.total_kv_blocks and w.running == 0 and w.waiting == 0
                for w in info.workers)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The samples of a server's /metrics (Prometheus text), by name with labels."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}

