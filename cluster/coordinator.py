@@ -1,17 +1,21 @@
 """Runs requests across the pools: route, prefill, hand KV over, stream decode tokens.
 
 One poller per decode worker long-polls its batched token deltas and fans them
-out to per-request queues. A disaggregated request waits here for a running seat on a
-decode worker (the service admits no more than `capacity()`: seats plus a bounded queue
-per worker); a colocated one queues in its worker's scheduler. Every request's cleanup (abort on the workers that
-hold it) runs in one `finally`, whether it finished, was cancelled by the
-client, hit its deadline or lost a worker. A request whose worker is lost continues on
+out to per-request queues. A disaggregated request waits here, first come first served,
+for a decode worker with a free running seat and KV blocks for its prompt + max_tokens
+(the worker's pool less what the requests seated there claim); beyond a bounded queue
+(`max_queued()`) it is refused at once, and the service admits no more than `capacity()`
+(seats plus the queue). A colocated one queues in its worker's scheduler. Every request's
+cleanup (abort on the workers that hold it) runs in one `finally`, whether it finished, was
+cancelled by the client, hit its deadline or lost a worker; its seat and KV claim are freed
+once its abort has been. A request whose worker is lost continues on
 another (`generate`: re-prefill of its prompt plus the tokens streamed so far).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -53,6 +57,11 @@ class TransportRefused(WorkerUnavailable):
 
 class Overloaded(Exception):
     """Every worker is full: the caller should back off (RESOURCE_EXHAUSTED)."""
+
+
+class _NoRoom(Exception):
+    """The decode worker refused a reservation that the coordinator's budget allowed (the
+    blocks of a request that just ended were not freed yet): the request takes a seat again."""
 
 
 def _continuation(req: WorkerRequest, generated: list[int], attempt: int) -> WorkerRequest:
@@ -125,10 +134,11 @@ class Coordinator:
         self.seats_per_worker = seats_per_worker  # the decode engines' max_num_seqs
         self.max_waiting_per_worker = max_waiting_per_worker
         self.config = config or CoordinatorConfig()
-        self._seat_freed = asyncio.Condition()
         self._decode_policy = LeastLoad(router)
         for pool in self.pools():
             pool.on_lost = self.on_worker_lost
+        # Requests waiting for a decode seat, in order: the head takes the next one that fits.
+        self._line: collections.deque[asyncio.Event] = collections.deque()
         self._streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []
         self._pollers: dict[str, asyncio.Task] = {}
@@ -159,6 +169,31 @@ class Coordinator:
         and a bounded queue of requests waiting for one."""
         return len(self.decode.healthy()) * (self.seats_per_worker + self.max_waiting_per_worker)
 
+    def max_queued(self) -> int:
+        """Requests that may wait for a decode seat (or the KV blocks to use one) at once."""
+        return len(self.decode.healthy()) * self.max_waiting_per_worker
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for a decode seat now."""
+        return len(self._line)
+
+    def _kv_need(self, req: WorkerRequest) -> int:
+        """KV blocks `req` may fill on a decode worker: its prompt and every token it may
+        generate, and the one block of headroom the engine keeps per running sequence."""
+        return -(-(len(req.prompt_token_ids) + req.params.max_tokens) // self.block_size) + 1
+
+    @staticmethod
+    def _claim(worker: Worker, need: int) -> int | None:
+        """The blocks `worker` would set aside for a request needing `need` (at most its whole
+        pool, which the request's context fits in), or None where they are not free. A worker
+        whose load is not known yet claims nothing: its engine's reservation decides."""
+        load = worker.state.load
+        if load is None:
+            return 0
+        claim = min(need, load.num_blocks)
+        return claim if worker.state.num_claimed_blocks + claim <= load.num_blocks else None
+
     async def generate(self, req: WorkerRequest, report: RequestReport | None = None) -> AsyncIterator[TokenDelta]:
         """Yields the request's token deltas; the last one has a finish reason.
 
@@ -176,11 +211,12 @@ class Coordinator:
         the request everywhere.
         """
         generated: list[int] = []
+        num_lost = num_refused = 0
         for attempt in itertools.count():
             run = req if attempt == 0 else _continuation(req, generated, attempt)
             try:
                 # aclosing: a caller that stops early ends the attempt (and its cleanup) at once.
-                async with contextlib.aclosing(self._run(run, attempt > 0, report)) as deltas:
+                async with contextlib.aclosing(self._run(run, num_lost > 0, attempt > 0, report)) as deltas:
                     async for delta in deltas:
                         if attempt:  # the caller knows one request: its id, its prompt
                             delta = dataclasses.replace(delta, request_id=req.request_id, num_cached_tokens=0,
@@ -188,30 +224,41 @@ class Coordinator:
                         generated.extend(delta.token_ids)
                         yield delta
                 return
+            except _NoRoom as e:
+                num_refused += 1
+                if num_refused > self.config.reserve_retries:
+                    raise Overloaded(str(e)) from e
+                await asyncio.sleep(self.config.load_refresh_s)  # the worker frees them within a step
             except WorkerLost as e:
-                if attempt >= self.config.max_migrations:
+                num_lost += 1
+                if num_lost > self.config.max_migrations:
                     raise WorkerUnavailable(f"{e} (gave up after {attempt + 1} attempts)") from e
                 logger.warning("request %s: %s; continuing it elsewhere after %d tokens", req.request_id, e,
                                len(generated))
                 self.metrics.migrations.inc()
 
-    async def _run(self, req: WorkerRequest, migrated: bool, report: RequestReport | None) -> AsyncIterator[TokenDelta]:
+    async def _run(self, req: WorkerRequest, migrated: bool, retried: bool,
+                   report: RequestReport | None) -> AsyncIterator[TokenDelta]:
         """One attempt at `req` on one decode worker (and one prefill worker). Finding no
-        healthy worker of a role, it waits (`_may_wait`) for a lost one's replacement."""
+        healthy worker of a role, it waits (`_may_wait`) for a lost one's replacement. A
+        `retried` request (one that lost its worker or its reservation) waits for a seat at
+        the head of the queue."""
         rid = req.request_id
         started = time.perf_counter()
         hops: dict[str, float] = {} if report is None or migrated else report.hops
         hashes = prefix_block_hashes(req.prompt_token_ids, self.block_size)
         give_up = asyncio.get_running_loop().time() + self.config.migration_wait_s
+        claimed = 0
         if self.prefill is None:
             decode = await self._pick_waiting(self.decode, [], self._decode_policy, migrated, give_up)
         else:
-            decode = await self._take_seat(migrated, give_up)
+            decode, claimed = await self._take_seat(self._kv_need(req), retried, migrated, give_up)
         hops["seat"] = time.perf_counter() - started
         if decode.worker_id not in self._pollers:  # a replacement: do not wait for the health loop
             self._start_poller(decode)
         stream = self._streams[rid] = _Stream(decode)
         decode.state.inflight += 1  # no await since the choice: the seat is ours
+        decode.state.num_claimed_blocks += claimed
         finished = False
         admitting: asyncio.Future[None] | None = None
         try:
@@ -242,7 +289,6 @@ class Coordinator:
                 if finished:
                     return
         finally:
-            decode.state.inflight -= 1
             del self._streams[rid]
             if admitting is not None and not admitting.done():
                 # The abort must reach the decode worker after the admit, not overtake it.
@@ -250,9 +296,10 @@ class Coordinator:
                 if admitting.done() and not admitting.cancelled() and admitting.exception() is not None:
                     logger.info("request %s: admit after its end failed: %s", rid, admitting.exception())
             if not finished and decode.state.healthy:
-                asyncio.ensure_future(self._abort(decode, rid))
-            async with self._seat_freed:
-                self._seat_freed.notify()
+                # Its seat and blocks are the worker's until the abort has freed them there.
+                asyncio.ensure_future(self._abort(decode, rid, claimed))
+            else:
+                self._free_seat(decode, claimed)
 
     def _may_wait(self, pool: Pool, migrated: bool, give_up: float) -> bool:
         """Whether a request finding no healthy worker in `pool` waits on: until `give_up`
@@ -261,21 +308,52 @@ class Coordinator:
         begun yet). With nothing being replaced a new request is refused at once."""
         return (migrated or pool.replacing > 0) and asyncio.get_running_loop().time() < give_up
 
-    async def _take_seat(self, migrated: bool, give_up: float) -> Worker:
-        """A decode worker with a free running seat; waits for one (in arrival order). The
-        wait re-checks now and then, so that a replaced worker's seats are found too. With
-        no healthy decode worker, waits while `_may_wait`, then WorkerUnavailable."""
-        async with self._seat_freed:
+    async def _take_seat(self, need: int, front: bool, migrated: bool, give_up: float) -> tuple[Worker, int]:
+        """A decode worker with a free running seat and `need` KV blocks unclaimed (`_claim`),
+        and the blocks to claim there. Requests wait for one in arrival order (`front`: ahead
+        of all, a retried one); one that would wait behind `max_queued()` others is refused
+        at once (Overloaded). The head re-checks whenever a seat or blocks are freed, the
+        load is read, or `config.seat_recheck_s` passed (a replaced worker's seats). With no
+        healthy decode worker, waits while `_may_wait`, then WorkerUnavailable."""
+        me = asyncio.Event()
+        if front:
+            self._line.appendleft(me)
+        else:
+            self._line.append(me)
+        waited = front  # a retried request is never refused
+        try:
             while True:
-                healthy = self.decode.healthy()
-                if not healthy and not self._may_wait(self.decode, migrated, give_up):
-                    raise WorkerUnavailable("no healthy decode worker")
-                free = [w for w in healthy if w.state.inflight < self.seats_per_worker]
-                if free:
-                    state = self._decode_policy.choose([w.state for w in free], [])
-                    return next(w for w in free if w.state is state)
+                if self._line[0] is me:
+                    healthy = self.decode.healthy()
+                    if not healthy and not self._may_wait(self.decode, migrated, give_up):
+                        raise WorkerUnavailable("no healthy decode worker")
+                    claims = {w.worker_id: self._claim(w, need) for w in healthy
+                              if w.state.inflight < self.seats_per_worker}
+                    free = [w for w in healthy if claims.get(w.worker_id) is not None]
+                    if free:
+                        state = self._decode_policy.choose([w.state for w in free], [])
+                        worker = next(w for w in free if w.state is state)
+                        return worker, claims[worker.worker_id]
+                if not waited and len(self._line) - 1 >= self.max_queued():
+                    raise Overloaded(f"server is at its capacity: {self.max_queued()} requests are queued for a "
+                                     f"decode seat or the KV blocks of one")
+                waited = True
+                me.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._seat_freed.wait(), self.config.seat_recheck_s)
+                    await asyncio.wait_for(me.wait(), self.config.seat_recheck_s)
+        finally:
+            self._line.remove(me)
+            self._wake_line()
+
+    def _wake_line(self) -> None:
+        """Have the request at the head of the queue look for a seat again."""
+        if self._line:
+            self._line[0].set()
+
+    def _free_seat(self, worker: Worker, claimed: int) -> None:
+        worker.state.inflight -= 1
+        worker.state.num_claimed_blocks -= claimed
+        self._wake_line()
 
     async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int], migrated: bool,
                        give_up: float, report: RequestReport | None,
@@ -334,7 +412,7 @@ class Coordinator:
         try:
             await decode.actor.reserve.remote(req)
         except NoCapacity as e:
-            raise Overloaded(cause(e)) from e
+            raise _NoRoom(f"decode worker {decode.worker_id}: {cause(e)}") from e
         except ACTOR_LOST as e:
             await self.decode.replace(decode)
             raise WorkerLost(f"decode worker {decode.worker_id} was lost") from e
@@ -353,11 +431,16 @@ class Coordinator:
         state = policy.choose([w.state for w in healthy], hashes)
         return next(w for w in healthy if w.state is state)
 
-    async def _abort(self, worker: Worker, request_id: str) -> None:
+    async def _abort(self, worker: Worker, request_id: str, claimed: int | None = None) -> None:
+        """Abort `request_id` on `worker`; then, where `claimed` is given, free its seat
+        there and the blocks it claimed."""
         try:
             await asyncio.wait_for(worker.actor.abort.remote(request_id), self.config.abort_timeout_s)
         except Exception:  # noqa: BLE001 - a lost worker is handled by the health loop
             logger.warning("abort of %s on %s failed", request_id, worker.worker_id)
+        finally:
+            if claimed is not None:
+                self._free_seat(worker, claimed)
 
     # Background ----------------------------------------------------------
 
@@ -402,4 +485,5 @@ class Coordinator:
                 if not isinstance(load, BaseException):
                     w.state.load = load
                     self.metrics.worker_load(w.role, w.worker_id, load)
+            self._wake_line()  # a replacement's first load makes its pool's blocks known
             await asyncio.sleep(self.config.load_refresh_s)

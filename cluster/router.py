@@ -25,6 +25,9 @@ class WorkerState:
     load: EngineLoad | None = None
     healthy: bool = True
     inflight: int = 0  # requests placed here and not yet finished, counted by the frontend
+    # KV blocks that the requests seated here may fill (prompt + max_tokens each): the
+    # coordinator's budget of a decode worker's pool (Coordinator._take_seat).
+    num_claimed_blocks: int = 0
     cached_hashes: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
     def score(self, weights: RouterConfig) -> float:

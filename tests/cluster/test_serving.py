@@ -225,36 +225,45 @@ def _migrations(srv) -> float:
                if s.name.endswith("_total"))
 
 
-def test_admission_queues_up_to_capacity_and_refuses_beyond_it_at_once(start):
-    """One decode worker with 1 running seat and a queue of 1: a capacity of 2. The second
-    request waits for the seat (no refusal although the seat is taken), the third is
-    refused at once with RESOURCE_EXHAUSTED and a retry hint; the queued one then runs, and
-    every block on both sides comes back."""
+def test_admission_queues_for_seats_and_kv_and_refuses_beyond_the_queue_at_once(start):
+    """One decode worker with 2 running seats and a queue of 1. The first request claims
+    every KV block (its max_tokens fills the context): the second waits in the queue
+    although a seat is free (not refused, not run); the third would wait behind a full queue
+    and is refused with RESOURCE_EXHAUSTED and a retry hint, without waiting for any work:
+    while both admitted requests still run or wait, and without joining the queue. The
+    queued one then runs, and every block on both sides comes back."""
 
-    srv = start(pools={"mode": "disaggregated"}, engine={"scheduler": {"max_num_seqs": 1}},
+    srv = start(pools={"mode": "disaggregated"}, engine={"scheduler": {"max_num_seqs": 2}},
                 admission={"max_waiting_per_worker": 1, "retry_after_s": 2.5})
     coordinator = srv.server.coordinator
-    assert coordinator.capacity() == 2
+    decode = coordinator.decode.workers[0]
+    assert coordinator.capacity() == 3 and coordinator.max_queued() == 1
     queued: list = []
     with Client(srv.target) as holder, Client(srv.target) as other:
-        running = holder.generate("Tell me a story.", SamplingParams(max_tokens=2000, ignore_eos=True),
+        running = holder.generate("Tell me a story.", SamplingParams(max_tokens=10**6, ignore_eos=True),
                                   timeout_s=120)
-        next(running)  # it holds the decode worker's only seat
+        next(running)  # it holds a seat, and claims the decode worker's whole pool
+        assert decode.state.num_claimed_blocks == decode.state.load.num_blocks
         waiter = threading.Thread(target=lambda: queued.append(
             collect(srv.target, "One more", SamplingParams(temperature=0.0, max_tokens=4), 120)))
         waiter.start()
-        wait_until(lambda: len(coordinator._streams) == 1 and _num_admitted(srv) == 2, 30,
-                   "the second request to be admitted and queued for a seat")
+        wait_until(lambda: coordinator.num_queued == 1 and _num_admitted(srv) == 2, 30,
+                   "the second request to be admitted and queued for KV blocks")
+        assert decode.state.inflight == 1 < coordinator.seats_per_worker  # a seat is free: it waits for KV
         with pytest.raises(grpc.RpcError) as err:
             list(other.generate("A third", SamplingParams(max_tokens=4), timeout_s=30))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "capacity of 2 concurrent requests" in err.value.details()
+        assert "1 requests are queued" in err.value.details() and "retry in 2.5 s" in err.value.details()
         assert ("grpc-retry-pushback-ms", "2500") in tuple(err.value.trailing_metadata())
-        assert waiter.is_alive() and not queued  # still waiting, not refused
+        # Refused without waiting for work: the first still streams, the second still waits,
+        # and the third left nothing behind (the queue holds the second alone).
+        assert not next(running).finish_reason
+        assert waiter.is_alive() and not queued and coordinator.num_queued == 1 and _num_admitted(srv) == 2
         running.cancel()
         waiter.join(120)
     assert len(queued) == 1 and len(queued[0].token_ids) == 4
     wait_until(lambda: pools_are_full(srv.target), 30, "blocks to be freed on both workers")
+    assert decode.state.num_claimed_blocks == 0 and decode.state.inflight == 0
 
 
 def _num_admitted(srv) -> int:
