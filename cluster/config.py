@@ -84,8 +84,8 @@ class ServerConfig:
 class AdmissionConfig:
     """How many requests the server takes at once: for each healthy decode worker, its
     running seats (`engine.scheduler.max_num_seqs`) plus `max_waiting_per_worker` requests
-    queued for a seat. A disaggregated request runs once a decode worker has a seat and KV
-    blocks for its prompt + max_tokens; until then it waits in the queue, whose length is
+    queued for a seat. A disaggregated request runs once a decode worker has a seat and the
+    free KV blocks for its prompt; until then it waits in the queue, whose length is
     bounded by `max_waiting_per_worker` x the healthy decode workers. Beyond either bound a
     request is refused at once with RESOURCE_EXHAUSTED and a retry hint of `retry_after_s`
     (the `grpc-retry-pushback-ms` trailer).

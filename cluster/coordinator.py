@@ -2,8 +2,9 @@
 
 One poller per decode worker long-polls its batched token deltas and fans them
 out to per-request queues. A disaggregated request waits here, first come first served,
-for a decode worker with a free running seat and KV blocks for its prompt + max_tokens
-(the worker's pool less what the requests seated there claim); beyond a bounded queue
+for a decode worker with a free running seat and the free KV blocks to reserve its prompt
+(`WorkerState.kv_headroom`: its last load, less the reservations that may not show in it
+yet); beyond a bounded queue
 (`max_queued()`) it is refused at once, and the service admits no more than `capacity()`
 (seats plus the queue). A colocated one queues in its worker's scheduler. Every request's
 cleanup (abort on the workers that hold it) runs in one `finally`, whether it finished, was
@@ -30,7 +31,7 @@ from pdserve.cluster.config import CoordinatorConfig, RouterConfig
 from pdserve.cluster.errors import cause
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ACTOR_LOST, Pool, Worker
-from pdserve.cluster.router import LeastLoad, RoutingPolicy
+from pdserve.cluster.router import KVClaim, LeastLoad, RoutingPolicy
 from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.engine import NoCapacity
 from pdserve.engine.messages import KVTransferInfo, WorkerRequest
@@ -179,20 +180,15 @@ class Coordinator:
         return len(self._line)
 
     def _kv_need(self, req: WorkerRequest) -> int:
-        """KV blocks `req` may fill on a decode worker: its prompt and every token it may
-        generate, and the one block of headroom the engine keeps per running sequence."""
-        return -(-(len(req.prompt_token_ids) + req.params.max_tokens) // self.block_size) + 1
+        """KV blocks a decode worker reserves for `req`: its prompt's (the tokens it generates
+        take blocks as they come; the engine preempts where they run out, as vLLM's does)."""
+        return -(-len(req.prompt_token_ids) // self.block_size)
 
-    @staticmethod
-    def _claim(worker: Worker, need: int) -> int | None:
-        """The blocks `worker` would set aside for a request needing `need` (at most its whole
-        pool, which the request's context fits in), or None where they are not free. A worker
-        whose load is not known yet claims nothing: its engine's reservation decides."""
-        load = worker.state.load
-        if load is None:
-            return 0
-        claim = min(need, load.num_blocks)
-        return claim if worker.state.num_claimed_blocks + claim <= load.num_blocks else None
+    def _fits(self, worker: Worker, need: int) -> bool:
+        """Whether `worker` has a running seat and `need` KV blocks to reserve. A worker whose
+        load is not known yet is tried: its engine's reservation decides."""
+        headroom = worker.state.kv_headroom()
+        return worker.state.inflight < self.seats_per_worker and (headroom is None or need <= headroom)
 
     async def generate(self, req: WorkerRequest, report: RequestReport | None = None) -> AsyncIterator[TokenDelta]:
         """Yields the request's token deltas; the last one has a finish reason.
@@ -248,17 +244,17 @@ class Coordinator:
         hops: dict[str, float] = {} if report is None or migrated else report.hops
         hashes = prefix_block_hashes(req.prompt_token_ids, self.block_size)
         give_up = asyncio.get_running_loop().time() + self.config.migration_wait_s
-        claimed = 0
         if self.prefill is None:
             decode = await self._pick_waiting(self.decode, [], self._decode_policy, migrated, give_up)
         else:
-            decode, claimed = await self._take_seat(self._kv_need(req), retried, migrated, give_up)
+            need = self._kv_need(req)
+            decode = await self._take_seat(need, retried, migrated, give_up)
+            decode.state.claims[rid] = KVClaim(need)  # no await since the choice
         hops["seat"] = time.perf_counter() - started
         if decode.worker_id not in self._pollers:  # a replacement: do not wait for the health loop
             self._start_poller(decode)
         stream = self._streams[rid] = _Stream(decode)
         decode.state.inflight += 1  # no await since the choice: the seat is ours
-        decode.state.num_claimed_blocks += claimed
         finished = False
         admitting: asyncio.Future[None] | None = None
         try:
@@ -297,9 +293,9 @@ class Coordinator:
                     logger.info("request %s: admit after its end failed: %s", rid, admitting.exception())
             if not finished and decode.state.healthy:
                 # Its seat and blocks are the worker's until the abort has freed them there.
-                asyncio.ensure_future(self._abort(decode, rid, claimed))
+                asyncio.ensure_future(self._abort(decode, rid, free_seat=True))
             else:
-                self._free_seat(decode, claimed)
+                self._free_seat(decode, rid)
 
     def _may_wait(self, pool: Pool, migrated: bool, give_up: float) -> bool:
         """Whether a request finding no healthy worker in `pool` waits on: until `give_up`
@@ -308,9 +304,9 @@ class Coordinator:
         begun yet). With nothing being replaced a new request is refused at once."""
         return (migrated or pool.replacing > 0) and asyncio.get_running_loop().time() < give_up
 
-    async def _take_seat(self, need: int, front: bool, migrated: bool, give_up: float) -> tuple[Worker, int]:
-        """A decode worker with a free running seat and `need` KV blocks unclaimed (`_claim`),
-        and the blocks to claim there. Requests wait for one in arrival order (`front`: ahead
+    async def _take_seat(self, need: int, front: bool, migrated: bool, give_up: float) -> Worker:
+        """A decode worker with a free running seat and `need` KV blocks to reserve (`_fits`).
+        Requests wait for one in arrival order (`front`: ahead
         of all, a retried one); one that would wait behind `max_queued()` others is refused
         at once (Overloaded). The head re-checks whenever a seat or blocks are freed, the
         load is read, or `config.seat_recheck_s` passed (a replaced worker's seats). With no
@@ -327,13 +323,10 @@ class Coordinator:
                     healthy = self.decode.healthy()
                     if not healthy and not self._may_wait(self.decode, migrated, give_up):
                         raise WorkerUnavailable("no healthy decode worker")
-                    claims = {w.worker_id: self._claim(w, need) for w in healthy
-                              if w.state.inflight < self.seats_per_worker}
-                    free = [w for w in healthy if claims.get(w.worker_id) is not None]
+                    free = [w for w in healthy if self._fits(w, need)]
                     if free:
                         state = self._decode_policy.choose([w.state for w in free], [])
-                        worker = next(w for w in free if w.state is state)
-                        return worker, claims[worker.worker_id]
+                        return next(w for w in free if w.state is state)
                 if not waited and len(self._line) - 1 >= self.max_queued():
                     raise Overloaded(f"server is at its capacity: {self.max_queued()} requests are queued for a "
                                      f"decode seat or the KV blocks of one")
@@ -350,9 +343,9 @@ class Coordinator:
         if self._line:
             self._line[0].set()
 
-    def _free_seat(self, worker: Worker, claimed: int) -> None:
+    def _free_seat(self, worker: Worker, request_id: str) -> None:
         worker.state.inflight -= 1
-        worker.state.num_claimed_blocks -= claimed
+        worker.state.claims.pop(request_id, None)
         self._wake_line()
 
     async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int], migrated: bool,
@@ -411,6 +404,9 @@ class Coordinator:
     async def _reserve(self, req: WorkerRequest, decode: Worker) -> None:
         try:
             await decode.actor.reserve.remote(req)
+            claim = decode.state.claims.get(req.request_id)
+            if claim is not None:  # the worker's loads asked for from now on show its blocks
+                claim.reserved_at = asyncio.get_running_loop().time()
         except NoCapacity as e:
             raise _NoRoom(f"decode worker {decode.worker_id}: {cause(e)}") from e
         except ACTOR_LOST as e:
@@ -431,16 +427,15 @@ class Coordinator:
         state = policy.choose([w.state for w in healthy], hashes)
         return next(w for w in healthy if w.state is state)
 
-    async def _abort(self, worker: Worker, request_id: str, claimed: int | None = None) -> None:
-        """Abort `request_id` on `worker`; then, where `claimed` is given, free its seat
-        there and the blocks it claimed."""
+    async def _abort(self, worker: Worker, request_id: str, free_seat: bool = False) -> None:
+        """Abort `request_id` on `worker`; then, if `free_seat`, free its seat and claim there."""
         try:
             await asyncio.wait_for(worker.actor.abort.remote(request_id), self.config.abort_timeout_s)
         except Exception:  # noqa: BLE001 - a lost worker is handled by the health loop
             logger.warning("abort of %s on %s failed", request_id, worker.worker_id)
         finally:
-            if claimed is not None:
-                self._free_seat(worker, claimed)
+            if free_seat:
+                self._free_seat(worker, request_id)
 
     # Background ----------------------------------------------------------
 
@@ -480,10 +475,11 @@ class Coordinator:
     async def _load_loop(self) -> None:
         while True:
             workers = [w for p in self.pools() for w in p.healthy()]
+            asked = asyncio.get_running_loop().time()
             loads = await asyncio.gather(*(w.actor.load.remote() for w in workers), return_exceptions=True)
             for w, load in zip(workers, loads):
                 if not isinstance(load, BaseException):
-                    w.state.load = load
+                    w.state.load, w.state.load_asked_at = load, asked
                     self.metrics.worker_load(w.role, w.worker_id, load)
-            self._wake_line()  # a replacement's first load makes its pool's blocks known
+            self._wake_line()  # blocks freed since the last load show now
             await asyncio.sleep(self.config.load_refresh_s)

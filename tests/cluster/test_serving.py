@@ -284,27 +284,27 @@ def _migrations(srv) -> float:
                if s.name.endswith("_total"))
 
 
-def test_admission_queues_for_seats_and_kv_and_refuses_beyond_the_queue_at_once(start):
-    """One decode worker with 2 running seats and a queue of 1. The first request claims
-    every KV block (its max_tokens fills the context): the second waits in the queue
+def test_admission_queues_for_seats_and_kv_and_refuses_beyond_the_queue_at_once(start, tokenizer):
+    """One decode worker of 40 KV blocks with 2 running seats and a queue of 1. The first
+    request's prompt takes 25 blocks: the second, whose prompt needs 19, waits in the queue
     although a seat is free (not refused, not run); the third would wait behind a full queue
     and is refused with RESOURCE_EXHAUSTED and a retry hint, without waiting for any work:
-    while both admitted requests still run or wait, and without joining the queue. The
-    queued one then runs, and every block on both sides comes back."""
+    while both admitted requests still run or wait, and without joining the queue. Once the
+    first ends, the queued one runs, and every block on both sides comes back."""
 
-    srv = start(pools={"mode": "disaggregated"}, engine={"scheduler": {"max_num_seqs": 2}},
+    srv = start(pools={"mode": "disaggregated"}, engine={"scheduler": {"max_num_seqs": 2}, "cache": {"num_blocks": 40}},
                 admission={"max_waiting_per_worker": 1, "retry_after_s": 2.5})
     coordinator = srv.server.coordinator
     decode = coordinator.decode.workers[0]
     assert coordinator.capacity() == 3 and coordinator.max_queued() == 1
     queued: list = []
     with Client(srv.target) as holder, Client(srv.target) as other:
-        running = holder.generate("Tell me a story.", SamplingParams(max_tokens=10**6, ignore_eos=True),
-                                  timeout_s=120)
-        next(running)  # it holds a seat, and claims the decode worker's whole pool
-        assert decode.state.num_claimed_blocks == decode.state.load.num_blocks
+        running = holder.generate(prompt_ids(tokenizer, 400, variant=29),
+                                  SamplingParams(max_tokens=10**6, ignore_eos=True), timeout_s=120)
+        next(running)  # it holds a seat and 25 of the 40 blocks, and grows into the rest
         waiter = threading.Thread(target=lambda: queued.append(
-            collect(srv.target, "One more", SamplingParams(temperature=0.0, max_tokens=4), 120)))
+            collect(srv.target, prompt_ids(tokenizer, 300, variant=31),
+                    SamplingParams(temperature=0.0, max_tokens=4), 120)))
         waiter.start()
         wait_until(lambda: coordinator.num_queued == 1 and _num_admitted(srv) == 2, 30,
                    "the second request to be admitted and queued for KV blocks")
@@ -322,7 +322,7 @@ def test_admission_queues_for_seats_and_kv_and_refuses_beyond_the_queue_at_once(
         waiter.join(120)
     assert len(queued) == 1 and len(queued[0].token_ids) == 4
     wait_until(lambda: pools_are_full(srv.target), 30, "blocks to be freed on both workers")
-    assert decode.state.num_claimed_blocks == 0 and decode.state.inflight == 0
+    assert not decode.state.claims and decode.state.inflight == 0
 
 
 def _num_admitted(srv) -> int:
