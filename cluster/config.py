@@ -84,8 +84,11 @@ class ServerConfig:
 class AdmissionConfig:
     """How many requests the server takes at once: for each healthy decode worker, its
     running seats (`engine.scheduler.max_num_seqs`) plus `max_waiting_per_worker` requests
-    queued for a seat. Beyond that a request is refused at once with RESOURCE_EXHAUSTED
-    and a retry hint of `retry_after_s` (the `grpc-retry-pushback-ms` trailer).
+    queued for a seat. A disaggregated request runs once a decode worker has a seat and the
+    free KV blocks for its prompt; until then it waits in the queue, whose length is
+    bounded by `max_waiting_per_worker` x the healthy decode workers. Beyond either bound a
+    request is refused at once with RESOURCE_EXHAUSTED and a retry hint of `retry_after_s`
+    (the `grpc-retry-pushback-ms` trailer).
     """
 
     max_waiting_per_worker: int = 128
@@ -113,6 +116,10 @@ class CoordinatorConfig:
     migration_wait_s: a request that finds no healthy worker of a role waits up to this
         long for a lost one's replacement, before UNAVAILABLE: a continued request always,
         a new one while a replacement is under way (with none, it is refused at once).
+    reserve_retries: how often a request whose decode reservation the worker refused (its
+        blocks of a request that just ended not freed yet, though the coordinator's budget
+        counts them free) takes its seat again, `load_refresh_s` later, before
+        RESOURCE_EXHAUSTED.
     """
 
     poll_wait_s: float = 0.5
@@ -121,13 +128,16 @@ class CoordinatorConfig:
     abort_timeout_s: float = 10.0
     max_migrations: int = 3
     migration_wait_s: float = 120.0
+    reserve_retries: int = 8
 
     def __post_init__(self) -> None:
+        counts = ("max_migrations", "reserve_retries")
         for f in dataclasses.fields(self):
-            if f.name != "max_migrations" and getattr(self, f.name) <= 0:
+            if f.name not in counts and getattr(self, f.name) <= 0:
                 raise ValueError(f"CoordinatorConfig.{f.name} must be > 0, got {getattr(self, f.name)}")
-        if self.max_migrations < 0:
-            raise ValueError(f"CoordinatorConfig.max_migrations must be >= 0, got {self.max_migrations}")
+        for name in counts:
+            if getattr(self, name) < 0:
+                raise ValueError(f"CoordinatorConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, slots=True)

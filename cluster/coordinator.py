@@ -1,17 +1,22 @@
 """Runs requests across the pools: route, prefill, hand KV over, stream decode tokens.
 
 One poller per decode worker long-polls its batched token deltas and fans them
-out to per-request queues. A disaggregated request waits here for a running seat on a
-decode worker (the service admits no more than `capacity()`: seats plus a bounded queue
-per worker); a colocated one queues in its worker's scheduler. Every request's cleanup (abort on the workers that
-hold it) runs in one `finally`, whether it finished, was cancelled by the
-client, hit its deadline or lost a worker. A request whose worker is lost continues on
+out to per-request queues. A disaggregated request waits here, first come first served,
+for a decode worker with a free running seat and the free KV blocks to reserve its prompt
+(`WorkerState.kv_headroom`: its last load, less the reservations that may not show in it
+yet); beyond a bounded queue
+(`max_queued()`) it is refused at once, and the service admits no more than `capacity()`
+(seats plus the queue). A colocated one queues in its worker's scheduler. Every request's
+cleanup (abort on the workers that hold it) runs in one `finally`, whether it finished, was
+cancelled by the client, hit its deadline or lost a worker; its seat and KV claim are freed
+once its abort has been. A request whose worker is lost continues on
 another (`generate`: re-prefill of its prompt plus the tokens streamed so far).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -26,7 +31,7 @@ from pdserve.cluster.config import CoordinatorConfig, RouterConfig
 from pdserve.cluster.errors import cause
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ACTOR_LOST, Pool, Worker
-from pdserve.cluster.router import LeastLoad, RoutingPolicy
+from pdserve.cluster.router import KVClaim, LeastLoad, RoutingPolicy
 from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.engine import NoCapacity
 from pdserve.engine.messages import KVTransferInfo, WorkerRequest
@@ -53,6 +58,11 @@ class TransportRefused(WorkerUnavailable):
 
 class Overloaded(Exception):
     """Every worker is full: the caller should back off (RESOURCE_EXHAUSTED)."""
+
+
+class _NoRoom(Exception):
+    """The decode worker refused a reservation that the coordinator's budget allowed (the
+    blocks of a request that just ended were not freed yet): the request takes a seat again."""
 
 
 def _continuation(req: WorkerRequest, generated: list[int], attempt: int) -> WorkerRequest:
@@ -125,10 +135,11 @@ class Coordinator:
         self.seats_per_worker = seats_per_worker  # the decode engines' max_num_seqs
         self.max_waiting_per_worker = max_waiting_per_worker
         self.config = config or CoordinatorConfig()
-        self._seat_freed = asyncio.Condition()
         self._decode_policy = LeastLoad(router)
         for pool in self.pools():
             pool.on_lost = self.on_worker_lost
+        # Requests waiting for a decode seat, in order: the head takes the next one that fits.
+        self._line: collections.deque[asyncio.Event] = collections.deque()
         self._streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []
         self._pollers: dict[str, asyncio.Task] = {}
@@ -159,6 +170,26 @@ class Coordinator:
         and a bounded queue of requests waiting for one."""
         return len(self.decode.healthy()) * (self.seats_per_worker + self.max_waiting_per_worker)
 
+    def max_queued(self) -> int:
+        """Requests that may wait for a decode seat (or the KV blocks to use one) at once."""
+        return len(self.decode.healthy()) * self.max_waiting_per_worker
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for a decode seat now."""
+        return len(self._line)
+
+    def _kv_need(self, req: WorkerRequest) -> int:
+        """KV blocks a decode worker reserves for `req`: its prompt's (the tokens it generates
+        take blocks as they come; the engine preempts where they run out, as vLLM's does)."""
+        return -(-len(req.prompt_token_ids) // self.block_size)
+
+    def _fits(self, worker: Worker, need: int) -> bool:
+        """Whether `worker` has a running seat and `need` KV blocks to reserve. A worker whose
+        load is not known yet is tried: its engine's reservation decides."""
+        headroom = worker.state.kv_headroom()
+        return worker.state.inflight < self.seats_per_worker and (headroom is None or need <= headroom)
+
     async def generate(self, req: WorkerRequest, report: RequestReport | None = None) -> AsyncIterator[TokenDelta]:
         """Yields the request's token deltas; the last one has a finish reason.
 
@@ -176,11 +207,12 @@ class Coordinator:
         the request everywhere.
         """
         generated: list[int] = []
+        num_lost = num_refused = 0
         for attempt in itertools.count():
             run = req if attempt == 0 else _continuation(req, generated, attempt)
             try:
                 # aclosing: a caller that stops early ends the attempt (and its cleanup) at once.
-                async with contextlib.aclosing(self._run(run, attempt > 0, report)) as deltas:
+                async with contextlib.aclosing(self._run(run, num_lost > 0, attempt > 0, report)) as deltas:
                     async for delta in deltas:
                         if attempt:  # the caller knows one request: its id, its prompt
                             delta = dataclasses.replace(delta, request_id=req.request_id, num_cached_tokens=0,
@@ -188,16 +220,25 @@ class Coordinator:
                         generated.extend(delta.token_ids)
                         yield delta
                 return
+            except _NoRoom as e:
+                num_refused += 1
+                if num_refused > self.config.reserve_retries:
+                    raise Overloaded(str(e)) from e
+                await asyncio.sleep(self.config.load_refresh_s)  # the worker frees them within a step
             except WorkerLost as e:
-                if attempt >= self.config.max_migrations:
+                num_lost += 1
+                if num_lost > self.config.max_migrations:
                     raise WorkerUnavailable(f"{e} (gave up after {attempt + 1} attempts)") from e
                 logger.warning("request %s: %s; continuing it elsewhere after %d tokens", req.request_id, e,
                                len(generated))
                 self.metrics.migrations.inc()
 
-    async def _run(self, req: WorkerRequest, migrated: bool, report: RequestReport | None) -> AsyncIterator[TokenDelta]:
+    async def _run(self, req: WorkerRequest, migrated: bool, retried: bool,
+                   report: RequestReport | None) -> AsyncIterator[TokenDelta]:
         """One attempt at `req` on one decode worker (and one prefill worker). Finding no
-        healthy worker of a role, it waits (`_may_wait`) for a lost one's replacement."""
+        healthy worker of a role, it waits (`_may_wait`) for a lost one's replacement. A
+        `retried` request (one that lost its worker or its reservation) waits for a seat at
+        the head of the queue."""
         rid = req.request_id
         started = time.perf_counter()
         hops: dict[str, float] = {} if report is None or migrated else report.hops
@@ -206,7 +247,9 @@ class Coordinator:
         if self.prefill is None:
             decode = await self._pick_waiting(self.decode, [], self._decode_policy, migrated, give_up)
         else:
-            decode = await self._take_seat(migrated, give_up)
+            need = self._kv_need(req)
+            decode = await self._take_seat(need, retried, migrated, give_up)
+            decode.state.claims[rid] = KVClaim(need)  # no await since the choice
         hops["seat"] = time.perf_counter() - started
         if decode.worker_id not in self._pollers:  # a replacement: do not wait for the health loop
             self._start_poller(decode)
@@ -242,7 +285,6 @@ class Coordinator:
                 if finished:
                     return
         finally:
-            decode.state.inflight -= 1
             del self._streams[rid]
             if admitting is not None and not admitting.done():
                 # The abort must reach the decode worker after the admit, not overtake it.
@@ -250,9 +292,10 @@ class Coordinator:
                 if admitting.done() and not admitting.cancelled() and admitting.exception() is not None:
                     logger.info("request %s: admit after its end failed: %s", rid, admitting.exception())
             if not finished and decode.state.healthy:
-                asyncio.ensure_future(self._abort(decode, rid))
-            async with self._seat_freed:
-                self._seat_freed.notify()
+                # Its seat and blocks are the worker's until the abort has freed them there.
+                asyncio.ensure_future(self._abort(decode, rid, free_seat=True))
+            else:
+                self._free_seat(decode, rid)
 
     def _may_wait(self, pool: Pool, migrated: bool, give_up: float) -> bool:
         """Whether a request finding no healthy worker in `pool` waits on: until `give_up`
@@ -261,21 +304,49 @@ class Coordinator:
         begun yet). With nothing being replaced a new request is refused at once."""
         return (migrated or pool.replacing > 0) and asyncio.get_running_loop().time() < give_up
 
-    async def _take_seat(self, migrated: bool, give_up: float) -> Worker:
-        """A decode worker with a free running seat; waits for one (in arrival order). The
-        wait re-checks now and then, so that a replaced worker's seats are found too. With
-        no healthy decode worker, waits while `_may_wait`, then WorkerUnavailable."""
-        async with self._seat_freed:
+    async def _take_seat(self, need: int, front: bool, migrated: bool, give_up: float) -> Worker:
+        """A decode worker with a free running seat and `need` KV blocks to reserve (`_fits`).
+        Requests wait for one in arrival order (`front`: ahead
+        of all, a retried one); one that would wait behind `max_queued()` others is refused
+        at once (Overloaded). The head re-checks whenever a seat or blocks are freed, the
+        load is read, or `config.seat_recheck_s` passed (a replaced worker's seats). With no
+        healthy decode worker, waits while `_may_wait`, then WorkerUnavailable."""
+        me = asyncio.Event()
+        if front:
+            self._line.appendleft(me)
+        else:
+            self._line.append(me)
+        waited = front  # a retried request is never refused
+        try:
             while True:
-                healthy = self.decode.healthy()
-                if not healthy and not self._may_wait(self.decode, migrated, give_up):
-                    raise WorkerUnavailable("no healthy decode worker")
-                free = [w for w in healthy if w.state.inflight < self.seats_per_worker]
-                if free:
-                    state = self._decode_policy.choose([w.state for w in free], [])
-                    return next(w for w in free if w.state is state)
+                if self._line[0] is me:
+                    healthy = self.decode.healthy()
+                    if not healthy and not self._may_wait(self.decode, migrated, give_up):
+                        raise WorkerUnavailable("no healthy decode worker")
+                    free = [w for w in healthy if self._fits(w, need)]
+                    if free:
+                        state = self._decode_policy.choose([w.state for w in free], [])
+                        return next(w for w in free if w.state is state)
+                if not waited and len(self._line) - 1 >= self.max_queued():
+                    raise Overloaded(f"server is at its capacity: {self.max_queued()} requests are queued for a "
+                                     f"decode seat or the KV blocks of one")
+                waited = True
+                me.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._seat_freed.wait(), self.config.seat_recheck_s)
+                    await asyncio.wait_for(me.wait(), self.config.seat_recheck_s)
+        finally:
+            self._line.remove(me)
+            self._wake_line()
+
+    def _wake_line(self) -> None:
+        """Have the request at the head of the queue look for a seat again."""
+        if self._line:
+            self._line[0].set()
+
+    def _free_seat(self, worker: Worker, request_id: str) -> None:
+        worker.state.inflight -= 1
+        worker.state.claims.pop(request_id, None)
+        self._wake_line()
 
     async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int], migrated: bool,
                        give_up: float, report: RequestReport | None,
@@ -333,8 +404,11 @@ class Coordinator:
     async def _reserve(self, req: WorkerRequest, decode: Worker) -> None:
         try:
             await decode.actor.reserve.remote(req)
+            claim = decode.state.claims.get(req.request_id)
+            if claim is not None:  # the worker's loads asked for from now on show its blocks
+                claim.reserved_at = asyncio.get_running_loop().time()
         except NoCapacity as e:
-            raise Overloaded(cause(e)) from e
+            raise _NoRoom(f"decode worker {decode.worker_id}: {cause(e)}") from e
         except ACTOR_LOST as e:
             await self.decode.replace(decode)
             raise WorkerLost(f"decode worker {decode.worker_id} was lost") from e
@@ -353,11 +427,15 @@ class Coordinator:
         state = policy.choose([w.state for w in healthy], hashes)
         return next(w for w in healthy if w.state is state)
 
-    async def _abort(self, worker: Worker, request_id: str) -> None:
+    async def _abort(self, worker: Worker, request_id: str, free_seat: bool = False) -> None:
+        """Abort `request_id` on `worker`; then, if `free_seat`, free its seat and claim there."""
         try:
             await asyncio.wait_for(worker.actor.abort.remote(request_id), self.config.abort_timeout_s)
         except Exception:  # noqa: BLE001 - a lost worker is handled by the health loop
             logger.warning("abort of %s on %s failed", request_id, worker.worker_id)
+        finally:
+            if free_seat:
+                self._free_seat(worker, request_id)
 
     # Background ----------------------------------------------------------
 
@@ -397,9 +475,11 @@ class Coordinator:
     async def _load_loop(self) -> None:
         while True:
             workers = [w for p in self.pools() for w in p.healthy()]
+            asked = asyncio.get_running_loop().time()
             loads = await asyncio.gather(*(w.actor.load.remote() for w in workers), return_exceptions=True)
             for w, load in zip(workers, loads):
                 if not isinstance(load, BaseException):
-                    w.state.load = load
+                    w.state.load, w.state.load_asked_at = load, asked
                     self.metrics.worker_load(w.role, w.worker_id, load)
+            self._wake_line()  # blocks freed since the last load show now
             await asyncio.sleep(self.config.load_refresh_s)

@@ -78,7 +78,9 @@ class Frontend:
     def check_capacity(self, num_requests: int = 1) -> None:
         """Raise RequestFailed(RESOURCE_EXHAUSTED, with a retry hint) unless `num_requests` more
         fit the pools' capacity (`Coordinator.capacity()`: the healthy decode workers' running
-        seats plus their bounded waiting queues)."""
+        seats plus their bounded waiting queues). A request admitted here may still be refused
+        (Overloaded) by the coordinator's queue for a decode seat, where requests also wait
+        for KV blocks: at most `Coordinator.max_queued()` wait there."""
         capacity = self.coordinator.capacity()
         # No healthy decode worker is not a full server: the coordinator answers UNAVAILABLE.
         if capacity and self.inflight + num_requests > capacity:
@@ -109,9 +111,9 @@ class Frontend:
         except TimeoutError as e:
             status = Status.DEADLINE_EXCEEDED
             raise RequestFailed(status, f"request exceeded its deadline of {timeout:.1f} s") from e
-        except Overloaded as e:
+        except Overloaded as e:  # its queue for a decode seat is full, or a worker refused it
             status = Status.RESOURCE_EXHAUSTED
-            raise failed(status, e) from e
+            raise RequestFailed(status, f"{cause(e)}; retry in {self.retry_after_s:g} s", self.retry_after_s) from e
         except TransportRefused as e:
             status = Status.FAILED_PRECONDITION
             raise failed(status, e) from e

@@ -18,6 +18,14 @@ from pdserve.engine.outputs import EngineLoad
 
 
 @dataclass(slots=True)
+class KVClaim:
+    """The KV blocks a request seated on a decode worker reserves there (its prompt's)."""
+
+    num_blocks: int
+    reserved_at: float | None = None  # when the worker confirmed the reservation (event-loop time)
+
+
+@dataclass(slots=True)
 class WorkerState:
     """What the router knows of one worker."""
 
@@ -25,7 +33,22 @@ class WorkerState:
     load: EngineLoad | None = None
     healthy: bool = True
     inflight: int = 0  # requests placed here and not yet finished, counted by the frontend
+    load_asked_at: float = 0.0  # when `load` was asked for (event-loop time)
+    # Decode seats taken here, by request id: the KV blocks each reserves (Coordinator._take_seat).
+    claims: dict[str, KVClaim] = field(default_factory=dict)
     cached_hashes: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+    def kv_headroom(self) -> int | None:
+        """Blocks a new decode reservation may take here (None: no load reported yet): the
+        free ones in the load, less the block of headroom the engine keeps per sequence it
+        runs or receives, less the claims that the load may not show yet (confirmed after
+        it was asked for) and their headroom."""
+        load = self.load
+        if load is None:
+            return None
+        unseen = sum(c.num_blocks + 1 for c in self.claims.values()
+                     if c.reserved_at is None or c.reserved_at >= self.load_asked_at)
+        return load.num_free_blocks - load.num_running - load.num_receiving - unseen
 
     def score(self, weights: RouterConfig) -> float:
         """Lower is less loaded: requests in flight, queued work and KV pressure (see RouterConfig)."""

@@ -107,6 +107,9 @@ def test_full_server_answers_resource_exhausted_promptly(start):
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "capacity of 2 concurrent requests" in err.value.details()
     assert ("grpc-retry-pushback-ms", "1000") in tuple(err.value.trailing_metadata())
+    # Answered without waiting for work: both admitted requests still run or wait, and the
+    # refused one was never admitted.
+    assert not any(call.done() for call in calls) and srv.server.frontend.inflight == 2
     for call in calls:
         call.cancel()
     for c in clients:

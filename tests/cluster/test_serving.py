@@ -133,16 +133,19 @@ def assert_invalid(target: str, req: pb.GenerateRequest, words: str) -> None:
     assert collect(target, "Hi", SamplingParams(temperature=0.0, max_tokens=2)).token_ids
 
 
-def test_a_stream_whose_decode_worker_is_sigkilled_continues_on_its_replacement(disaggregated, engine):
+def test_a_stream_whose_decode_worker_is_sigkilled_continues_on_its_replacement(disaggregated, engine, tokenizer):
     """The decode worker's process is SIGKILLed mid-stream: the request continues (prompt
     plus the tokens streamed so far prefilled again) on the lost worker's replacement, the
-    only decode worker there is; the client's stream has exactly the undisturbed run's tokens."""
+    only decode worker there is; the client's stream has exactly the undisturbed run's tokens.
+    The prefill worker still caches the prompt's full blocks: the re-prefill finds them
+    (they are sent again, not recomputed)."""
     import ray
 
     coordinator = disaggregated.server.coordinator
-    prompt, params = "Tell me a very long story.", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    prompt, params = prompt_ids(tokenizer, 100, variant=19), SamplingParams(temperature=0.0, max_tokens=200,
+                                                                            ignore_eos=True)
     want = engine.generate([prompt], params)[0].token_ids
-    victim = coordinator.decode.workers[0]
+    victim, prefill = coordinator.decode.workers[0], coordinator.prefill.workers[0]
     pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
     before = _migrations(disaggregated)
     got: list[int] = []
@@ -150,12 +153,68 @@ def test_a_stream_whose_decode_worker_is_sigkilled_continues_on_its_replacement(
         for resp in client.generate(prompt, params, timeout_s=300):
             got.extend(resp.token_ids)
             if len(got) >= 4 and victim.state.healthy and pid:
+                hits = _prefix_hit_tokens(prefill)  # the first prefill is done
                 os.kill(pid, signal.SIGKILL)
                 pid = 0
             finish = resp.finish_reason
     assert got == want and finish == pb.FINISH_REASON_LENGTH
     assert _migrations(disaggregated) == before + 1
     assert coordinator.decode.workers[0] is not victim and coordinator.decode.workers[0].state.healthy
+    assert _prefix_hit_tokens(prefill) - hits == 16 * (len(prompt) // 16)  # every full block of the prompt
+    wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
+
+
+def _prefix_hit_tokens(worker) -> int:
+    """Prompt tokens `worker`'s engine has found in its prefix cache so far."""
+    import ray
+
+    return ray.get(worker.actor.load.remote(), timeout=60).prefix_hit_tokens
+
+
+def test_a_decode_worker_killed_while_kv_is_sent_to_it_is_fenced_and_the_request_migrates(
+        disaggregated, engine, tokenizer):
+    """The decode worker has reserved a long prompt's blocks and the prefill worker, which
+    computes it, has addressed its KV to that worker's incarnation, when the decode
+    worker's process is SIGKILLed. The transfer to the dead incarnation fails and is not
+    reported; the request migrates to the replacement (a new incarnation) and streams the
+    undisturbed run's tokens, its re-prefill served from the prefill worker's prefix cache.
+    The prefill worker is not wedged (not replaced, the next request runs) and every block
+    on every worker is free afterwards."""
+    import ray
+
+    coordinator = disaggregated.server.coordinator
+    prompt = prompt_ids(tokenizer, 1500, variant=23)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = engine.generate([prompt], params)[0].token_ids
+    victim, prefill = coordinator.decode.workers[0], coordinator.prefill.workers[0]
+    pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    before, hits = _migrations(disaggregated), _prefix_hit_tokens(prefill)
+    responses: list = []
+
+    def run() -> None:
+        with Client(disaggregated.target) as client:
+            responses.extend(client.generate(prompt, params, timeout_s=600))
+
+    waiter = threading.Thread(target=run)
+    waiter.start()
+    wait_until(lambda: prefill.state.inflight == 1
+               and ray.get(victim.actor.load.remote(), timeout=30).num_receiving == 1, 60,
+               "the decode worker to expect the KV that the prefill worker computes")
+    os.kill(pid, signal.SIGKILL)
+    waiter.join(600)
+    assert not waiter.is_alive(), "the request hung"
+    assert [t for r in responses for t in r.token_ids] == want
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(responses[-1].kv_transfers) == 1  # to the replacement only
+    fresh = coordinator.decode.workers[0]
+    assert fresh is not victim and fresh.state.healthy
+    assert fresh.address.incarnation and fresh.address.incarnation != victim.address.incarnation
+    assert _migrations(disaggregated) == before + 1
+    assert _prefix_hit_tokens(prefill) - hits >= 16 * ((len(prompt) - 1) // 16)
+    assert coordinator.prefill.workers[0] is prefill and prefill.state.healthy and prefill.state.inflight == 0
+    short = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    assert collect(disaggregated.target, "Name three colours.", short).token_ids == \
+        engine.generate(["Name three colours."], short)[0].token_ids
     wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
 
 
@@ -225,36 +284,45 @@ def _migrations(srv) -> float:
                if s.name.endswith("_total"))
 
 
-def test_admission_queues_up_to_capacity_and_refuses_beyond_it_at_once(start):
-    """One decode worker with 1 running seat and a queue of 1: a capacity of 2. The second
-    request waits for the seat (no refusal although the seat is taken), the third is
-    refused at once with RESOURCE_EXHAUSTED and a retry hint; the queued one then runs, and
-    every block on both sides comes back."""
+def test_admission_queues_for_seats_and_kv_and_refuses_beyond_the_queue_at_once(start, tokenizer):
+    """One decode worker of 40 KV blocks with 2 running seats and a queue of 1. The first
+    request's prompt takes 25 blocks: the second, whose prompt needs 19, waits in the queue
+    although a seat is free (not refused, not run); the third would wait behind a full queue
+    and is refused with RESOURCE_EXHAUSTED and a retry hint, without waiting for any work:
+    while both admitted requests still run or wait, and without joining the queue. Once the
+    first ends, the queued one runs, and every block on both sides comes back."""
 
-    srv = start(pools={"mode": "disaggregated"}, engine={"scheduler": {"max_num_seqs": 1}},
+    srv = start(pools={"mode": "disaggregated"}, engine={"scheduler": {"max_num_seqs": 2}, "cache": {"num_blocks": 40}},
                 admission={"max_waiting_per_worker": 1, "retry_after_s": 2.5})
     coordinator = srv.server.coordinator
-    assert coordinator.capacity() == 2
+    decode = coordinator.decode.workers[0]
+    assert coordinator.capacity() == 3 and coordinator.max_queued() == 1
     queued: list = []
     with Client(srv.target) as holder, Client(srv.target) as other:
-        running = holder.generate("Tell me a story.", SamplingParams(max_tokens=2000, ignore_eos=True),
-                                  timeout_s=120)
-        next(running)  # it holds the decode worker's only seat
+        running = holder.generate(prompt_ids(tokenizer, 400, variant=29),
+                                  SamplingParams(max_tokens=10**6, ignore_eos=True), timeout_s=120)
+        next(running)  # it holds a seat and 25 of the 40 blocks, and grows into the rest
         waiter = threading.Thread(target=lambda: queued.append(
-            collect(srv.target, "One more", SamplingParams(temperature=0.0, max_tokens=4), 120)))
+            collect(srv.target, prompt_ids(tokenizer, 300, variant=31),
+                    SamplingParams(temperature=0.0, max_tokens=4), 120)))
         waiter.start()
-        wait_until(lambda: len(coordinator._streams) == 1 and _num_admitted(srv) == 2, 30,
-                   "the second request to be admitted and queued for a seat")
+        wait_until(lambda: coordinator.num_queued == 1 and _num_admitted(srv) == 2, 30,
+                   "the second request to be admitted and queued for KV blocks")
+        assert decode.state.inflight == 1 < coordinator.seats_per_worker  # a seat is free: it waits for KV
         with pytest.raises(grpc.RpcError) as err:
             list(other.generate("A third", SamplingParams(max_tokens=4), timeout_s=30))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "capacity of 2 concurrent requests" in err.value.details()
+        assert "1 requests are queued" in err.value.details() and "retry in 2.5 s" in err.value.details()
         assert ("grpc-retry-pushback-ms", "2500") in tuple(err.value.trailing_metadata())
-        assert waiter.is_alive() and not queued  # still waiting, not refused
+        # Refused without waiting for work: the first still streams, the second still waits,
+        # and the third left nothing behind (the queue holds the second alone).
+        assert not next(running).finish_reason
+        assert waiter.is_alive() and not queued and coordinator.num_queued == 1 and _num_admitted(srv) == 2
         running.cancel()
         waiter.join(120)
     assert len(queued) == 1 and len(queued[0].token_ids) == 4
     wait_until(lambda: pools_are_full(srv.target), 30, "blocks to be freed on both workers")
+    assert not decode.state.claims and decode.state.inflight == 0
 
 
 def _num_admitted(srv) -> int:

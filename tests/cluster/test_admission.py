@@ -1,0 +1,122 @@
+"""The coordinator's queue for decode seats (cluster/coordinator.py), without Ray: a request
+waits for a running seat and the free KV blocks to reserve its prompt, first come first
+served; one that would wait behind a full queue is refused without waiting for anything."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.cluster.coordinator import Coordinator, Overloaded
+from pdserve.cluster.metrics import Metrics
+from pdserve.cluster.pools import Pool, Worker
+from pdserve.cluster.router import KVClaim, RoundRobin, WorkerState
+from pdserve.engine.messages import WorkerRequest
+from pdserve.engine.outputs import EngineLoad
+from pdserve.engine.sampling import SamplingParams
+
+BLOCK = 16
+
+
+def _load(num_free_blocks: int, num_blocks: int = 10, num_running: int = 0) -> EngineLoad:
+    return EngineLoad(num_running=num_running, num_waiting=0, num_receiving=0, num_held=0, queued_prefill_tokens=0,
+                      num_free_blocks=num_free_blocks, num_blocks=num_blocks, prefix_queried_tokens=0,
+                      prefix_hit_tokens=0, num_preemptions=0)
+
+
+def _coordinator(num_blocks: int = 10, seats: int = 4, max_waiting: int = 2) -> Coordinator:
+    prefill, decode = Pool("prefill", 1, None), Pool("decode", 1, None)
+    prefill.workers = [Worker("prefill", None, WorkerState("prefill-0"), None)]
+    decode.workers = [Worker("decode", None, WorkerState("decode-0", load=_load(num_blocks, num_blocks)), None)]
+    return Coordinator(prefill, decode, RoundRobin(), BLOCK, Metrics(), seats, max_waiting)
+
+
+async def _seat(c: Coordinator, rid: str, need: int, front: bool = False) -> Worker:
+    """What `_run` does with a seat: take it and claim the blocks."""
+    worker = await c._take_seat(need, front, False, asyncio.get_running_loop().time() + 60)
+    worker.state.inflight += 1
+    worker.state.claims[rid] = KVClaim(need)
+    return worker
+
+
+async def _settle() -> None:
+    """Let every task that can run do so (a wake passes through a few tasks' turns)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+def test_a_request_reserves_its_prompts_blocks():
+    req = WorkerRequest("r", tuple(range(33)), SamplingParams(max_tokens=100))
+    assert _coordinator()._kv_need(req) == 3
+
+
+def test_kv_headroom_is_the_load_less_the_reservations_it_may_not_show():
+    state = WorkerState("decode-0", load=_load(10, num_running=1), load_asked_at=5.0)
+    state.claims = {"seen": KVClaim(3, reserved_at=4.0), "after": KVClaim(2, reserved_at=6.0), "pending": KVClaim(1)}
+    # One block of headroom per running sequence (the engine's), the two unseen claims and theirs.
+    assert state.kv_headroom() == 10 - 1 - (2 + 1) - (1 + 1)
+    assert WorkerState("decode-1").kv_headroom() is None
+
+
+def test_a_request_the_kv_left_cannot_hold_waits_and_only_one_beyond_the_queue_is_refused():
+    async def scenario() -> None:
+        c = _coordinator(num_blocks=10, seats=4, max_waiting=2)
+        worker = await _seat(c, "a", 6)  # seats are still free, but only 10 - (6 + 1) blocks
+        big = asyncio.create_task(_seat(c, "b", 6))
+        small = asyncio.create_task(_seat(c, "c", 2))  # it would fit, but waits its turn behind `big`
+        await _settle()
+        assert not big.done() and not small.done() and c.num_queued == 2
+
+        # The queue (2 per decode worker) is full: refused before its coroutine waits once.
+        coro = c._take_seat(1, False, False, asyncio.get_running_loop().time() + 60)
+        with pytest.raises(Overloaded, match="2 requests are queued"):
+            coro.send(None)
+        assert c.num_queued == 2 and not big.done() and not small.done()
+
+        c._free_seat(worker, "a")
+        await _settle()
+        assert big.done() and small.done()  # both fit now, (6 + 1) + (2 + 1) of 10, in their order
+        assert set(worker.state.claims) == {"b", "c"} and worker.state.inflight == 2 and c.num_queued == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_request_takes_the_blocks_a_new_load_shows_free():
+    async def scenario() -> None:
+        c = _coordinator(num_blocks=10)
+        worker = await _seat(c, "a", 6)
+        worker.state.claims["a"].reserved_at = 1.0
+        worker.state.load, worker.state.load_asked_at = _load(2, num_running=1), 2.0  # "a" shows in it
+        waiting = asyncio.create_task(_seat(c, "b", 4))
+        await _settle()
+        assert not waiting.done()
+        c._free_seat(worker, "a")  # its blocks are freed on the worker; the load does not show it yet
+        await _settle()
+        assert not waiting.done()
+        worker.state.load, worker.state.load_asked_at = _load(10), 3.0
+        c._wake_line()  # what the load loop does after each read
+        await _settle()
+        assert waiting.done()
+
+    asyncio.run(scenario())
+
+
+def test_seats_bound_the_batch_and_a_retried_request_goes_first():
+    async def scenario() -> None:
+        c = _coordinator(num_blocks=100, seats=1, max_waiting=1)
+        worker = await _seat(c, "a", 2)
+        waiting = asyncio.create_task(_seat(c, "b", 2))
+        await _settle()
+        assert not waiting.done()
+        retried = asyncio.create_task(_seat(c, "c", 2, front=True))  # never refused, and ahead of the queue
+        await _settle()
+        assert not retried.done() and c.num_queued == 2
+        c._free_seat(worker, "a")
+        await _settle()
+        assert retried.done() and not waiting.done()
+        waiting.cancel()
+        await _settle()
+        assert c.num_queued == 0
+
+    asyncio.run(scenario())
