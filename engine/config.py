@@ -73,6 +73,9 @@ class CacheConfig:
         activations and logits of the largest step.
     cpu_kv_cache_gib: KV pool size on the CPU when num_blocks is None.
     enable_prefix_caching: share identical prefix blocks between sequences.
+    kv_copy_wait_s: bound on waiting for a KV copy into this engine's blocks (its CUDA event)
+        before they are freed: a copy from a process that died may never complete, and the
+        engine thread must keep serving.
     """
 
     block_size: int = 16
@@ -81,6 +84,7 @@ class CacheConfig:
     activation_reserve_gib: float = 2.0
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    kv_copy_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -93,6 +97,8 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
         if self.activation_reserve_gib < 0:
             raise ValueError(f"CacheConfig.activation_reserve_gib must be >= 0, got {self.activation_reserve_gib}")
+        if not self.kv_copy_wait_s > 0:
+            raise ValueError(f"CacheConfig.kv_copy_wait_s must be > 0, got {self.kv_copy_wait_s}")
 
 
 @dataclass(frozen=True, slots=True)
