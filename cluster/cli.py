@@ -212,13 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
         POLICIES,
         AdmissionConfig,
         CoordinatorConfig,
-        KVTransportSettings,
         PoolConfig,
     )
     from pdserve.cluster.credentials import add_credential_args
-    from pdserve.kv_transport.config import TRANSPORT_CLASSES
+    from pdserve.kv_transport.config import TRANSPORT_CLASSES, TransportSettings
 
-    admission, coordinator, kv, pools = AdmissionConfig(), CoordinatorConfig(), KVTransportSettings(), PoolConfig()
+    admission, coordinator, kv, pools = AdmissionConfig(), CoordinatorConfig(), TransportSettings(), PoolConfig()
 
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")

@@ -21,7 +21,7 @@ from pdserve.engine.config import (
     WorkerConfig,
 )
 from pdserve.engine.loop import LoopConfig
-from pdserve.kv_transport.config import TRANSPORT_CLASSES
+from pdserve.kv_transport.config import TransportSettings
 
 MODES = ("disaggregated", "colocated")
 POLICIES = ("prefix_aware", "least_load", "round_robin")
@@ -249,59 +249,12 @@ class RayConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class KVTransportSettings:
-    """Transport settings without the secret, which comes from $PDSERVE_CLUSTER_SECRET
-    (or is generated for a local cluster) and never from a file in the repo.
-
-    transfer_timeout_s: bound on a KV transfer, measured from the sender's last sign of
-        life (a prefill worker keeps its requests' waits alive while it computes them, so
-        a prefill longer than this does not fail its transfer). See TransportConfig.
-    allowed_transports: the transport classes KV may travel over (TRANSPORT_CLASSES:
-        cuda_ipc, rdma, shm, tcp).
-    require: the slowest transport a pair of workers may use: "cuda_ipc" (GPU to GPU on one
-        host, NVLink or PCIe), "rdma", "shm" (one host's shared memory), "tcp", or "any"
-        (whatever `allowed_transports` allows). A pair that reaches each other only over a
-        slower one is refused when it connects, and its requests fail with
-        FAILED_PRECONDITION naming the transport found, rather than being served slowly.
-    """
-
-    transfer_timeout_s: float = 30.0
-    connect_timeout_s: float = 5.0
-    allowed_transports: tuple[str, ...] = TRANSPORT_CLASSES
-    direct_writes: bool = True  # same-host GPUs: copy blocks straight into the decode pool (CUDA IPC)
-    require: str = "any"
-
-    def __post_init__(self) -> None:
-        if self.transfer_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ValueError("KVTransportSettings timeouts must be > 0")
-        object.__setattr__(self, "allowed_transports", tuple(self.allowed_transports))
-        unknown = sorted(set(self.allowed_transports) - set(TRANSPORT_CLASSES))
-        if not self.allowed_transports or unknown:
-            raise ValueError(f"kv_transport.allowed_transports must be some of {list(TRANSPORT_CLASSES)}, "
-                             f"got {list(self.allowed_transports)}")
-        if self.require not in ("any", *TRANSPORT_CLASSES):
-            raise ValueError(f"kv_transport.require must be 'any' or one of {list(TRANSPORT_CLASSES)}, "
-                             f"got {self.require!r}")
-        if not self.transports:
-            raise ValueError(f"kv_transport.require {self.require!r} leaves none of allowed_transports "
-                             f"{list(self.allowed_transports)}")
-
-    @property
-    def transports(self) -> frozenset[str]:
-        """The transport classes a pair may use: those allowed, as fast as `require` or faster."""
-        if self.require == "any":
-            return frozenset(self.allowed_transports)
-        fast_enough = TRANSPORT_CLASSES[: TRANSPORT_CLASSES.index(self.require) + 1]  # fastest first
-        return frozenset(self.allowed_transports) & frozenset(fast_enough)
-
-
-@dataclass(frozen=True, slots=True)
 class ServeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     pools: PoolConfig = field(default_factory=PoolConfig)
     ray: RayConfig = field(default_factory=RayConfig)
-    kv_transport: KVTransportSettings = field(default_factory=KVTransportSettings)
+    kv_transport: TransportSettings = field(default_factory=TransportSettings)
     health: HealthConfig = field(default_factory=HealthConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
@@ -373,7 +326,7 @@ def client_auth(server: ServerConfig) -> ClientAuth:
 
 
 _SECTIONS: dict[str, type] = {
-    "server": ServerConfig, "pools": PoolConfig, "ray": RayConfig, "kv_transport": KVTransportSettings,
+    "server": ServerConfig, "pools": PoolConfig, "ray": RayConfig, "kv_transport": TransportSettings,
     "health": HealthConfig, "admission": AdmissionConfig, "coordinator": CoordinatorConfig,
     "router": RouterConfig, "worker": WorkerConfig, "loop": LoopConfig,
 }
