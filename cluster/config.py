@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from pdserve.engine import env
 from pdserve.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -25,8 +25,8 @@ from pdserve.kv_transport.config import TransportSettings
 
 MODES = ("disaggregated", "colocated")
 POLICIES = ("prefix_aware", "least_load", "round_robin")
-SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
-API_KEY_ENV = "PDSERVE_API_KEY"
+SECRET_ENV = env.CLUSTER_SECRET
+API_KEY_ENV = env.API_KEY
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +271,7 @@ class ServeConfig:
 
 def cluster_secret() -> bytes:
     """The secret workers authenticate each other with: $PDSERVE_CLUSTER_SECRET, or a fresh random one."""
-    value = os.environ.get(SECRET_ENV)
+    value = env.read(SECRET_ENV)
     if value:
         if len(value.encode()) < 16:
             raise ValueError(f"${SECRET_ENV} must be at least 16 bytes")
@@ -321,7 +321,7 @@ def client_auth(server: ServerConfig) -> ClientAuth:
     if server.api_key_file:
         token: str | None = read(server.api_key_file, "API key file (server.api_key_file)").decode().strip()
     else:
-        token = os.environ.get(API_KEY_ENV) or None
+        token = env.read(API_KEY_ENV) or None
     return ClientAuth(cert, key, token, client_ca)
 
 

