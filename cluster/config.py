@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 import secrets
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -84,8 +88,10 @@ class ServerConfig:
 class AdmissionConfig:
     """How many requests the server takes at once: for each healthy decode worker, its
     running seats (`engine.scheduler.max_num_seqs`) plus `max_waiting_per_worker` requests
-    queued for a seat. Beyond that a request is refused at once with RESOURCE_EXHAUSTED
-    and a retry hint of `retry_after_s` (the `grpc-retry-pushback-ms` trailer).
+    queued for a seat. Beyond that a request is refused at once with RESOURCE_EXHAUSTED.
+
+    max_waiting_per_worker: requests queued per decode worker beyond its running seats.
+    retry_after_s: the retry hint of a refused request (the `grpc-retry-pushback-ms` trailer).
     """
 
     max_waiting_per_worker: int = 128
@@ -186,10 +192,14 @@ class PoolConfig:
 class RouterConfig:
     """How the router weighs a worker's load. Its score (lower wins) is its requests in
     flight + `kv_usage_weight` x the used fraction of its KV blocks + its queued prefill
-    tokens / `queued_tokens_per_request`. Prefix-aware routing (`pools.routing`) takes the
-    worker with the longest cached prefix of the prompt unless its score exceeds the least
-    loaded worker's by more than `max_imbalance`, and remembers up to
-    `max_hashes_per_worker` block hashes per worker.
+    tokens / `queued_tokens_per_request`.
+
+    kv_usage_weight: what a worker's fully used KV pool adds to its score.
+    queued_tokens_per_request: queued prefill tokens that weigh as much as one request.
+    max_imbalance: prefix-aware routing (`pools.routing`) takes the worker with the longest
+        cached prefix of the prompt unless its score exceeds the least loaded worker's by
+        more than this.
+    max_hashes_per_worker: block hashes the prefix-aware router remembers per worker.
     """
 
     kv_usage_weight: float = 4.0
@@ -238,7 +248,12 @@ class HealthConfig:
 
 @dataclass(frozen=True, slots=True)
 class RayConfig:
-    """address: None starts a local Ray cluster; "auto" or host:port joins one."""
+    """The Ray cluster the pools run on.
+
+    address: None starts a local Ray cluster; "auto" or host:port joins one.
+    node_ip_address: the address this node is known by in Ray (127.0.0.1: a local
+        cluster on loopback only; a pod's IP in Kubernetes).
+    """
 
     address: str | None = None
     node_ip_address: str = "127.0.0.1"
@@ -267,6 +282,101 @@ class ServeConfig:
         size = self.pools.tp(role, self.engine)
         return dataclasses.replace(self.engine, parallel=dataclasses.replace(self.engine.parallel,
                                                                               tensor_parallel_size=size))
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigField:
+    """One leaf field of the serve config: what values.schema.json and `pdserve serve`'s
+    flags are checked against and made from.
+
+    path: its dotted name, as in the YAML (`engine.model.source`).
+    section: the frozen dataclass that declares it.
+    kind: its annotation, resolved (`int | None`, `frozenset[str]`, ...).
+    default: its default (a default factory's value).
+    doc: its entry in the section's docstring.
+    """
+
+    path: str
+    section: type
+    kind: Any
+    default: Any
+    doc: str
+
+    @property
+    def name(self) -> str:
+        return self.path.rpartition(".")[2]
+
+
+def config_fields(cls: type = ServeConfig, prefix: str = "") -> list[ConfigField]:
+    """Every leaf field of the config `cls` (the serve config unless told), in declaration
+    order: dataclasses.fields from `cls` down, a dataclass-typed field being a section."""
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    leaves: list[ConfigField] = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            leaves += config_fields(kind, f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        leaves.append(ConfigField(prefix + f.name, cls, kind, default, docs.get(f.name, "")))
+    return leaves
+
+
+# "name: what it is" (or "a/b: ..." and "a, b: ..." for fields described together), at any
+# indent (Google-style `Attributes:` too); more indented lines below it continue it.
+_DOC_ENTRY = re.compile(r"^( *)([A-Za-z_]\w*(?:(?:/|, )[A-Za-z_]\w*)*): (.+)$")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's entry in the docstring of the config dataclass `cls`, its lines joined."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    docs: dict[str, str] = {}
+    entry: list[str] = []
+    indent = 0
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
+        m = _DOC_ENTRY.match(line)
+        if m and set(re.split("/|, ", m[2])) <= names:
+            entry, indent = re.split("/|, ", m[2]), len(m[1])
+            docs.update(dict.fromkeys(entry, m[3].strip()))
+        elif entry and line.strip() and len(line) - len(line.lstrip()) > indent:
+            for name in entry:
+                docs[name] += " " + line.strip()
+        else:
+            entry = []
+    return docs
+
+
+Config = TypeVar("Config")
+
+
+def with_values(config: Config, values: dict[str, Any], name: Callable[[str], str] = str) -> Config:
+    """`config` (a ServeConfig, or any config dataclass) with the fields named by dotted path
+    replaced, e.g. {"server.port": 1, "engine.model.source": "dummy:tiny"}. Each section that
+    changes is validated again; a bad value is a ValueError that names the fields to blame
+    by `name(path)` (say, the flags that gave them)."""
+    return _with_values(config, values, "", name)
+
+
+def _with_values(config: Any, values: dict[str, Any], prefix: str, name: Callable[[str], str]) -> Any:
+    fields = {f.name for f in dataclasses.fields(config)}
+    leaves: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for path, value in values.items():
+        head, dot, rest = path.partition(".")
+        if head not in fields or bool(dot) != dataclasses.is_dataclass(getattr(config, head)):
+            raise ValueError(f"{name(prefix + path)}: no such config field {prefix + path!r}")
+        if dot:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            leaves[head] = value
+    changes = {head: _with_values(getattr(config, head), sub, f"{prefix}{head}.", name)
+               for head, sub in nested.items()}
+    try:
+        return dataclasses.replace(config, **changes, **leaves)
+    except (TypeError, ValueError) as e:
+        given = [prefix + path for path in values]
+        blamed = [p for p in given if re.search(rf"\b{p.rpartition('.')[2]}\b", str(e))] or given
+        raise ValueError(f"{', '.join(name(p) for p in blamed)}: {e}") from e
 
 
 def cluster_secret() -> bytes:
@@ -378,21 +488,6 @@ def load_config(path: str | Path) -> ServeConfig:
     except yaml.YAMLError as e:
         raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from e
     return config_from_dict(data)
-
-
-def with_overrides(config: ServeConfig, **sections: dict[str, Any]) -> ServeConfig:
-    """Replace fields section by section, e.g. with_overrides(c, server={"port": 1})."""
-    changes = {}
-    for name, values in sections.items():
-        values = {k: v for k, v in values.items() if v is not None}
-        if not values:
-            continue
-        if name in _ENGINE_SECTIONS:
-            eng = changes.get("engine", config.engine)
-            changes["engine"] = dataclasses.replace(eng, **{name: dataclasses.replace(getattr(eng, name), **values)})
-        else:
-            changes[name] = dataclasses.replace(getattr(config, name), **values)
-    return dataclasses.replace(config, **changes)
 
 
 def fit_pools_to_gpus(pools: PoolConfig, num_gpus: float, engine: EngineConfig | None = None) -> PoolConfig:
