@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import os
+import inspect
+import re
 import secrets
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
+from pdserve.engine import env
 from pdserve.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -21,12 +25,12 @@ from pdserve.engine.config import (
     WorkerConfig,
 )
 from pdserve.engine.loop import LoopConfig
-from pdserve.kv_transport.config import TRANSPORT_CLASSES
+from pdserve.kv_transport.config import TransportSettings
 
 MODES = ("disaggregated", "colocated")
 POLICIES = ("prefix_aware", "least_load", "round_robin")
-SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
-API_KEY_ENV = "PDSERVE_API_KEY"
+SECRET_ENV = env.CLUSTER_SECRET
+API_KEY_ENV = env.API_KEY
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +91,10 @@ class AdmissionConfig:
     queued for a seat. A disaggregated request runs once a decode worker has a seat and the
     free KV blocks for its prompt; until then it waits in the queue, whose length is
     bounded by `max_waiting_per_worker` x the healthy decode workers. Beyond either bound a
-    request is refused at once with RESOURCE_EXHAUSTED and a retry hint of `retry_after_s`
-    (the `grpc-retry-pushback-ms` trailer).
+    request is refused at once with RESOURCE_EXHAUSTED and a retry hint.
+
+    max_waiting_per_worker: requests queued per decode worker beyond its running seats.
+    retry_after_s: the retry hint of a refused request (the `grpc-retry-pushback-ms` trailer).
     """
 
     max_waiting_per_worker: int = 128
@@ -196,10 +202,14 @@ class PoolConfig:
 class RouterConfig:
     """How the router weighs a worker's load. Its score (lower wins) is its requests in
     flight + `kv_usage_weight` x the used fraction of its KV blocks + its queued prefill
-    tokens / `queued_tokens_per_request`. Prefix-aware routing (`pools.routing`) takes the
-    worker with the longest cached prefix of the prompt unless its score exceeds the least
-    loaded worker's by more than `max_imbalance`, and remembers up to
-    `max_hashes_per_worker` block hashes per worker.
+    tokens / `queued_tokens_per_request`.
+
+    kv_usage_weight: what a worker's fully used KV pool adds to its score.
+    queued_tokens_per_request: queued prefill tokens that weigh as much as one request.
+    max_imbalance: prefix-aware routing (`pools.routing`) takes the worker with the longest
+        cached prefix of the prompt unless its score exceeds the least loaded worker's by
+        more than this.
+    max_hashes_per_worker: block hashes the prefix-aware router remembers per worker.
     """
 
     kv_usage_weight: float = 4.0
@@ -248,7 +258,12 @@ class HealthConfig:
 
 @dataclass(frozen=True, slots=True)
 class RayConfig:
-    """address: None starts a local Ray cluster; "auto" or host:port joins one."""
+    """The Ray cluster the pools run on.
+
+    address: None starts a local Ray cluster; "auto" or host:port joins one.
+    node_ip_address: the address this node is known by in Ray (127.0.0.1: a local
+        cluster on loopback only; a pod's IP in Kubernetes).
+    """
 
     address: str | None = None
     node_ip_address: str = "127.0.0.1"
@@ -259,59 +274,12 @@ class RayConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class KVTransportSettings:
-    """Transport settings without the secret, which comes from $PDSERVE_CLUSTER_SECRET
-    (or is generated for a local cluster) and never from a file in the repo.
-
-    transfer_timeout_s: bound on a KV transfer, measured from the sender's last sign of
-        life (a prefill worker keeps its requests' waits alive while it computes them, so
-        a prefill longer than this does not fail its transfer). See TransportConfig.
-    allowed_transports: the transport classes KV may travel over (TRANSPORT_CLASSES:
-        cuda_ipc, rdma, shm, tcp).
-    require: the slowest transport a pair of workers may use: "cuda_ipc" (GPU to GPU on one
-        host, NVLink or PCIe), "rdma", "shm" (one host's shared memory), "tcp", or "any"
-        (whatever `allowed_transports` allows). A pair that reaches each other only over a
-        slower one is refused when it connects, and its requests fail with
-        FAILED_PRECONDITION naming the transport found, rather than being served slowly.
-    """
-
-    transfer_timeout_s: float = 30.0
-    connect_timeout_s: float = 5.0
-    allowed_transports: tuple[str, ...] = TRANSPORT_CLASSES
-    direct_writes: bool = True  # same-host GPUs: copy blocks straight into the decode pool (CUDA IPC)
-    require: str = "any"
-
-    def __post_init__(self) -> None:
-        if self.transfer_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ValueError("KVTransportSettings timeouts must be > 0")
-        object.__setattr__(self, "allowed_transports", tuple(self.allowed_transports))
-        unknown = sorted(set(self.allowed_transports) - set(TRANSPORT_CLASSES))
-        if not self.allowed_transports or unknown:
-            raise ValueError(f"kv_transport.allowed_transports must be some of {list(TRANSPORT_CLASSES)}, "
-                             f"got {list(self.allowed_transports)}")
-        if self.require not in ("any", *TRANSPORT_CLASSES):
-            raise ValueError(f"kv_transport.require must be 'any' or one of {list(TRANSPORT_CLASSES)}, "
-                             f"got {self.require!r}")
-        if not self.transports:
-            raise ValueError(f"kv_transport.require {self.require!r} leaves none of allowed_transports "
-                             f"{list(self.allowed_transports)}")
-
-    @property
-    def transports(self) -> frozenset[str]:
-        """The transport classes a pair may use: those allowed, as fast as `require` or faster."""
-        if self.require == "any":
-            return frozenset(self.allowed_transports)
-        fast_enough = TRANSPORT_CLASSES[: TRANSPORT_CLASSES.index(self.require) + 1]  # fastest first
-        return frozenset(self.allowed_transports) & frozenset(fast_enough)
-
-
-@dataclass(frozen=True, slots=True)
 class ServeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     pools: PoolConfig = field(default_factory=PoolConfig)
     ray: RayConfig = field(default_factory=RayConfig)
-    kv_transport: KVTransportSettings = field(default_factory=KVTransportSettings)
+    kv_transport: TransportSettings = field(default_factory=TransportSettings)
     health: HealthConfig = field(default_factory=HealthConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
@@ -326,9 +294,104 @@ class ServeConfig:
                                                                               tensor_parallel_size=size))
 
 
+@dataclass(frozen=True, slots=True)
+class ConfigField:
+    """One leaf field of the serve config: what values.schema.json and `pdserve serve`'s
+    flags are checked against and made from.
+
+    path: its dotted name, as in the YAML (`engine.model.source`).
+    section: the frozen dataclass that declares it.
+    kind: its annotation, resolved (`int | None`, `frozenset[str]`, ...).
+    default: its default (a default factory's value).
+    doc: its entry in the section's docstring.
+    """
+
+    path: str
+    section: type
+    kind: Any
+    default: Any
+    doc: str
+
+    @property
+    def name(self) -> str:
+        return self.path.rpartition(".")[2]
+
+
+def config_fields(cls: type = ServeConfig, prefix: str = "") -> list[ConfigField]:
+    """Every leaf field of the config `cls` (the serve config unless told), in declaration
+    order: dataclasses.fields from `cls` down, a dataclass-typed field being a section."""
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    leaves: list[ConfigField] = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            leaves += config_fields(kind, f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        leaves.append(ConfigField(prefix + f.name, cls, kind, default, docs.get(f.name, "")))
+    return leaves
+
+
+# "name: what it is" (or "a/b: ..." and "a, b: ..." for fields described together), at any
+# indent (Google-style `Attributes:` too); more indented lines below it continue it.
+_DOC_ENTRY = re.compile(r"^( *)([A-Za-z_]\w*(?:(?:/|, )[A-Za-z_]\w*)*): (.+)$")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's entry in the docstring of the config dataclass `cls`, its lines joined."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    docs: dict[str, str] = {}
+    entry: list[str] = []
+    indent = 0
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
+        m = _DOC_ENTRY.match(line)
+        if m and set(re.split("/|, ", m[2])) <= names:
+            entry, indent = re.split("/|, ", m[2]), len(m[1])
+            docs.update(dict.fromkeys(entry, m[3].strip()))
+        elif entry and line.strip() and len(line) - len(line.lstrip()) > indent:
+            for name in entry:
+                docs[name] += " " + line.strip()
+        else:
+            entry = []
+    return docs
+
+
+Config = TypeVar("Config")
+
+
+def with_values(config: Config, values: dict[str, Any], name: Callable[[str], str] = str) -> Config:
+    """`config` (a ServeConfig, or any config dataclass) with the fields named by dotted path
+    replaced, e.g. {"server.port": 1, "engine.model.source": "dummy:tiny"}. Each section that
+    changes is validated again; a bad value is a ValueError that names the fields to blame
+    by `name(path)` (say, the flags that gave them)."""
+    return _with_values(config, values, "", name)
+
+
+def _with_values(config: Any, values: dict[str, Any], prefix: str, name: Callable[[str], str]) -> Any:
+    fields = {f.name for f in dataclasses.fields(config)}
+    leaves: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for path, value in values.items():
+        head, dot, rest = path.partition(".")
+        if head not in fields or bool(dot) != dataclasses.is_dataclass(getattr(config, head)):
+            raise ValueError(f"{name(prefix + path)}: no such config field {prefix + path!r}")
+        if dot:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            leaves[head] = value
+    changes = {head: _with_values(getattr(config, head), sub, f"{prefix}{head}.", name)
+               for head, sub in nested.items()}
+    try:
+        return dataclasses.replace(config, **changes, **leaves)
+    except (TypeError, ValueError) as e:
+        given = [prefix + path for path in values]
+        blamed = [p for p in given if re.search(rf"\b{p.rpartition('.')[2]}\b", str(e))] or given
+        raise ValueError(f"{', '.join(name(p) for p in blamed)}: {e}") from e
+
+
 def cluster_secret() -> bytes:
     """The secret workers authenticate each other with: $PDSERVE_CLUSTER_SECRET, or a fresh random one."""
-    value = os.environ.get(SECRET_ENV)
+    value = env.read(SECRET_ENV)
     if value:
         if len(value.encode()) < 16:
             raise ValueError(f"${SECRET_ENV} must be at least 16 bytes")
@@ -378,12 +441,12 @@ def client_auth(server: ServerConfig) -> ClientAuth:
     if server.api_key_file:
         token: str | None = read(server.api_key_file, "API key file (server.api_key_file)").decode().strip()
     else:
-        token = os.environ.get(API_KEY_ENV) or None
+        token = env.read(API_KEY_ENV) or None
     return ClientAuth(cert, key, token, client_ca)
 
 
 _SECTIONS: dict[str, type] = {
-    "server": ServerConfig, "pools": PoolConfig, "ray": RayConfig, "kv_transport": KVTransportSettings,
+    "server": ServerConfig, "pools": PoolConfig, "ray": RayConfig, "kv_transport": TransportSettings,
     "health": HealthConfig, "admission": AdmissionConfig, "coordinator": CoordinatorConfig,
     "router": RouterConfig, "worker": WorkerConfig, "loop": LoopConfig,
 }
@@ -435,21 +498,6 @@ def load_config(path: str | Path) -> ServeConfig:
     except yaml.YAMLError as e:
         raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from e
     return config_from_dict(data)
-
-
-def with_overrides(config: ServeConfig, **sections: dict[str, Any]) -> ServeConfig:
-    """Replace fields section by section, e.g. with_overrides(c, server={"port": 1})."""
-    changes = {}
-    for name, values in sections.items():
-        values = {k: v for k, v in values.items() if v is not None}
-        if not values:
-            continue
-        if name in _ENGINE_SECTIONS:
-            eng = changes.get("engine", config.engine)
-            changes["engine"] = dataclasses.replace(eng, **{name: dataclasses.replace(getattr(eng, name), **values)})
-        else:
-            changes[name] = dataclasses.replace(getattr(config, name), **values)
-    return dataclasses.replace(config, **changes)
 
 
 def fit_pools_to_gpus(pools: PoolConfig, num_gpus: float, engine: EngineConfig | None = None) -> PoolConfig:

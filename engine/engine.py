@@ -40,10 +40,6 @@ from pdserve.kernels.paged_decode import paged_verify_fits
 
 logger = logging.getLogger(__name__)
 
-# Bound on waiting for a KV copy into this engine's blocks (its event): one from a process
-# that died may never complete, and the engine thread must keep serving.
-COPY_WAIT_S = 10.0
-
 Prompt = str | list[int]
 
 
@@ -251,7 +247,7 @@ class Engine:
         """Run the sequences whose KV has landed; with nothing else to run, wait for one
         (bounded) rather than spin."""
         if not self.scheduler.has_unfinished:
-            _wait_for_copy(self.scheduler.landing[0])
+            _wait_for_copy(self.scheduler.landing[0], self.config.cache.kv_copy_wait_s)
         self.scheduler.admit_landed()
 
     def load(self) -> EngineLoad:
@@ -452,9 +448,10 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         req = self._requests.pop(seq.request_id)
         copy = self.scheduler.pending_copy(seq)
-        if copy is not None and not _wait_for_copy(copy):  # free the blocks after the copy into them
+        wait_s = self.config.cache.kv_copy_wait_s
+        if copy is not None and not _wait_for_copy(copy, wait_s):  # free the blocks after the copy into them
             logger.warning("KV copy into request %s's blocks not done after %.0f s: freeing them anyway",
-                           seq.request_id, COPY_WAIT_S)
+                           seq.request_id, wait_s)
         hold = req.hold_kv and reason is not FinishReason.ABORT
         # A step still running writes this sequence's KV: its blocks go back to the pool
         # once that step has resolved, so that no other writer (a KV transfer) gets them first.
@@ -523,14 +520,14 @@ class Engine:
                 self.abort(rid)
 
 
-def _wait_for_copy(event: torch.cuda.Event) -> bool:
-    """`event.synchronize()`, bounded by COPY_WAIT_S (CUDA offers no timeout, so a helper
+def _wait_for_copy(event: torch.cuda.Event, timeout_s: float) -> bool:
+    """`event.synchronize()`, bounded by `timeout_s` (CUDA offers no timeout, so a helper
     thread waits); whether the copy completed."""
     if event.query():
         return True
     waiter = threading.Thread(target=event.synchronize, name="kv-copy-wait", daemon=True)
     waiter.start()
-    waiter.join(COPY_WAIT_S)
+    waiter.join(timeout_s)
     return not waiter.is_alive()
 
 

@@ -466,7 +466,7 @@ class UcxKVSender:
                     data_ep = link.data_ep
                 transport = await self._probe(data_ep, session)
             if not self._config.allows(transport):
-                reason = f"transport to {peer} is {transport}, allowed: {sorted(self._config.allowed_transports)}"
+                reason = f"transport to {peer} is {transport}, allowed: {sorted(self._config.transports)}"
                 await ctl.send({"t": "refuse", "reason": reason})
                 raise SlowPathRefused(reason)
         except (HandshakeRefused, PeerReplaced, SlowPathRefused):

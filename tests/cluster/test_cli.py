@@ -51,8 +51,8 @@ def test_serve_flags_land_in_the_config_sections():
 def test_a_bad_mode_is_the_configs_one_clear_line():
     proc = pdserve("serve", "--check-config", "--mode", "mixed")
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("pdserve: error: PoolConfig.mode must be one of ('disaggregated', 'colocated'), "
-                                   "got 'mixed'")
+    assert proc.stderr.strip() == ("pdserve: error: --mode: PoolConfig.mode must be one of "
+                                   "('disaggregated', 'colocated'), got 'mixed'")
 
 
 def test_generate_with_a_json_schema():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.config import PoolConfig, config_from_dict, fit_pools_to_gpus, load_config, with_overrides
+from pdserve.cluster.config import PoolConfig, config_from_dict, fit_pools_to_gpus, load_config, with_values
 
 
 def test_yaml_sections_build_the_same_objects_as_flags(tmp_path):
@@ -15,7 +15,7 @@ def test_yaml_sections_build_the_same_objects_as_flags(tmp_path):
     assert config.engine.model.source == "dummy:tiny" and config.engine.spec.method == "ngram"
     assert config.server.port == 6000 and config.server.host == "127.0.0.1"
     assert config.pools == PoolConfig(mode="colocated", num_decode=2)
-    assert with_overrides(config, server={"port": 7000, "host": None}).server.port == 7000
+    assert with_values(config, {"server.port": 7000}).server.port == 7000
 
 
 @pytest.mark.parametrize("data, words", [

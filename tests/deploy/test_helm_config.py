@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.cluster.config import KVTransportSettings, PoolConfig, RayConfig, ServeConfig, ServerConfig
+from pdserve.cluster.config import PoolConfig, RayConfig, ServeConfig, ServerConfig
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.kv_transport.config import TransportSettings
 from tests.deploy.conftest import GPU_VALUES, Render, one, run_helm, template_args
 
 POD_IP = "10.1.2.3"
@@ -26,7 +27,7 @@ EXPECTED = {
         pools=PoolConfig(mode="disaggregated", num_prefill=1, num_decode=1, gpus_per_worker=0.0,
                          prefill_resource="prefill", decode_resource="decode", routing="prefix_aware"),
         ray=RayConfig(address="auto", node_ip_address=POD_IP),
-        kv_transport=KVTransportSettings(),
+        kv_transport=TransportSettings(),
     ),
     "gpu-2node": ServeConfig(
         engine=EngineConfig(
@@ -39,7 +40,7 @@ EXPECTED = {
         pools=PoolConfig(mode="disaggregated", num_prefill=8, num_decode=8, gpus_per_worker=1.0,
                          prefill_resource="prefill", decode_resource="decode"),
         ray=RayConfig(address="auto", node_ip_address=POD_IP),
-        kv_transport=KVTransportSettings(allowed_transports=("cuda_ipc", "rdma", "tcp")),
+        kv_transport=TransportSettings(allowed_transports=("cuda_ipc", "rdma", "tcp")),
     ),
 }
 VALUES = {"default": (), "gpu-2node": (GPU_VALUES,)}

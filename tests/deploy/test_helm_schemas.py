@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.config import config_fields as serve_config_fields
 from tests.deploy.conftest import CHART, GPU_VALUES, ROOT, Render, one, run_helm, template_args
 
 K8S_VERSION = "1.30"  # the kubectl the helm package ships beside it; gRPC probes are GA since 1.27
@@ -156,18 +157,10 @@ CHART_OWNED = {
 }
 
 
-def config_fields(cls: type = ServeConfig, prefix: str = "") -> dict[str, Any]:
+def config_fields() -> dict[str, Any]:
     """Every leaf field of the serve config, as a dotted path (`engine.model.source`) to its
-    type: dataclasses.fields from ServeConfig down, a dataclass-typed field being a section."""
-    hints = typing.get_type_hints(cls)
-    leaves: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):
-            leaves.update(config_fields(kind, f"{prefix}{f.name}."))
-        else:
-            leaves[prefix + f.name] = kind
-    return leaves
+    type: the walk `pdserve serve`'s flags are made from (cluster.config.config_fields)."""
+    return {f.path: f.kind for f in serve_config_fields()}
 
 
 def json_types(kind: Any) -> set[str]:
@@ -177,7 +170,7 @@ def json_types(kind: Any) -> set[str]:
     args = typing.get_args(kind)
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         return set().union(*(json_types(a) for a in args))
-    if typing.get_origin(kind) in (tuple, list):
+    if typing.get_origin(kind) in (tuple, list, frozenset):
         return {"array"}
     simple = {str: "string", Path: "string", bool: "boolean", int: "integer", float: "number"}
     assert kind in simple, f"no JSON type for {kind!r}: teach json_types"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -190,7 +191,8 @@ class _CopyThatNeverEnds(_CopyInFlight):
 
 
 def test_a_copy_that_never_ends_delays_an_abort_by_a_bound_only(engine, make_engine, monkeypatch):
-    monkeypatch.setattr("pdserve.engine.engine.COPY_WAIT_S", 0.2)
+    cache = dataclasses.replace(engine.config.cache, kv_copy_wait_s=0.2)
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, cache=cache))
     params = SamplingParams(temperature=0.0, max_tokens=3)
     first = _prefilled(engine, make_engine, PROMPT, "orphan", params)
     copy = _CopyThatNeverEnds()
