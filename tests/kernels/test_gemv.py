@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve.kernels import gemv
+from pdserve.kernels.gemv import _TUNED
 
 COVERS = ("gemv",)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,6 +43,7 @@ def test_gemv_reads_strided_weight_rows():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
-def test_gemv_at_the_8b_shapes(n, k):
+@pytest.mark.parametrize("n, k", sorted({(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+                                          *_TUNED}))
+def test_gemv_at_the_8b_and_1b_shapes(n, k):
     _check(n, k, torch.bfloat16, with_bias=False, pad=0)
