@@ -1,0 +1,73 @@
+"""Block configurations of kernels/gemv.py per shape: the current choice against the best of a sweep.
+
+    python -m benchmarks.gemv_sweep   (a GPU; cold weights, CUDA graphs, median of 7 replays)
+
+Prints, per (N, K) of the 8B target and the 1B draft: the configuration `_config` picks, its
+time and bandwidth, and the sweep's best (BLOCK_N, BLOCK_K, num_warps). A shape whose best
+beats the pick belongs in `_TUNED`. The limit is the copy bandwidth, ~4.3 TB/s.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+
+from pdserve.kernels.gemv import _config, _gemv_kernel
+
+SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048),  # 1B draft
+          (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]  # 8B target
+CONFIGS = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
+COLD_BYTES = 400e6  # weights cycled per replay: well over the 50 MB L2, as a model's layers are
+
+
+def time_us(n: int, k: int, block_n: int, block_k: int, num_warps: int) -> float:
+    """Microseconds per call of one configuration, each call on a different (cold) weight."""
+    copies = max(2, int(COLD_BYTES // (n * k * 2)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    even = n % block_n == 0 and k % block_k == 0
+
+    def calls() -> None:
+        for w in weights:
+            _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, y, y, n, w.stride(0), k, HAS_BIAS=False, EVEN=even,
+                                                     BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+
+    calls()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    times = []
+    for _ in range(7):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / copies)
+    return sorted(times)[3]
+
+
+def main() -> None:
+    print("| N | K | current (BLOCK_N, BLOCK_K, warps) | us | TB/s | best of the sweep | us | TB/s |")
+    print("|---:|---:|---|---:|---:|---|---:|---:|")
+    for n, k in SHAPES:
+        current = _config(n, k)
+        results = {cfg: time_us(n, k, *cfg) for cfg in CONFIGS if cfg[1] <= k}
+        if current not in results:
+            results[current] = time_us(n, k, *current)
+        best = min(results, key=results.__getitem__)
+
+        def tbs(us: float, n: int = n, k: int = k) -> float:
+            return n * k * 2 / us / 1e6
+
+        print(f"| {n} | {k} | {current} | {results[current]:.1f} | {tbs(results[current]):.2f} | {best} "
+              f"| {results[best]:.1f} | {tbs(results[best]):.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
