@@ -67,13 +67,15 @@ class _NoRoom(Exception):
 
 def _continuation(req: WorkerRequest, generated: list[int], attempt: int) -> WorkerRequest:
     """`req` from where its stream stands: the tokens streamed so far join the prompt and
-    leave the budget. A fresh id per attempt, so that nothing of an earlier one (a late
+    leave the budget (and count as its output for sampling: a seeded request goes on as
+    it would have). A fresh id per attempt, so that nothing of an earlier one (a late
     delta, a transfer, an abort) can touch it."""
     remaining = req.params.max_tokens - len(generated)
     if remaining < 1:
         raise WorkerUnavailable(f"request {req.request_id}: nothing left to generate after a lost worker")
     return WorkerRequest(f"{req.request_id}~{attempt}", (*req.prompt_token_ids, *generated),
-                         dataclasses.replace(req.params, max_tokens=remaining))
+                         dataclasses.replace(req.params, max_tokens=remaining),
+                         req.num_prior_output_tokens + len(generated))
 
 
 def _transfer_failed(decode: Worker, error: TransferError) -> WorkerUnavailable:

@@ -45,13 +45,15 @@ class DecodeWorker(LoopWorker):
 
     async def submit(self, req: WorkerRequest) -> None:
         """Prefill and decode here (colocated mode)."""
-        await self.loop.call(lambda e: e.add_request(list(req.prompt_token_ids), req.params, req.request_id))
+        await self.loop.call(lambda e: e.add_request(list(req.prompt_token_ids), req.params, req.request_id,
+                                                     num_prior_output_tokens=req.num_prior_output_tokens))
 
     async def reserve(self, req: WorkerRequest) -> None:
         """Take blocks for the prompt and start expecting its KV. Raises NoCapacity or ValueError."""
         if self._receiver is None:
             raise RuntimeError(f"decode worker {self.worker_id} has no KV receiver (colocated mode)")
-        block_ids = await self.loop.call(lambda e: e.reserve(req.request_id, list(req.prompt_token_ids), req.params))
+        block_ids = await self.loop.call(lambda e: e.reserve(req.request_id, list(req.prompt_token_ids), req.params,
+                                                              req.num_prior_output_tokens))
         self._landing[req.request_id] = asyncio.ensure_future(self._receiver.expect(req.request_id, block_ids))
 
     async def admit(self, request_id: str, first_token_id: int) -> KVTransferInfo:

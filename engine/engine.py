@@ -168,7 +168,7 @@ class Engine:
         return self.processor.apply_chat_template(messages)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    hold_kv: bool = False) -> str:
+                    hold_kv: bool = False, num_prior_output_tokens: int = 0) -> str:
         """Queue a request; raises ValueError (and changes nothing) if it is invalid.
 
         The engine emits token ids only, so it refuses stop strings (ValueError): text and
@@ -177,17 +177,22 @@ class Engine:
         hold_kv: when the request finishes, keep its blocks (their ids come with the last
                 delta, `TokenDelta.held_block_ids`)
         until `release`: a prefill worker ships them to a decode worker first.
+        num_prior_output_tokens: the prompt ends with this many tokens that an earlier run of
+                the request generated (it continues from them: a migrated request), so
+                that a seeded request draws what that run would have drawn next.
         """
         if params is not None and params.stop:
             raise ValueError("stop strings are checked on text, which the engine does not make: use generate() or "
                              "generate_stream(), or engine.processor.output_stream() over the deltas")
-        return self._add(self.processor.process(prompt, params=params), request_id, hold_kv)
+        return self._add(self.processor.process(prompt, params=params), request_id, hold_kv, num_prior_output_tokens)
 
-    def _add(self, request: ProcessedRequest, request_id: str | None, hold_kv: bool = False) -> str:
+    def _add(self, request: ProcessedRequest, request_id: str | None, hold_kv: bool = False,
+             num_prior_output_tokens: int = 0) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, request.prompt_token_ids, request.params, self.pool.layout.block_size)
+        seq = Sequence(request_id, request.prompt_token_ids, request.params, self.pool.layout.block_size,
+                       num_prior_output_tokens=_checked_prior(num_prior_output_tokens, request))
         self._requests[request_id] = _Request(seq, hold_kv)
         self.scheduler.add(seq)
         return request_id
@@ -209,8 +214,10 @@ class Engine:
         """Free a held request's blocks (full ones stay in the prefix cache)."""
         return self.scheduler.release(request_id)
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """Allocate blocks for a prompt whose KV another worker will write.
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                num_prior_output_tokens: int = 0) -> list[int]:
+        """Allocate blocks for a prompt whose KV another worker will write
+        (`num_prior_output_tokens`: as in `add_request`).
 
         Returns the block ids (in position order). Raises ValueError for an
         invalid request and NoCapacity when seats or blocks are short.
@@ -221,7 +228,8 @@ class Engine:
         sched = self.scheduler
         if sched.num_seats_taken >= self.config.scheduler.max_num_seqs:
             raise NoCapacity(f"all {self.config.scheduler.max_num_seqs} sequence slots are taken")
-        seq = Sequence(request_id, request.prompt_token_ids, request.params, self.pool.layout.block_size)
+        seq = Sequence(request_id, request.prompt_token_ids, request.params, self.pool.layout.block_size,
+                       num_prior_output_tokens=_checked_prior(num_prior_output_tokens, request))
         # One block of headroom per running sequence keeps admissions from
         # forcing preemptions on the very next step.
         if self.block_manager.num_blocks_needed(seq, seq.num_tokens) + len(sched.running) > \
@@ -462,7 +470,6 @@ class Engine:
         seq.finishing = False
         if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
             del seq.token_ids[_first_placeholder(seq.token_ids):]
-        self.sampler.release(seq.request_id)
         self.structured.release(seq)
         if self._spec is not None:
             self._spec.release(seq)
@@ -518,6 +525,13 @@ class Engine:
         finally:
             for rid in streams:
                 self.abort(rid)
+
+
+def _checked_prior(num_prior_output_tokens: int, request: ProcessedRequest) -> int:
+    if not 0 <= num_prior_output_tokens <= len(request.prompt_token_ids):
+        raise ValueError(f"num_prior_output_tokens must be in [0, {len(request.prompt_token_ids)}] (the prompt's "
+                         f"length), got {num_prior_output_tokens}")
+    return num_prior_output_tokens
 
 
 def _wait_for_copy(event: torch.cuda.Event, timeout_s: float) -> bool:

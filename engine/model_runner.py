@@ -81,8 +81,8 @@ class ModelRunner:
         seqs = list(logits)
         rows = [logits[s] for s in seqs]
         assert all(r.shape[0] == 1 for r in rows), "sequences with proposed tokens are verified, not sampled"
-        return seqs, self.sampler.sample_async(rows_as_one(rows), [s.request_id for s in seqs],
-                                               [s.params for s in seqs])
+        return seqs, self.sampler.sample_async(rows_as_one(rows), [s.params for s in seqs],
+                                               [s.next_output_index for s in seqs])
 
 
 def rows_as_one(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kernels.sampling import gumbel_argmax
+
+Kind = Literal["uniform", "exponential"]
+Stream = Literal["target", "draft"]
+# One independent family of numbers per (kind, stream) of a seeded request's token.
+_SALTS = {("exponential", "target"): 1, ("uniform", "target"): 2, ("exponential", "draft"): 3,
+          ("uniform", "draft"): 4}
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,25 +70,26 @@ class _PendingLogprobs:
 
 
 class Sampler:
-    """Samples one token per row. Each seeded request owns a generator, so its
-    draws do not depend on which other requests share the batch."""
+    """Samples one token per row. A seeded request's random numbers for output token j are a
+    function of (seed, j) alone (`keyed_seed`), so that its tokens depend neither on the
+    batch nor on which process samples which token: a prefill worker's first token, a decode
+    worker's next ones, a migrated request's re-prefill or a recompute after preemption all
+    draw what one engine alone would have drawn."""
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
         self._generator = torch.Generator(device=device).manual_seed(seed)
-        self._request_generators: dict[str, torch.Generator] = {}
+        self._keyed = torch.Generator(device=device)  # re-seeded for every seeded draw
 
-    def release(self, request_id: str) -> None:
-        self._request_generators.pop(request_id, None)
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int]) -> SamplerOutput:
+        """logits: [N, vocab] float32, one row per request -> N token ids. token_indices[i]:
+        the output index the token of row i will have (`Sequence.next_output_index`)."""
+        return self.sample_async(logits, params, token_indices).resolve()
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> SamplerOutput:
-        """logits: [N, vocab] float32, one row per request -> N token ids."""
-        return self.sample_async(logits, request_ids, params).resolve()
-
-    def sample_async(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    def sample_async(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int]
                      ) -> PendingSample:
         """`sample` without waiting for the GPU: everything is queued on the current stream."""
-        token_ids, _ = self.draw(logits, request_ids, params)
+        token_ids, _ = self.draw(logits, params, token_indices)
         pending_lp = _logprobs_async(logits, token_ids, params)
         on_gpu = logits.device.type == "cuda"
         host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=on_gpu)
@@ -91,11 +100,12 @@ class Sampler:
             ready.record()
         return PendingSample(token_ids, host_ids, pending_lp, ready)
 
-    def draw(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
-             with_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draw(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int],
+             with_probs: bool = False, stream: Stream = "target") -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token per row of logits [N, vocab], on the device, nothing read back: [N] int64,
         and (with_probs, or when some row samples on the torch path) the distributions they
-        were drawn from, [N, vocab] float32, one-hot on greedy rows. On CUDA, rows that only
+        were drawn from, [N, vocab] float32, one-hot on greedy rows. token_indices and
+        stream: which of a seeded row's draws this is (see `noise`). On CUDA, rows that only
         need a temperature (no top-k/top-p/min-p, no seed of their own) are drawn in one
         pass over the logits (`kernels.gumbel_argmax`), from a seed the shared generator
         draws on the device."""
@@ -109,7 +119,7 @@ class Sampler:
         if all(p.greedy for p in params):
             return greedy_ids, torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).float()
         probs = self._filtered_probs(logits, params)
-        noise = self.noise(probs.shape, request_ids, params, "exponential")
+        noise = self.noise(probs.shape, params, token_indices, "exponential", stream)
         # argmax(p / E) with E ~ Exp(1) is a draw from p (the exponential race).
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = on_device([p.greedy for p in params], torch.bool, logits.device)
@@ -124,26 +134,20 @@ class Sampler:
         and min-p (greedy rows at temperature 1: callers take their argmax instead)."""
         return self._filtered_probs(logits, params)
 
-    def noise(self, shape: torch.Size | tuple[int, ...], request_ids: list[str], params: list[SamplingParams],
-              kind: str) -> torch.Tensor:
-        """Random numbers [N, ...] ("uniform": U[0, 1), or "exponential": Exp(1)); row i from
-        request i's own stream when it is seeded, so that its draws do not depend on the batch."""
+    def noise(self, shape: torch.Size | tuple[int, ...], params: list[SamplingParams], token_indices: list[int],
+              kind: Kind, stream: Stream = "target") -> torch.Tensor:
+        """Random numbers [N, ...] ("uniform": U[0, 1), or "exponential": Exp(1)). Row i of a
+        seeded request is a function of (its seed, token_indices[i], kind, stream) only: the
+        output index of the token it is for, and what it is for there ("target": the token
+        itself or its acceptance, "draft": a drafter's proposal), so that no two uses share
+        numbers. Other rows come from the shared generator."""
         noise = torch.empty(shape, device=self.device)
         _fill(noise, kind, self._generator)
-        for row, (rid, p) in enumerate(zip(request_ids, params)):
+        for row, (p, index) in enumerate(zip(params, token_indices, strict=True)):
             if p.seed is not None and not p.greedy:
-                _fill(noise[row], kind, self.generator(rid, p))
+                self._keyed.manual_seed(keyed_seed(p.seed, index, _SALTS[kind, stream]))
+                _fill(noise[row], kind, self._keyed)
         return noise
-
-    def generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        """The random stream a request draws from: its own when seeded, else the shared one."""
-        if params.seed is None or params.greedy:
-            return self._generator
-        gen = self._request_generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
-            self._request_generators[request_id] = gen
-        return gen
 
     def logprobs(self, logits: torch.Tensor, token_ids: list[int], params: SamplingParams) -> list[TokenLogprobs]:
         """Logprobs of `token_ids[i]` under `logits[i]` for one request that asked for them."""
@@ -167,6 +171,21 @@ def _filters(p: SamplingParams) -> bool:
 def _plain(p: SamplingParams) -> bool:
     """Drawn at its temperature alone, from the shared stream (or greedy)."""
     return p.greedy or (p.seed is None and not _filters(p))
+
+
+def keyed_seed(seed: int, token_index: int, salt: int = 0) -> int:
+    """A generator seed in [0, 2**63) that is a well-mixed function of (seed, token_index,
+    salt): nearby seeds and indices give unrelated streams (splitmix64's finalizer, chained)."""
+    x = _splitmix64(seed & _MASK64)
+    x = _splitmix64(x ^ (token_index & _MASK64))
+    return _splitmix64(x ^ salt) >> 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 def _fill(t: torch.Tensor, kind: str, generator: torch.Generator) -> None:

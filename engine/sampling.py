@@ -49,7 +49,8 @@ class SamplingParams:
     top_p: keep the smallest set whose probability reaches top_p; 1 keeps all.
     min_p: drop tokens less likely than min_p * p(most likely token).
     seed: per-request seed; the same seed gives the same tokens whatever else
-        is in the batch.
+        is in the batch and whichever workers sample them (draws are keyed by
+        (seed, output index): `engine.sampler.keyed_seed`).
     max_tokens: new tokens to generate at most.
     stop_token_ids: extra token ids that end generation (the model's EOS always does
         unless ignore_eos).

@@ -56,6 +56,9 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     # Its last token is still in flight and it ends after it (length): not scheduled again.
     finishing: bool = False
+    # Output tokens an earlier attempt generated, now the end of the prompt (a request
+    # continued on another worker): its output indices count on from them.
+    num_prior_output_tokens: int = 0
     _block_hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -81,6 +84,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def next_output_index(self) -> int:
+        """The output index of the next token sampled, counting an earlier attempt's tokens
+        (what a seeded request's random numbers are keyed by: `Sampler.noise`)."""
+        return self.num_prior_output_tokens + self.num_output_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

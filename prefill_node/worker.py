@@ -78,7 +78,8 @@ class PrefillWorker(LoopWorker):
             self._peers[rid] = decode_peer
             self._sender.prepare(rid, decode_peer)
         try:
-            await self.loop.call(lambda e: e.add_request(list(req.prompt_token_ids), params, rid, hold_kv=True))
+            await self.loop.call(lambda e: e.add_request(list(req.prompt_token_ids), params, rid, hold_kv=True,
+                                                        num_prior_output_tokens=req.num_prior_output_tokens))
             taken = time.perf_counter()
             # No bound of its own: a long prompt's steps take minutes on a CPU. The request's
             # deadline cancels this call, and the pool replaces an engine that stopped progressing.

@@ -49,7 +49,7 @@ class ModelDrafter:
         self.device = target.device
         self.pool = KVPool(layout, num_blocks, target.device)
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=False)
-        # The target's sampler: the same filtering (temperature, top-k/p) and the request's own random stream.
+        # The target's sampler: the same filtering (temperature, top-k/p) and the request's own seeded draws.
         self.sampler: Sampler = target.sampler
         sched, spec = target.config.scheduler, target.config.spec
         # A fixed token budget per draft step (a sequence's first catch-up, its whole prompt,
@@ -123,8 +123,11 @@ class ModelDrafter:
     def _draw(self, seqs: list[Sequence], step: int, logits: torch.Tensor, with_probs: bool
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft token `step` of each of `seqs` from the draft's logits [len(seqs), vocab], on
-        the device, and the distributions they were drawn from (None: greedy)."""
-        return self.sampler.draw(logits, [s.request_id for s in seqs], [s.params for s in seqs], with_probs)
+        the device, and the distributions they were drawn from (None: greedy). A seeded
+        request's draws are keyed by the output index the token would take, in a stream
+        of their own (the target's acceptance must not reuse them)."""
+        return self.sampler.draw(logits, [s.params for s in seqs], [s.next_output_index + step for s in seqs],
+                                 with_probs, stream="draft")
 
     def release(self, seq: Sequence) -> None:
         shadow = self._shadows.pop(seq, None)

@@ -47,8 +47,10 @@ def rejection_sample(draft_ids: torch.Tensor, num_proposed: torch.Tensor, draft_
             lookup, greedy drafting).
         target_probs: [m, k + 1, vocab] float32, p_i the target samples from at each
             proposed position, and after the last one (one-hot for greedy requests).
-        uniforms: [m, k] U[0, 1) draws; exponentials: [m, vocab] Exp(1) draws (each row from
-            its request's random stream).
+        uniforms: [m, k] U[0, 1) draws, one per proposal; exponentials: Exp(1) draws for the
+            emitted token, [m, vocab], or [m, k + 1, vocab] with one per position (the row's
+            token takes the one of the position it lands on, num_accepted[i]: a seeded
+            request keys its draws by position).
 
     Returns:
         num_accepted [m] int64, and token_ids [m, k + 1]: row i emits its first
@@ -89,6 +91,8 @@ def rejection_sample(draft_ids: torch.Tensor, num_proposed: torch.Tensor, draft_
     # p == q up to rounding: rejection had probability ~0; draw from p.
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p_next)
     # argmax(r / E) with E ~ Exp(1) is a draw from normalize(r) (the exponential race).
+    if exponentials.dim() == 3:
+        exponentials = exponentials[rows, num_accepted]
     token = (residual / exponentials).argmax(dim=1)
     return num_accepted, _emitted(draft_ids, num_accepted, token)
 

@@ -50,7 +50,6 @@ class SpecDecoder:
             num_accepted, token_ids = rejection.greedy_verify(draft_ids, counts, target.argmax(dim=2))
         else:
             vocab = target.shape[2]
-            request_ids = [s.request_id for s in seqs]
             per_row = [p for p in params for _ in range(k + 1)]
             probs = self.sampler.filtered_probs(target.reshape(m * (k + 1), vocab), per_row).view(m, k + 1, vocab)
             if any(p.greedy for p in params):
@@ -60,8 +59,7 @@ class SpecDecoder:
             draft_probs = proposals.draft_probs
             if draft_probs is not None:
                 draft_probs = _widened(draft_probs.index_select(0, index), k)
-            uniforms = self.sampler.noise((m, k), request_ids, params, "uniform")
-            exponentials = self.sampler.noise((m, vocab), request_ids, params, "exponential")
+            uniforms, exponentials = self._noise(seqs, k, vocab)
             num_accepted, token_ids = rejection.rejection_sample(draft_ids, counts, draft_probs, probs,
                                                                  uniforms, exponentials)
         # The one read back of the step: every sequence's count and tokens together.
@@ -76,6 +74,22 @@ class SpecDecoder:
             if self.adaptive is not None:
                 self.adaptive.update(seq.request_id, proposed, n)
         return out
+
+    def _noise(self, seqs: list[Sequence], k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The acceptance rule's draws: uniforms [m, k], one per proposal, and exponentials
+        for the emitted token, [m, vocab] or, with seeded rows, [m, k + 1, vocab]: one per
+        position it may land on. A seeded row's draws at position i are those of output
+        index `next_output_index + i`, the index the token there gets, so that they do not
+        depend on how the request's tokens were split into steps."""
+        m = len(seqs)
+        params = [s.params for s in seqs]
+        per_position = [p for p in params for _ in range(k + 1)]
+        indices = [s.next_output_index + i for s in seqs for i in range(k + 1)]
+        uniforms = self.sampler.noise((m * (k + 1), 1), per_position, indices, "uniform").view(m, k + 1)[:, :k]
+        if not any(p.seed is not None and not p.greedy for p in params):
+            return uniforms, self.sampler.noise((m, vocab), params, [0] * m, "exponential")
+        exponentials = self.sampler.noise((m * (k + 1), vocab), per_position, indices, "exponential")
+        return uniforms, exponentials.view(m, k + 1, vocab)
 
     def release(self, seq: Sequence) -> None:
         self.drafter.release(seq)

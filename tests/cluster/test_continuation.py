@@ -17,6 +17,8 @@ def test_the_streamed_tokens_join_the_prompt_and_leave_the_budget():
     cont = _continuation(req, [4, 5], attempt=2)
     assert cont.prompt_token_ids == (1, 2, 3, 4, 5) and cont.params.max_tokens == 8
     assert cont.params.stop_token_ids == (7,) and cont.request_id == "r~2" != req.request_id
+    assert cont.num_prior_output_tokens == 2  # a seeded request samples on from output index 2
+    assert _continuation(cont, [6], attempt=3).num_prior_output_tokens == 3
     with pytest.raises(WorkerUnavailable):
         _continuation(req, list(range(10)), attempt=1)
 

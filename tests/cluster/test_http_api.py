@@ -130,9 +130,6 @@ def test_n_choices_with_a_seed_are_each_seeds_answer(srv, client, model):
     assert texts == [grpc_text(srv, messages=CHAT, params=seeded(7 + i, 4))[0] for i in range(2)]
 
 
-@pytest.mark.xfail(strict=True, reason="disaggregated: the decode worker restarts a seeded request's random stream "
-                   "from its seed, so tokens after the prefill's first one differ from the offline engine's (colocated "
-                   "serving matches it)")
 def test_seeded_answers_match_the_offline_engine(client, model, engine):
     out = client.completions.create(model=model, prompt="Once upon a time", n=2, seed=1234, temperature=1.0,
                                     max_tokens=8, extra_body={"ignore_eos": True})

@@ -42,6 +42,9 @@ def resample_from_target_batched(draft_ids, num_proposed, draft_probs, target_pr
     q = torch.ones_like(p) if draft_probs is None else draft_probs.gather(2, draft_ids[:, :, None])[:, :, 0]
     ok = (uniforms * q < p) & (torch.arange(k)[None, :] < num_proposed[:, None])
     n = ok.long().cumprod(dim=1).sum(dim=1)
-    token = (target_probs[rows.to(n.device), n] / exponentials).argmax(dim=1)
+    rows = rows.to(n.device)
+    if exponentials.dim() == 3:  # one draw per position (seeded rows)
+        exponentials = exponentials[rows, n]
+    token = (target_probs[rows, n] / exponentials).argmax(dim=1)
     out = torch.cat([draft_ids, torch.zeros_like(draft_ids[:, :1])], dim=1)
     return n, out.scatter_(1, n[:, None], token[:, None])

@@ -80,12 +80,12 @@ class UniformDrafter:
 
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
+        self.generator = torch.Generator().manual_seed(0)  # apart from the target's draws
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposals:
         ids, probs = [], []
-        for seq, k in zip(seqs, num_tokens):
-            gen = self.sampler.generator(seq.request_id, seq.params)
-            ids.append(torch.randint(VOCAB, (k,), generator=gen).tolist())
+        for k in num_tokens:
+            ids.append(torch.randint(VOCAB, (k,), generator=self.generator).tolist())
             probs.append(torch.full((k, VOCAB), 1.0 / VOCAB))
         return Proposals.from_lists(ids, self.sampler.device, probs)
 

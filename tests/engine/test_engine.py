@@ -64,6 +64,38 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine, to
     assert other_seed[0].token_ids != alone
 
 
+def test_a_seeded_request_draws_the_same_tokens_wherever_they_are_sampled(engine, make_engine, tokenizer):
+    """The same tokens alone, in a batch, split as disaggregation splits it (a prefill engine
+    samples token 0 and hands the KV to another engine, which decodes the rest), and continued
+    as a migrated request is (a fresh engine prefills the prompt plus the tokens so far)."""
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=42, max_tokens=10, ignore_eos=True)
+    alone = engine.generate([PROMPT], seeded)[0].token_ids
+    others = [prompt_ids(tokenizer, n, variant=n) for n in (30, 90)]
+    mixed = engine.generate(others + [PROMPT], [SamplingParams(temperature=1.0, max_tokens=12)] * 2 + [seeded])
+    assert mixed[-1].token_ids == alone
+
+    prefill = make_engine(seed=7)  # another shared generator: it must not matter
+    rid = prefill.add_request(PROMPT, dataclasses.replace(seeded, max_tokens=1), hold_kv=True)
+    (first,) = [d for _ in range(4) for d in prefill.step()]
+    assert first.token_ids == (alone[0],)
+    dst = engine.reserve("split", engine.tokenize(PROMPT), seeded)
+    engine.pool.kv[:, :, dst] = prefill.pool.kv[:, :, list(first.held_block_ids)]
+    assert prefill.release(rid)
+    engine.admit_prefilled("split", first.token_ids[0])
+    split = [first.token_ids[0]]
+    while engine.has_unfinished:
+        split += [t for d in engine.step() if d.request_id == "split" for t in d.token_ids]
+    assert split == alone
+
+    for k in (1, 4):
+        rest = dataclasses.replace(seeded, max_tokens=seeded.max_tokens - k)
+        prefill.add_request(engine.tokenize(PROMPT) + alone[:k], rest, f"cont-{k}", num_prior_output_tokens=k)
+        continued = [t for _ in range(40) for d in prefill.step() for t in d.token_ids]
+        assert continued == alone[k:]
+    with pytest.raises(ValueError, match="num_prior_output_tokens"):
+        prefill.add_request([1, 2], seeded, num_prior_output_tokens=3)
+
+
 def test_logprobs_match_hf(engine, hf_model):
     out = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2))[0]
     ids = torch.tensor([list(out.prompt_token_ids)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, keyed_seed
 from pdserve.engine.sampling import SamplingParams
 
 LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
@@ -15,7 +15,7 @@ N = 20000
 def frequencies(params: SamplingParams, logits: torch.Tensor = LOGITS, n: int = N) -> torch.Tensor:
     sampler = Sampler(seed=1, device=torch.device("cpu"))
     rows = logits.expand(n, -1).clone()
-    out = sampler.sample(rows, [f"r{i}" for i in range(n)], [params] * n)
+    out = sampler.sample(rows, [params] * n, [0] * n)
     return torch.bincount(torch.tensor(out.token_ids), minlength=logits.numel()).float() / n
 
 
@@ -41,7 +41,7 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     sampler = Sampler(seed=0, device=torch.device("cpu"))
     logits = torch.randn(6, 50)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 3
-    out = sampler.sample(logits, [f"r{i}" for i in range(6)], params)
+    out = sampler.sample(logits, params, [0] * 6)
     for i in (0, 2, 4):
         assert out.token_ids[i] == logits[i].argmax().item()
 
@@ -53,19 +53,45 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
     def draws(batch_extra: int) -> list[int]:
         sampler = Sampler(seed=batch_extra, device=torch.device("cpu"))
         got = []
-        for _ in range(20):
+        for j in range(20):
             rows = torch.cat([torch.randn(batch_extra, 1000), logits])
-            ids = [f"x{i}" for i in range(batch_extra)] + ["mine"]
-            got.append(sampler.sample(rows, ids, [SamplingParams()] * batch_extra + [seeded]).token_ids[-1])
+            indices = [j + 5] * batch_extra + [j]
+            got.append(sampler.sample(rows, [SamplingParams()] * batch_extra + [seeded], indices).token_ids[-1])
         return got
 
     assert draws(0) == draws(3) == draws(17)
 
 
+def test_a_seeded_draw_depends_only_on_the_seed_and_the_token_index():
+    """What lets a prefill worker, a decode worker and a migrated request's new worker draw
+    what one engine would: no state carries from one token to the next."""
+    logits = torch.randn(1, 1000)
+    seeded = SamplingParams(temperature=1.0, seed=99)
+    one = Sampler(seed=0, device=torch.device("cpu"))
+    in_order = [one.sample(logits, [seeded], [j]).token_ids[0] for j in range(30)]
+    other = Sampler(seed=5, device=torch.device("cpu"))
+    backwards = {}
+    for j in reversed(range(30)):  # in a batch beside unseeded rows and the same seed's other index
+        rows = torch.cat([torch.randn(2, 1000), logits, logits])
+        out = other.sample(rows, [SamplingParams()] * 2 + [seeded, seeded], [0, 0, j, j + 1])
+        backwards[j] = out.token_ids[2]
+    assert [backwards[j] for j in range(30)] == in_order
+    assert len(set(in_order)) > 10  # each index draws afresh (1000 near-equal logits)
+    uniform = one.noise((1, 4), [seeded], [3], "uniform")
+    assert not torch.equal(uniform, one.noise((1, 4), [seeded], [3], "uniform", stream="draft"))
+    assert not torch.equal(uniform, one.noise((1, 4), [seeded], [4], "uniform"))
+    assert torch.equal(uniform, one.noise((1, 4), [seeded], [3], "uniform"))
+
+
+def test_keyed_seeds_of_neighbouring_seeds_and_indices_differ():
+    keys = {keyed_seed(s, j, salt) for s in range(-3, 20) for j in range(20) for salt in range(3)}
+    assert len(keys) == 23 * 20 * 3 and all(0 <= k < 2**63 for k in keys)
+
+
 def test_logprobs_are_the_model_distribution():
     sampler = Sampler(seed=0, device=torch.device("cpu"))
     logits = torch.randn(2, 30)
-    out = sampler.sample(logits, ["a", "b"], [SamplingParams(temperature=0.0, logprobs=3), SamplingParams()])
+    out = sampler.sample(logits, [SamplingParams(temperature=0.0, logprobs=3), SamplingParams()], [0, 0])
     lp = out.logprobs[0]
     ref = torch.log_softmax(logits[0], dim=-1)
     assert lp.token_id == out.token_ids[0]
