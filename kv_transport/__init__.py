@@ -19,7 +19,8 @@ Modules (only the ucx_* ones and transport_info import ucxx):
     keepalive      a sender's "still computing" beat for the requests it prepared
     loopback       in-process fake with the same semantics, for tests above
     ucx_link       ucxx setup (thread progress, one event loop), ucx_io, links, control frames, the handshake over UCX
-    ucx_sender     UcxKVSender (one connection per receiver)
+    ucx_sender     UcxKVSender (one connection per receiver: made, kept, closed)
+    ucx_connection one sender's connection: grants, direct writes or data messages, keep-alives, its reader
     ucx_receiver   UcxKVReceiver (hellos at worker level, authenticated connections; no listener)
     transport_info which transport UCX picked (ucp_ep_print_info)
     wire           errors in control frames
