@@ -145,6 +145,8 @@ class Coordinator:
         self._streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []
         self._pollers: dict[str, asyncio.Task] = {}
+        # Aborts that free a seat when done: held here, since the loop keeps only weak references.
+        self._aborting: set[asyncio.Task] = set()
 
     @property
     def mode(self) -> str:
@@ -173,8 +175,10 @@ class Coordinator:
         return len(self.decode.healthy()) * (self.seats_per_worker + self.max_waiting_per_worker)
 
     def max_queued(self) -> int:
-        """Requests that may wait for a decode seat (or the KV blocks to use one) at once."""
-        return len(self.decode.healthy()) * self.max_waiting_per_worker
+        """Requests that may wait for a decode seat (or the KV blocks to use one) at once: a
+        queue per healthy decode worker and per one being replaced (requests that find no
+        healthy worker wait for its replacement, `_may_wait`)."""
+        return (len(self.decode.healthy()) + self.decode.replacing) * self.max_waiting_per_worker
 
     @property
     def num_queued(self) -> int:
@@ -295,7 +299,9 @@ class Coordinator:
                     logger.info("request %s: admit after its end failed: %s", rid, admitting.exception())
             if not finished and decode.state.healthy:
                 # Its seat and blocks are the worker's until the abort has freed them there.
-                asyncio.ensure_future(self._abort(decode, rid, free_seat=True))
+                aborting = asyncio.ensure_future(self._abort(decode, rid, free_seat=True))
+                self._aborting.add(aborting)
+                aborting.add_done_callback(self._aborting.discard)
             else:
                 self._free_seat(decode, rid)
 

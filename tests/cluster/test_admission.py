@@ -120,3 +120,23 @@ def test_seats_bound_the_batch_and_a_retried_request_goes_first():
         assert c.num_queued == 0
 
     asyncio.run(scenario())
+
+
+def test_a_new_request_waits_for_the_only_decode_workers_replacement():
+    """No healthy decode worker, one being replaced: a new request queues for the replacement
+    (the queue counts the workers under replacement), not refused as if the server were full."""
+    async def scenario() -> None:
+        c = _coordinator(num_blocks=10, max_waiting=2)
+        lost = c.decode.workers[0]
+        lost.state.healthy = False
+        c.decode.replacing = 1
+        waiting = asyncio.create_task(_seat(c, "a", 2))
+        await _settle()
+        assert not waiting.done() and c.num_queued == 1
+        replacement = Worker("decode", None, WorkerState("decode-1", load=_load(10)), None)
+        c.decode.workers, c.decode.replacing = [replacement], 0
+        c._wake_line()
+        await _settle()
+        assert waiting.result() is replacement
+
+    asyncio.run(scenario())
