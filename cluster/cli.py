@@ -149,7 +149,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdserve.cluster.config import config_fields
+    from pdserve.cluster.config_tree import config_fields
     from pdserve.cluster.credentials import add_credential_args
     from pdserve.cluster.flags import add_config_flags
 

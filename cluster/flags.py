@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from pdserve.cluster.config import ConfigField, with_values
+from pdserve.cluster.config_tree import ConfigField, with_values
 
 # The spellings the flags had before they were made from the configs: kept beside --<path>
 # (scripts, the docs and the Helm chart use them).

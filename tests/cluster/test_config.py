@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.config import PoolConfig, config_from_dict, fit_pools_to_gpus, load_config, with_values
+from pdserve.cluster.config import PoolConfig, config_from_dict, fit_pools_to_gpus, load_config
+from pdserve.cluster.config_tree import with_values
 
 
 def test_yaml_sections_build_the_same_objects_as_flags(tmp_path):

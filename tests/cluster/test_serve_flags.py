@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from pdserve.cluster.cli import build_parser, main
-from pdserve.cluster.config import ServeConfig, config_fields, with_values
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.config_tree import config_fields, with_values
 from pdserve.cluster.flags import ALIASES, apply_flags, given_values, shown
 
 

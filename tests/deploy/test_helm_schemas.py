@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.config import config_fields as serve_config_fields
+from pdserve.cluster.config_tree import config_fields as serve_config_fields
 from tests.deploy.conftest import CHART, GPU_VALUES, ROOT, Render, one, run_helm, template_args
 
 K8S_VERSION = "1.30"  # the kubectl the helm package ships beside it; gRPC probes are GA since 1.27
@@ -159,7 +159,7 @@ CHART_OWNED = {
 
 def config_fields() -> dict[str, Any]:
     """Every leaf field of the serve config, as a dotted path (`engine.model.source`) to its
-    type: the walk `pdserve serve`'s flags are made from (cluster.config.config_fields)."""
+    type: the walk `pdserve serve`'s flags are made from (cluster.config_tree.config_fields)."""
     return {f.path: f.kind for f in serve_config_fields()}
 
 
