@@ -83,11 +83,13 @@ class SpecDecoder:
         depend on how the request's tokens were split into steps."""
         m = len(seqs)
         params = [s.params for s in seqs]
+        if not any(p.seed is not None and not p.greedy for p in params):  # the shared stream alone
+            unkeyed = [0] * m
+            return (self.sampler.noise((m, k), params, unkeyed, "uniform"),
+                    self.sampler.noise((m, vocab), params, unkeyed, "exponential"))
         per_position = [p for p in params for _ in range(k + 1)]
         indices = [s.next_output_index + i for s in seqs for i in range(k + 1)]
         uniforms = self.sampler.noise((m * (k + 1), 1), per_position, indices, "uniform").view(m, k + 1)[:, :k]
-        if not any(p.seed is not None and not p.greedy for p in params):
-            return uniforms, self.sampler.noise((m, vocab), params, [0] * m, "exponential")
         exponentials = self.sampler.noise((m * (k + 1), vocab), per_position, indices, "exponential")
         return uniforms, exponentials.view(m, k + 1, vocab)
 
