@@ -55,8 +55,11 @@ async def main_async(args: argparse.Namespace) -> None:
             burst: list[tuple[RequestResult, float]] = []
             if phase == "with a burst":
                 # Once every admitted stream holds its seat (and a moment more: they stream), the burst.
+                deadline = time.monotonic() + 600
                 while server.coordinator.num_queued or sum(w.state.inflight for w in
                                                            server.coordinator.decode.workers) < args.seats:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the {args.seats} streams did not all take a seat within 600 s")
                     await asyncio.sleep(0.01)
                 await asyncio.sleep(args.burst_after_s)
                 extra = random_requests(args.burst, args.prompt_len, args.output_len, vocab, seed=2)
