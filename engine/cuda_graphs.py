@@ -46,7 +46,7 @@ class _Graph:
 
 class StepGraphs:
     """Captures and replays uniform steps. Inputs come from `StepInputBuilder.build(...,
-    pad_to=bucket)`, which writes them into the views each graph was captured over.
+    graph=(bucket, width))`, which writes them into the views each graph was captured over.
 
     tokens_per_seq: the q values to capture (1: decodes).
     max_batch: the largest bucket of q = 1; `max_multi_batch` that of the other q values

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +83,7 @@ class StructuredOutputs:
     # The per-step mask ---------------------------------------------------------------
 
     @torch.inference_mode()  # the logits are inference tensors
-    def mask_logits(self, logits: dict[Sequence, torch.Tensor]) -> None:
+    def mask_logits(self, logits: Mapping[Sequence, torch.Tensor]) -> None:
         """Mask, in place, each constrained sequence's logits [1, vocab] (rows about to be sampled)
         to the tokens its grammar allows next. Unconstrained rows are left alone."""
         seqs = [seq for seq in logits if seq.params.structured is not None]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import torch
 
 from pdserve.engine.attention import AttentionBackend
@@ -13,6 +15,48 @@ from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
 from pdserve.engine.tensor_parallel import TensorParallelRanks
+
+
+class StepLogits(Mapping[Sequence, torch.Tensor]):
+    """A step's float32 logits: one tensor [rows, vocab] and each sequence's span of its rows
+    (after its last token, then after each proposed token). `logits[seq]` is a view of the
+    span; `rows_of` the first row of many spans as one tensor, a view when they are evenly
+    spaced (every graph step: one row per sequence, or one every q rows), so a step hands
+    its logits on without a tensor op per sequence."""
+
+    __slots__ = ("values", "spans")
+
+    def __init__(self, values: torch.Tensor, spans: dict[Sequence, tuple[int, int]]) -> None:
+        self.values = values
+        self.spans = spans  # seq -> (first row, number of rows)
+
+    def __getitem__(self, seq: Sequence) -> torch.Tensor:
+        first, count = self.spans[seq]
+        return self.values[first:first + count]
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self.spans)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __contains__(self, seq: object) -> bool:
+        return seq in self.spans
+
+    def pop(self, seq: Sequence) -> torch.Tensor:
+        rows = self[seq]
+        del self.spans[seq]
+        return rows
+
+    def rows_of(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[len(seqs), vocab]: each sequence's first row, in order."""
+        firsts = [self.spans[s][0] for s in seqs]
+        values, first = self.values, firsts[0]
+        step = firsts[1] - first if len(firsts) > 1 else 1
+        if step > 0 and all(f == first + i * step for i, f in enumerate(firsts)):
+            return values.as_strided((len(seqs), values.shape[1]), (step * values.stride(0), values.stride(1)),
+                                     values.storage_offset() + first * values.stride(0))
+        return torch.cat([values[f:f + 1] for f in firsts])
 
 
 class ModelRunner:
@@ -38,35 +82,34 @@ class ModelRunner:
         return self.sample(self.compute_logits(batch))
 
     @torch.inference_mode()
-    def compute_logits(self, batch: ScheduledBatch, in_flight: InFlightTokens | None = None
-                       ) -> dict[Sequence, torch.Tensor]:
+    def compute_logits(self, batch: ScheduledBatch, in_flight: InFlightTokens | None = None) -> StepLogits:
         """Run the model over the batch; for each sequence whose scheduled tokens
         reach the end of its tokens and of its proposals (`seq.spec_token_ids`),
         float32 logits [1 + num_proposed, vocab]: after its last token, then
         after each proposed token (what speculative verification needs).
         in_flight: the tokens of the step before, if it has not resolved yet."""
         if not batch.seqs:
-            return {}
+            return StepLogits(torch.empty(0), {})
         key = self.graphs.key_for(batch) if self.graphs is not None else None
         if key is not None:
             assert self.graphs is not None
-            inputs = self.inputs.build(batch.seqs, batch.num_new_tokens, pad_to=key[0], in_flight=in_flight)
+            inputs = self.inputs.build(batch.seqs, batch.num_new_tokens, in_flight, graph=(key[0], key[2]))
             logits = self.graphs.replay(key)
         else:
             self.num_eager_steps += 1
             order = _decodes_first(batch)
             inputs = self.inputs.build([batch.seqs[i] for i in order], [batch.num_new_tokens[i] for i in order],
-                                       in_flight=in_flight)
+                                       in_flight)
             if self.ranks is not None:
                 self.ranks.run_step(inputs)
             step = self.backend.begin_step(inputs.meta, self.pool, self.scale)
             hidden = self.model(inputs.input_ids, inputs.positions, step)  # writes the KV, sampled or not
             if not inputs.spans:  # mid-prompt chunks only
-                return {}
+                return StepLogits(hidden, {})
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        return {seq: logits[first:first + count] for seq, first, count in inputs.spans}
+        return StepLogits(logits, {seq: (first, count) for seq, first, count in inputs.spans})
 
-    def sample(self, logits: dict[Sequence, torch.Tensor]) -> dict[Sequence, tuple[int, TokenLogprobs | None]]:
+    def sample(self, logits: StepLogits) -> dict[Sequence, tuple[int, TokenLogprobs | None]]:
         """Sample one token for each sequence from its one row of logits [1, vocab]."""
         seqs, pending = self.sample_async(logits)
         if pending is None:
@@ -74,24 +117,14 @@ class ModelRunner:
         out = pending.resolve()
         return {seq: (tok, lp) for seq, tok, lp in zip(seqs, out.token_ids, out.logprobs)}
 
-    def sample_async(self, logits: dict[Sequence, torch.Tensor]) -> tuple[list[Sequence], PendingSample | None]:
+    def sample_async(self, logits: StepLogits) -> tuple[list[Sequence], PendingSample | None]:
         """`sample` without waiting for the GPU: the sequences, and their tokens in that order."""
         if not logits:
             return [], None
         seqs = list(logits)
-        rows = [logits[s] for s in seqs]
-        assert all(r.shape[0] == 1 for r in rows), "sequences with proposed tokens are verified, not sampled"
-        return seqs, self.sampler.sample_async(rows_as_one(rows), [s.params for s in seqs],
+        assert all(logits.spans[s][1] == 1 for s in seqs), "sequences with proposed tokens are verified, not sampled"
+        return seqs, self.sampler.sample_async(logits.rows_of(seqs), [s.params for s in seqs],
                                                [s.next_output_index for s in seqs])
-
-
-def rows_as_one(rows: list[torch.Tensor]) -> torch.Tensor:
-    """The rows as one [N, vocab] tensor; a view when they are consecutive rows of one
-    (every plain step), else a copy."""
-    first = rows[0]
-    if all(r.data_ptr() == first.data_ptr() + i * first.stride(0) * first.element_size() for i, r in enumerate(rows)):
-        return first.as_strided((len(rows), first.shape[1]), first.stride())
-    return torch.cat(rows)
 
 
 def _decodes_first(batch: ScheduledBatch) -> list[int]:

@@ -3,8 +3,8 @@ attention backend read, for eager steps and CUDA-graph replays alike.
 
 The tensors are views of persistent buffers, so a graph captured over them replays any
 later batch of its size. On CUDA a step costs two host-to-device copies (every int64
-input in one, every int32 one in the other) from pinned staging, plus, for a graph, one
-device copy of the block table into the graph's fixed-stride table. Each sequence's block
+input in one, every int32 one in the other, each of only what the step uses) from pinned
+staging, and nothing else unless tokens are in flight (one gather). Each sequence's block
 table is mirrored on the host and only blocks added since its last step are written: a
 sequence's `block_ids` only grow between bumps of `Sequence.block_table_version` (the
 block manager bumps it when it frees or trims them), so a 256 x 1.5k decode step writes
@@ -64,7 +64,14 @@ class _Gathered:
 class StepInputBuilder:
     """Builds `StepInputs` into fixed buffers sized for `max_num_tokens` tokens of at most
     `max_num_seqs` sequences (a larger batch raises: the scheduler's budget bounds it),
-    each of at most `max_blocks_per_seq` blocks."""
+    each of at most `max_blocks_per_seq` blocks.
+
+    A step's inputs are packed at the front of two buffers, so that one copy of each brings
+    only what the step uses: int64 [ids | positions | slots | logits rows | in-flight
+    tokens' destinations | their sources], int32 [seq lens | prefill cu_seqlens | block
+    table, n x width]. A graph's step (bucket B of q tokens each, table `width` wide) has a
+    fixed layout of its own: B * q ids, positions and slots, B seq lens, B + 1 cu_seqlens
+    when q > 1, the table; the graph reads the table where it lands, with no copy after."""
 
     def __init__(self, block_size: int, max_blocks_per_seq: int, max_num_tokens: int, max_num_seqs: int,
                  device: torch.device, growable: bool = False) -> None:
@@ -80,15 +87,12 @@ class StepInputBuilder:
     def _allocate(self, max_num_tokens: int, max_num_seqs: int) -> None:
         self.max_tokens, self.max_seqs = max_num_tokens, max_num_seqs
         on_gpu = self.device.type == "cuda"
-        # int64: input ids | positions | slots | logits indices | in-flight tokens' destinations
-        # | and their sources, each max_num_tokens long.
-        # int32: seq lens (max_seqs) | cu_seqlens of the prefills (max_seqs + 1) | block table
-        # [n, width] packed (max_seqs * max_blocks).
         n64, n32 = 6 * max_num_tokens, 2 * max_num_seqs + 1 + max_num_seqs * self.max_blocks
         # Two staging sets, alternated, so that a step's host writes never race the copies
         # of the step before, which may still be in flight.
         self._staging = [(torch.zeros(n64, dtype=torch.int64, pin_memory=on_gpu),
                           torch.zeros(n32, dtype=torch.int32, pin_memory=on_gpu)) for _ in range(2 if on_gpu else 1)]
+        self._staging_np = [(h64.numpy(), h32.numpy()) for h64, h32 in self._staging]
         self._copied: list[torch.cuda.Event | None] = [None] * len(self._staging)
         self._turn = 0
         if on_gpu:
@@ -96,34 +100,38 @@ class StepInputBuilder:
             self._dev32 = torch.zeros(n32, dtype=torch.int32, device=self.device)
         else:  # the CPU reads the staging directly
             self._dev64, self._dev32 = self._staging[0]
-        # The fixed-stride table CUDA graphs read: [max_seqs, max_blocks].
-        self.graph_block_tables = torch.zeros(max_num_seqs, self.max_blocks, dtype=torch.int32, device=self.device)
+        self._graph_views: dict[tuple[int, int, int], StepInputs] = {}
 
     # Graphs -------------------------------------------------------------
 
     def graph_inputs(self, bucket: int, width: int, tokens_per_seq: int = 1) -> StepInputs:
         """The views a CUDA graph of `bucket` sequences of `tokens_per_seq` new tokens each is
-        captured over, its block table `width` blocks wide (of the fixed table's `max_blocks`);
-        `build(..., pad_to=bucket)` fills them before each replay. Starts as padding (no slot
-        written, nothing attended)."""
-        t, s, q = self.max_tokens, self.max_seqs, tokens_per_seq
-        self._dev64[2 * t:2 * t + bucket * q].fill_(-1)
+        captured over, its block table `width` blocks wide; `build(..., graph=(bucket,
+        width))` fills them before each replay. Starts as padding (no slot written, nothing
+        attended)."""
+        q = tokens_per_seq
+        views = self._views(bucket, width, q)
+        # Graphs' layouts overlap (one's slots may be another's ids): all of it set.
+        views.input_ids.zero_()
+        views.positions.zero_()
+        views.meta.slot_mapping.fill_(-1)
         self._dev32[:bucket].zero_()
         if q > 1:
-            self._dev32[s:s + bucket + 1].copy_(torch.arange(0, (bucket + 1) * q, q, dtype=torch.int32))
-        return self._graph_views(bucket, width, q, [])
+            views.meta.prefill_cu_seqlens_q.copy_(torch.arange(0, (bucket + 1) * q, q, dtype=torch.int32))
+        return views
 
     # Building -----------------------------------------------------------
 
-    def build(self, seqs: list[Sequence], num_new_tokens: list[int], pad_to: int | None = None,
-              in_flight: InFlightTokens | None = None) -> StepInputs:
+    def build(self, seqs: list[Sequence], num_new_tokens: list[int], in_flight: InFlightTokens | None = None,
+              graph: tuple[int, int] | None = None) -> StepInputs:
         """Inputs for `seqs[i]` advancing by `num_new_tokens[i]` (decodes first; a sequence's
         tokens past `num_tokens` are its proposals, `spec_token_ids`).
 
         in_flight: where the last tokens still unknown on the host are (see InFlightTokens).
-        pad_to: a uniform batch (every sequence's `num_new_tokens` the same q, reaching its
-            end) replayed by the graph of this bucket: inputs go into the views of
-            `graph_inputs(pad_to, width, q)`, padded sequences write and attend to nothing.
+        graph: (bucket, width) of the CUDA graph that replays a uniform batch (every
+            sequence's `num_new_tokens` the same q, reaching its end): inputs go into the
+            views of `graph_inputs(bucket, width, q)`, padded sequences write and attend
+            to nothing.
         """
         n, num_tokens = len(seqs), sum(num_new_tokens)
         if (num_tokens > self.max_tokens or n > self.max_seqs) and self.growable:
@@ -132,66 +140,47 @@ class StepInputBuilder:
             raise ValueError(f"a step of {num_tokens} tokens over {n} sequences exceeds the input buffers "
                              f"({self.max_tokens} tokens, {self.max_seqs} sequences)")
         g = self._gather(seqs, num_new_tokens, in_flight)
-        bs, t, s = self.block_size, self.max_tokens, self.max_seqs
+        if graph is not None:
+            return self._build_graph(g, n, num_new_tokens[0], *graph, in_flight)
+        bs = self.block_size
         seq_lens = g.starts + g.counts
         # Token j of sequence i sits at position starts[i] + j.
         token_seq = np.repeat(np.arange(n), g.counts)
         first_token = np.cumsum(g.counts) - g.counts
         positions = g.starts[token_seq] + (np.arange(num_tokens) - first_token[token_seq])
         slots = self._rows.table[g.rows[token_seq], positions // bs].astype(np.int64) * bs + positions % bs
-        prefill_q_lens = g.counts[g.num_decodes:]
+        nd = g.num_decodes
+        prefill_q_lens = g.counts[nd:]
         width = g.width
 
-        # Stage: int64 [ids | positions | slots | logits rows | carried to | carried from],
-        # int32 [seq lens | prefill cu_seqlens | block table n x width].
-        host64, host32 = self._next_staging()
-        h64, h32 = host64.numpy(), host32.numpy()
-        q = num_new_tokens[0] if pad_to is not None else 0
-        padded = num_tokens if pad_to is None else pad_to * q
-        h64[:num_tokens] = g.ids
-        h64[t:t + num_tokens] = positions
-        h64[2 * t:2 * t + num_tokens] = slots
-        h64[num_tokens:padded] = 0
-        h64[t + num_tokens:t + padded] = 0
-        h64[2 * t + num_tokens:2 * t + padded] = -1
-        num_logits = len(g.logits_rows) if pad_to is None else padded  # a graph computes every row's logits
-        h64[3 * t:3 * t + len(g.logits_rows)] = g.logits_rows
-        num_carried, carry_at = len(g.carried_to), 4 * t
+        host64, host32, h64, h32 = self._next_staging()
+        t, num_logits, num_carried = num_tokens, len(g.logits_rows), len(g.carried_to)
+        h64[:t] = g.ids
+        h64[t:2 * t] = positions
+        h64[2 * t:3 * t] = slots
+        h64[3 * t:3 * t + num_logits] = g.logits_rows
+        carry_at = 3 * t + num_logits
         h64[carry_at:carry_at + num_carried] = g.carried_to
-        h64[carry_at + t:carry_at + t + num_carried] = g.carried_from
+        h64[carry_at + num_carried:carry_at + 2 * num_carried] = g.carried_from
         h32[:n] = seq_lens
-        h32[s] = 0
-        h32[s + 1:s + 1 + n - g.num_decodes] = np.cumsum(prefill_q_lens)
-        if pad_to is not None:
-            h32[n:pad_to] = 0
-            if q > 1:  # padded sequences keep q tokens each
-                h32[s + 1 + n:s + 1 + pad_to] = q * np.arange(n + 1, pad_to + 1)
-        table_at = 2 * s + 1
+        h32[n] = 0
+        h32[n + 1:2 * n - nd + 1] = np.cumsum(prefill_q_lens)
+        table_at = 2 * n - nd + 1
         h32[table_at:table_at + n * width].reshape(n, width)[:] = self._rows.table[g.rows, :width]
-        self._upload(host64, host32, carry_at + t + num_carried if num_carried else 3 * t + num_logits,
-                     table_at + n * width)
+        self._upload(host64, host32, carry_at + 2 * num_carried, table_at + n * width)
 
         d64, d32 = self._dev64, self._dev32
-        if num_carried:
-            assert in_flight is not None
-            d64[:padded].index_copy_(0, d64[carry_at:carry_at + num_carried],
-                                     in_flight.token_ids.index_select(0, d64[carry_at + t:carry_at + t + num_carried]))
+        self._carry(d64[:t], d64[carry_at:carry_at + 2 * num_carried], in_flight)
         tables = d32[table_at:table_at + n * width].view(n, width)
-        if pad_to is not None:
-            self.graph_block_tables[:n, :width].copy_(tables)
-            # A graph's logits cover every token: a span starts at its first token's row.
-            spans = [(seq, g.logits_rows[first], count) for seq, first, count in g.spans]
-            return self._graph_views(pad_to, width, q, spans)
-        nd = g.num_decodes
         return StepInputs(
-            input_ids=d64[:num_tokens],
-            positions=d64[t:t + num_tokens],
+            input_ids=d64[:t],
+            positions=d64[t:2 * t],
             meta=AttentionMetadata(
-                slot_mapping=d64[2 * t:2 * t + num_tokens],
+                slot_mapping=d64[2 * t:3 * t],
                 num_decodes=nd,
                 decode_block_tables=tables[:nd],
                 decode_seq_lens=d32[:nd],
-                prefill_cu_seqlens_q=d32[s:s + n - nd + 1],
+                prefill_cu_seqlens_q=d32[n:2 * n - nd + 1],
                 prefill_seq_lens=d32[nd:n],
                 prefill_block_tables=tables[nd:],
                 prefill_max_seqlen_q=int(prefill_q_lens.max(initial=0)),
@@ -202,6 +191,50 @@ class StepInputBuilder:
             logits_indices=d64[3 * t:3 * t + num_logits],
             spans=g.spans,
         )
+
+    def _build_graph(self, g: _Gathered, n: int, q: int, bucket: int, width: int,
+                     in_flight: InFlightTokens | None) -> StepInputs:
+        """`build` for a graph's uniform step: every region of its layout written (padding
+        included: other steps share the buffers), no per-token arrays but the three the
+        graph reads."""
+        bs, num_tokens, padded = self.block_size, n * q, bucket * q
+        assert width >= g.width, f"a graph's block table of {width} blocks cannot hold a sequence of {g.width}"
+        positions = g.starts[:, None] + np.arange(q)
+        slots = self._rows.table[g.rows[:, None], positions // bs].astype(np.int64) * bs + positions % bs
+        host64, host32, h64, h32 = self._next_staging()
+        h64[:num_tokens] = g.ids
+        h64[num_tokens:padded] = 0
+        h64[padded:padded + num_tokens] = positions.ravel()
+        h64[padded + num_tokens:2 * padded] = 0
+        h64[2 * padded:2 * padded + num_tokens] = slots.ravel()
+        h64[2 * padded + num_tokens:3 * padded] = -1
+        carry_at, num_carried = 3 * padded, len(g.carried_to)
+        h64[carry_at:carry_at + num_carried] = g.carried_to
+        h64[carry_at + num_carried:carry_at + 2 * num_carried] = g.carried_from
+        h32[:n] = g.starts + q
+        h32[n:bucket + 1] = 0  # padding's lens; at q = 1 also the (empty) prefills' cu_seqlens
+        table_at = bucket + 1
+        if q > 1:  # every sequence, padding too, has q tokens
+            h32[bucket:2 * bucket + 1] = np.arange(0, (bucket + 1) * q, q)
+            table_at = 2 * bucket + 1
+        h32[table_at:table_at + n * width].reshape(n, width)[:] = self._rows.table[g.rows, :width]
+        self._upload(host64, host32, carry_at + 2 * num_carried, table_at + n * width)
+        d64 = self._dev64
+        self._carry(d64[:padded], d64[carry_at:carry_at + 2 * num_carried], in_flight)
+        views = self._views(bucket, width, q)
+        # A graph's logits cover every token: a span starts at its first token's row.
+        # (A draft's catch-up of q known tokens has logits after the last one only.)
+        spans = [(seq, q * i + q - count, count) for i, (seq, _, count) in enumerate(g.spans)]
+        return StepInputs(views.input_ids, views.positions, views.meta, views.logits_indices, spans)
+
+    @staticmethod
+    def _carry(ids: torch.Tensor, carried: torch.Tensor, in_flight: InFlightTokens | None) -> None:
+        """The tokens in flight into `ids`, on the device; `carried`: their destinations
+        in ids, then their rows of `in_flight.token_ids`."""
+        num = carried.shape[0] // 2
+        if num:
+            assert in_flight is not None
+            ids.index_copy_(0, carried[:num], in_flight.token_ids.index_select(0, carried[num:]))
 
     def _gather(self, seqs: list[Sequence], num_new_tokens: list[int], in_flight: InFlightTokens | None) -> _Gathered:
         """The per-sequence pass: block-table rows brought up to date, token ids, logits rows."""
@@ -234,21 +267,26 @@ class StepInputBuilder:
             g.width = max(g.width, len(seq.block_ids))
         return g
 
-    def _graph_views(self, bucket: int, width: int, q: int, spans: list[tuple[Sequence, int, int]]) -> StepInputs:
-        t, s = self.max_tokens, self.max_seqs
+    def _views(self, bucket: int, width: int, q: int) -> StepInputs:
+        """The fixed views of a graph's layout (see the class), made once per graph."""
+        key = (bucket, width, q)
+        views = self._graph_views.get(key)
+        if views is not None:
+            return views
         d64, d32 = self._dev64, self._dev32
+        padded = bucket * q
+        table_at = bucket + 1 if q == 1 else 2 * bucket + 1
+        tables = d32[table_at:table_at + bucket * width].view(bucket, width)
         empty = d32[:0]
-        tables = self.graph_block_tables[:bucket, :width]
-        num_tokens = bucket * q
         if q == 1:  # decodes
             meta = AttentionMetadata(
-                slot_mapping=d64[2 * t:2 * t + bucket],
+                slot_mapping=d64[2 * padded:3 * padded],
                 num_decodes=bucket,
                 decode_block_tables=tables,
                 decode_seq_lens=d32[:bucket],
-                prefill_cu_seqlens_q=d32[s:s + 1],
+                prefill_cu_seqlens_q=d32[bucket:bucket + 1],
                 prefill_seq_lens=empty,
-                prefill_block_tables=self.graph_block_tables[:0],
+                prefill_block_tables=tables[:0],
                 prefill_max_seqlen_q=0,
                 decode_seq_lens_host=[],
                 prefill_q_lens_host=[],
@@ -256,11 +294,11 @@ class StepInputBuilder:
             )
         else:  # q tokens after each context: the backend's verification path (paged_verify)
             meta = AttentionMetadata(
-                slot_mapping=d64[2 * t:2 * t + num_tokens],
+                slot_mapping=d64[2 * padded:3 * padded],
                 num_decodes=0,
-                decode_block_tables=self.graph_block_tables[:0],
+                decode_block_tables=tables[:0],
                 decode_seq_lens=empty,
-                prefill_cu_seqlens_q=d32[s:s + bucket + 1],
+                prefill_cu_seqlens_q=d32[bucket:2 * bucket + 1],
                 prefill_seq_lens=d32[:bucket],
                 prefill_block_tables=tables,
                 prefill_max_seqlen_q=q,
@@ -268,14 +306,18 @@ class StepInputBuilder:
                 prefill_q_lens_host=[q] * bucket,
                 prefill_seq_lens_host=[],  # unknown at capture: never taken for a fresh prompt
             )
-        return StepInputs(d64[:num_tokens], d64[t:t + num_tokens], meta, d64[3 * t:3 * t + num_tokens], spans)
+        # A graph computes every row's logits: no logits indices.
+        views = StepInputs(d64[:padded], d64[padded:2 * padded], meta, d64[:0], [])
+        self._graph_views[key] = views
+        return views
 
-    def _next_staging(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _next_staging(self) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+        """The next staging set: its int64 and int32 tensors, and numpy views of them."""
         self._turn = (self._turn + 1) % len(self._staging)
         done = self._copied[self._turn]
         if done is not None:
             done.synchronize()  # normally long complete: the copy was queued two steps ago
-        return self._staging[self._turn]
+        return *self._staging[self._turn], *self._staging_np[self._turn]
 
     def _upload(self, host64: torch.Tensor, host32: torch.Tensor, used64: int, used32: int) -> None:
         if self.device.type != "cuda":

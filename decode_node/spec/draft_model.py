@@ -22,7 +22,7 @@ from pdserve.engine.config import MAX_SPECULATIVE_TOKENS
 from pdserve.engine.cuda_graphs import StepGraphs
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_pool import KVLayout, KVPool
-from pdserve.engine.model_runner import ModelRunner, rows_as_one
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.sampler import Sampler, on_device
@@ -100,7 +100,7 @@ class ModelDrafter:
             active = [i for i in active if shadows[i] in logits]
             if not active:
                 break
-            rows = rows_as_one([logits[shadows[i]] for i in active])
+            rows = logits.rows_of([shadows[i] for i in active])
             tokens, q = self._draw([seqs[i] for i in active], j, rows, want_probs)
             if len(active) == n:
                 drafted[:, j] = tokens

@@ -13,6 +13,7 @@ import torch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.model_runner import StepLogits
 from pdserve.engine.step_inputs import StepInputBuilder
 
 BS = 4
@@ -125,7 +126,7 @@ def test_graph_padding_writes_and_attends_nothing():
     for seq in seqs:
         assert bm.allocate(seq, seq.num_tokens)
         seq.num_computed_tokens = seq.num_tokens - 1
-    inputs = builder.build(seqs, [1, 1, 1], pad_to=8)
+    inputs = builder.build(seqs, [1, 1, 1], graph=(8, 8))
     # The same views the graph was captured over, now holding this batch plus padding.
     assert inputs.input_ids.data_ptr() == graph.input_ids.data_ptr()
     assert inputs.meta.decode_block_tables.data_ptr() == graph.meta.decode_block_tables.data_ptr()
@@ -134,6 +135,45 @@ def test_graph_padding_writes_and_attends_nothing():
     for i, seq in enumerate(seqs):
         assert inputs.meta.decode_block_tables[i, :len(seq.block_ids)].tolist() == seq.block_ids
     assert [(s.request_id, first, n) for s, first, n in inputs.spans] == [("g0", 0, 1), ("g1", 1, 1), ("g2", 2, 1)]
+
+
+@pytest.mark.parametrize("q, num_proposed", [(3, 2), (2, 0)])
+def test_graph_steps_of_several_tokens_after_an_eager_step(q, num_proposed):
+    # q = K + 1: a verification (the last token and K proposals); q = 2 with none: a draft's
+    # catch-up of two known tokens, logits after the last one only. An eager step in between
+    # overwrites the shared buffers, which the graph step must write whole again.
+    rng = random.Random(4)
+    bm = BlockManager(100, BS, enable_prefix_caching=False)
+    builder = StepInputBuilder(BS, 8, 32, 8, torch.device("cpu"))
+    graph = builder.graph_inputs(4, 8, q)
+    builder.graph_inputs(1, 8, 1)  # another graph's padding (its slots lie over this one's ids) ...
+    builder.graph_inputs(4, 8, q)  # ... and this one's again, as a graph's timing replays do
+    assert graph.input_ids.tolist() == [0] * 4 * q and graph.meta.slot_mapping.tolist() == [-1] * 4 * q
+    seqs = [_seq(f"v{i}", 6 + 3 * i, rng) for i in range(2)]
+    for seq in seqs:
+        seq.spec_token_ids = [rng.randrange(100) for _ in range(num_proposed)]
+        assert bm.allocate(seq, seq.num_tokens + num_proposed)
+        seq.num_computed_tokens = seq.num_tokens + num_proposed - q
+    other = _seq("eager", 20, rng)
+    assert bm.allocate(other, 20)
+    _check(builder.build([other], [20]), [other], [20])
+    inputs = builder.build(seqs, [q, q], graph=(4, 8))
+    assert inputs.input_ids.data_ptr() == graph.input_ids.data_ptr()
+    assert inputs.meta.prefill_block_tables.data_ptr() == graph.meta.prefill_block_tables.data_ptr()
+    ref = _reference(seqs, [q, q])
+    pad = 2 * q
+    assert inputs.input_ids.tolist() == ref["ids"] + [0] * pad
+    assert inputs.positions.tolist() == ref["pos"] + [0] * pad
+    assert inputs.meta.slot_mapping.tolist() == ref["slots"] + [-1] * pad
+    meta = inputs.meta
+    lens = meta.decode_seq_lens if q == 1 else meta.prefill_seq_lens
+    assert lens.tolist() == ref["lens"] + [0, 0]
+    assert meta.prefill_cu_seqlens_q.tolist() == [q * i for i in range(5)]
+    for i, seq in enumerate(seqs):
+        assert meta.prefill_block_tables[i, :len(seq.block_ids)].tolist() == seq.block_ids
+    count = 1 + num_proposed
+    assert [(s.request_id, first, n) for s, first, n in inputs.spans] == [
+        ("v0", q - count, count), ("v1", 2 * q - count, count)]
 
 
 def test_oversized_batch_is_refused_unless_growable():
@@ -145,3 +185,21 @@ def test_oversized_batch_is_refused_unless_growable():
         StepInputBuilder(BS, 16, 16, 2, torch.device("cpu")).build([seq], [30])
     grows = StepInputBuilder(BS, 16, 16, 2, torch.device("cpu"), growable=True)
     _check(grows.build([seq], [30]), [seq], [30])
+
+
+def test_step_logits_hand_rows_on_as_views_where_they_are_evenly_spaced():
+    rng = random.Random(5)
+    seqs = [_seq(f"l{i}", 3, rng) for i in range(4)]
+    values = torch.arange(10 * 6, dtype=torch.float32).view(10, 6)
+    consecutive = StepLogits(values, {s: (i, 1) for i, s in enumerate(seqs)})
+    rows = consecutive.rows_of(seqs)
+    assert rows.data_ptr() == values.data_ptr() and torch.equal(rows, values[:4])
+    every_second = StepLogits(values, {s: (2 * i + 1, 1) for i, s in enumerate(seqs)})  # a draft's catch-up
+    rows = every_second.rows_of(seqs)
+    assert torch.equal(rows, values[1:9:2]) and rows.data_ptr() == values[1].data_ptr()
+    uneven = StepLogits(values, {s: (f, 1) for s, f in zip(seqs, [0, 1, 5, 6])})
+    assert torch.equal(uneven.rows_of(seqs), values[[0, 1, 5, 6]])
+    assert torch.equal(uneven.rows_of(seqs[2:]), values[5:7])
+    spans = StepLogits(values, {seqs[0]: (0, 3), seqs[1]: (3, 1)})
+    assert torch.equal(spans[seqs[0]], values[:3]) and seqs[0] in spans
+    assert torch.equal(spans.pop(seqs[0]), values[:3]) and seqs[0] not in spans and list(spans) == [seqs[1]]
