@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.model_runner import StepLogits
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.model_runner import StepLogits
 from pdserve.engine.step_inputs import StepInputBuilder
 
 BS = 4
