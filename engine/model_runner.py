@@ -105,7 +105,7 @@ class ModelRunner:
             step = self.backend.begin_step(inputs.meta, self.pool, self.scale)
             hidden = self.model(inputs.input_ids, inputs.positions, step)  # writes the KV, sampled or not
             if not inputs.spans:  # mid-prompt chunks only
-                return StepLogits(hidden, {})
+                return StepLogits(torch.empty(0), {})
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         return StepLogits(logits, {seq: (first, count) for seq, first, count in inputs.spans})
 

@@ -142,35 +142,30 @@ class StepInputBuilder:
         g = self._gather(seqs, num_new_tokens, in_flight)
         if graph is not None:
             return self._build_graph(g, n, num_new_tokens[0], *graph, in_flight)
-        bs = self.block_size
         seq_lens = g.starts + g.counts
         # Token j of sequence i sits at position starts[i] + j.
         token_seq = np.repeat(np.arange(n), g.counts)
         first_token = np.cumsum(g.counts) - g.counts
         positions = g.starts[token_seq] + (np.arange(num_tokens) - first_token[token_seq])
-        slots = self._rows.table[g.rows[token_seq], positions // bs].astype(np.int64) * bs + positions % bs
+        slots = self._slots(g.rows[token_seq], positions)
         nd = g.num_decodes
         prefill_q_lens = g.counts[nd:]
         width = g.width
 
-        host64, host32, h64, h32 = self._next_staging()
-        t, num_logits, num_carried = num_tokens, len(g.logits_rows), len(g.carried_to)
+        staging = self._next_staging()
+        h64, h32 = staging[2], staging[3]
+        t, num_logits = num_tokens, len(g.logits_rows)
         h64[:t] = g.ids
         h64[t:2 * t] = positions
         h64[2 * t:3 * t] = slots
         h64[3 * t:3 * t + num_logits] = g.logits_rows
-        carry_at = 3 * t + num_logits
-        h64[carry_at:carry_at + num_carried] = g.carried_to
-        h64[carry_at + num_carried:carry_at + 2 * num_carried] = g.carried_from
         h32[:n] = seq_lens
         h32[n] = 0
         h32[n + 1:2 * n - nd + 1] = np.cumsum(prefill_q_lens)
         table_at = 2 * n - nd + 1
-        h32[table_at:table_at + n * width].reshape(n, width)[:] = self._rows.table[g.rows, :width]
-        self._upload(host64, host32, carry_at + 2 * num_carried, table_at + n * width)
+        self._finish_staging(g, staging, 3 * t + num_logits, table_at, width, t, in_flight)
 
         d64, d32 = self._dev64, self._dev32
-        self._carry(d64[:t], d64[carry_at:carry_at + 2 * num_carried], in_flight)
         tables = d32[table_at:table_at + n * width].view(n, width)
         return StepInputs(
             input_ids=d64[:t],
@@ -197,44 +192,53 @@ class StepInputBuilder:
         """`build` for a graph's uniform step: every region of its layout written (padding
         included: other steps share the buffers), no per-token arrays but the three the
         graph reads."""
-        bs, num_tokens, padded = self.block_size, n * q, bucket * q
+        num_tokens, padded = n * q, bucket * q
         assert width >= g.width, f"a graph's block table of {width} blocks cannot hold a sequence of {g.width}"
         positions = g.starts[:, None] + np.arange(q)
-        slots = self._rows.table[g.rows[:, None], positions // bs].astype(np.int64) * bs + positions % bs
-        host64, host32, h64, h32 = self._next_staging()
+        slots = self._slots(g.rows[:, None], positions)
+        staging = self._next_staging()
+        h64, h32 = staging[2], staging[3]
         h64[:num_tokens] = g.ids
         h64[num_tokens:padded] = 0
         h64[padded:padded + num_tokens] = positions.ravel()
         h64[padded + num_tokens:2 * padded] = 0
         h64[2 * padded:2 * padded + num_tokens] = slots.ravel()
         h64[2 * padded + num_tokens:3 * padded] = -1
-        carry_at, num_carried = 3 * padded, len(g.carried_to)
-        h64[carry_at:carry_at + num_carried] = g.carried_to
-        h64[carry_at + num_carried:carry_at + 2 * num_carried] = g.carried_from
         h32[:n] = g.starts + q
         h32[n:bucket + 1] = 0  # padding's lens; at q = 1 also the (empty) prefills' cu_seqlens
         table_at = bucket + 1
         if q > 1:  # every sequence, padding too, has q tokens
             h32[bucket:2 * bucket + 1] = np.arange(0, (bucket + 1) * q, q)
             table_at = 2 * bucket + 1
-        h32[table_at:table_at + n * width].reshape(n, width)[:] = self._rows.table[g.rows, :width]
-        self._upload(host64, host32, carry_at + 2 * num_carried, table_at + n * width)
-        d64 = self._dev64
-        self._carry(d64[:padded], d64[carry_at:carry_at + 2 * num_carried], in_flight)
+        self._finish_staging(g, staging, 3 * padded, table_at, width, padded, in_flight)
         views = self._views(bucket, width, q)
         # A graph's logits cover every token: a span starts at its first token's row.
         # (A draft's catch-up of q known tokens has logits after the last one only.)
         spans = [(seq, q * i + q - count, count) for i, (seq, _, count) in enumerate(g.spans)]
         return StepInputs(views.input_ids, views.positions, views.meta, views.logits_indices, spans)
 
-    @staticmethod
-    def _carry(ids: torch.Tensor, carried: torch.Tensor, in_flight: InFlightTokens | None) -> None:
-        """The tokens in flight into `ids`, on the device; `carried`: their destinations
-        in ids, then their rows of `in_flight.token_ids`."""
-        num = carried.shape[0] // 2
-        if num:
+    def _slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The KV slot of each position of the sequences in those block-table rows."""
+        bs = self.block_size
+        return self._rows.table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+
+    def _finish_staging(self, g: _Gathered, staging: tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray],
+                        carry_at: int, table_at: int, width: int, num_ids: int,
+                        in_flight: InFlightTokens | None) -> None:
+        """What both layouts end with: the in-flight tokens' destinations and sources staged at
+        `carry_at`, the block table (n x width) at `table_at`; both buffers uploaded; then, on
+        the device, the tokens in flight gathered into the step's first `num_ids` ids."""
+        host64, host32, h64, h32 = staging
+        num_carried, n = len(g.carried_to), len(g.rows)
+        h64[carry_at:carry_at + num_carried] = g.carried_to
+        h64[carry_at + num_carried:carry_at + 2 * num_carried] = g.carried_from
+        h32[table_at:table_at + n * width].reshape(n, width)[:] = self._rows.table[g.rows, :width]
+        self._upload(host64, host32, carry_at + 2 * num_carried, table_at + n * width)
+        if num_carried:
             assert in_flight is not None
-            ids.index_copy_(0, carried[:num], in_flight.token_ids.index_select(0, carried[num:]))
+            d64 = self._dev64
+            d64[:num_ids].index_copy_(0, d64[carry_at:carry_at + num_carried], in_flight.token_ids.index_select(
+                0, d64[carry_at + num_carried:carry_at + 2 * num_carried]))
 
     def _gather(self, seqs: list[Sequence], num_new_tokens: list[int], in_flight: InFlightTokens | None) -> _Gathered:
         """The per-sequence pass: block-table rows brought up to date, token ids, logits rows."""
