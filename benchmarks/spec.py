@@ -34,12 +34,10 @@ formula's prediction from the measured α, v and c; and adaptive K at the same �
 from __future__ import annotations
 
 import argparse
-import cProfile
 import datetime
 import json
 import os
 import platform
-import pstats
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -47,13 +45,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdserve.decode_node.spec import SpecDecoder, build_speculator, expected_speedup, expected_tokens_per_pass
-from pdserve.decode_node.spec.adaptive import AdaptiveK, MeasuredCosts, RelativeCosts
-from pdserve.decode_node.spec.draft_model import ModelDrafter, load_draft_model
+from pdserve.decode_node.spec.draft_model import ModelDrafter
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampler import on_device
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
@@ -229,202 +225,6 @@ def print_tables(costs: list[PassCost], runs: list[Run], k: int) -> None:
               f"{r.predicted_speedup_measured_verify:.2f}x |")
 
 
-class ControlledDrafter(ModelDrafter):
-    """A model drafter whose proposals are the target's known continuation, each replaced by
-    a wrong token with probability 1 - alpha (see `--controlled`). The draft model still
-    runs every step: only its choice of token is overridden."""
-
-    def __init__(self, model, target: Engine, name: str, alpha: float, oracle: dict[str, list[int]]) -> None:
-        super().__init__(model, target, name)
-        self.alpha = alpha
-        self.oracle = oracle
-        self.vocab = target.arch.vocab_size
-        self.rng = random.Random(0)
-
-    def _draw(self, seqs, step, logits, with_probs):
-        super()._draw(seqs, step, logits, with_probs)  # paid for, then overridden
-        ids = []
-        for seq in seqs:
-            continuation = self.oracle[seq.request_id]
-            right = continuation[min(seq.num_output_tokens + step, len(continuation) - 1)]
-            ids.append(right if self.rng.random() < self.alpha else (right + 1) % self.vocab)
-        return on_device(ids, torch.int64, self.device), None
-
-
-@dataclass(frozen=True, slots=True)
-class ControlledRun:
-    batch: int
-    k: int
-    target_alpha: float
-    adaptive: bool
-    alpha: float
-    tokens_per_pass: float
-    v: float
-    c: float
-    tokens_per_s: float
-    baseline_tokens_per_s: float
-    speedup: float
-    predicted_speedup: float  # (1 - a^(K+1)) / (1 - a) / (v + K c), from the measured a, v, c
-    steps_by_k: dict[int, int]
-    matched: float  # share of output tokens equal to the baseline's before the first difference
-
-
-def _batch_rate(engine: Engine, prompts: list[list[int]], max_tokens: int, ids: list[str]
-                ) -> tuple[float, dict[str, list[int]]]:
-    """Decode tokens/s of the prompts as one batch (their prompt pass excluded), and the outputs."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(prompt, params, request_id=rid)
-    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
-    while any(not out for out in outputs.values()):  # every prompt's pass: its first token
-        for d in engine.step():
-            outputs[d.request_id] += d.token_ids
-    _sync(engine.device)
-    t, tokens = time.perf_counter(), 0
-    while engine.has_unfinished:
-        for d in engine.step():
-            outputs[d.request_id] += d.token_ids
-            tokens += len(d.token_ids)
-    _sync(engine.device)
-    return tokens / (time.perf_counter() - t), outputs
-
-
-def _counters(engine: Engine, drafter: ModelDrafter, since: tuple | None = None) -> tuple:
-    """Eager forwards and graph replays by q of the target and the draft (minus `since`)."""
-    now = []
-    for runner in (engine.runner, drafter.runner):
-        now += [runner.num_eager_steps, dict(runner.graphs.num_replays) if runner.graphs is not None else {}]
-    if since is None:
-        return tuple(now)
-    return tuple(n - s if isinstance(n, int) else {q: v - s.get(q, 0) for q, v in n.items()}
-                 for n, s in zip(now, since))
-
-
-def _matched(oracle: dict[str, list[int]], outputs: dict[str, list[int]]) -> float:
-    """The share of output tokens equal to the baseline's before each request's first difference.
-
-    Greedy speculation is exact (tests/engine/test_gpu.py checks it in float32), but dummy
-    weights give a near-flat distribution (top logprob ~ -7 over 128k tokens), whose argmax
-    bf16 rounding decides: a pass of other GEMM shapes (K + 1 tokens per sequence, another
-    batch size) may flip it, and even plain decoding differs between batch 1 and batch 8.
-    Past a request's first difference its proposals no longer follow its own continuation,
-    so its acceptance falls below the target α: the measured α is what the table reports."""
-    matched = total = 0
-    for rid, want in oracle.items():
-        got = outputs[rid]
-        matched += next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-        total += len(want)
-    return matched / total
-
-
-def _costs(engine: Engine, drafter: ModelDrafter, cost_ratio: float = 0.3) -> MeasuredCosts | RelativeCosts:
-    """What adaptive K weighs: the graphs' replay times, or without graphs `cost_ratio`."""
-    graphs = engine.runner.graphs
-    return MeasuredCosts(graphs, drafter.runner.graphs) if graphs is not None else RelativeCosts(cost_ratio)
-
-
-def make_greedy_chain(model: torch.nn.Module, seed: int = 0, layer_scale: float = 1e-4) -> None:
-    """Dummy weights whose greedy continuation bf16 rounding cannot flip (see `--controlled`).
-
-    The layers' output projections are scaled down, so the residual stream stays the current
-    token's embedding, and the head is the embedding permuted, so the next token is a fixed
-    function of the current one with a wide margin: |e|^2 ~ 1.6 against ~0.12 for the best
-    other of 128k random rows (std 0.02, hidden 4096), while every layer's contribution is
-    ~1e-4 of what random weights give. Every pass still reads and multiplies every weight:
-    the costs are those of the real shapes."""
-    if model.lm_head.weight is model.embed_tokens.weight:
-        raise ValueError("--chain needs a model whose head is not tied to its embedding; pass --no-chain")
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.self_attn.o_proj.weight.mul_(layer_scale)
-            layer.mlp.down_proj.weight.mul_(layer_scale)
-        embed = model.embed_tokens.weight
-        perm = torch.randperm(embed.shape[0], generator=gen).to(embed.device)
-        model.lm_head.weight.copy_(embed[perm])
-
-
-def controlled(engine: Engine, args: argparse.Namespace) -> list[ControlledRun]:
-    k, vocab = args.k, engine.arch.vocab_size
-    if args.chain:
-        make_greedy_chain(engine.model)
-    draft_model = load_draft_model(args.draft or args.model, engine)
-    rng = random.Random(1)
-    runs = []
-    for batch in args.batches:
-        prompts = [[rng.randrange(vocab) for _ in range(args.context)] for _ in range(batch)]
-        ids = [f"b{batch}-{i}" for i in range(batch)]
-        engine.set_speculator(None)
-        _batch_rate(engine, prompts[:1], 4, ["warm-up"])
-        base, oracle = _batch_rate(engine, prompts, args.max_tokens, ids)
-        print(f"batch {batch}: no speculation {base:.1f} tok/s")
-        drafter = ControlledDrafter(draft_model, engine, args.draft or args.model, 1.0, oracle)
-        # Warm up: the draft's own kernels compile on its first prompt and on the catch-ups
-        # of every length adaptive K's pauses leave (eager steps of new shapes).
-        drafter.alpha = 0.5
-        for warm in (SpecDecoder(drafter, engine.sampler, k), SpecDecoder(
-                drafter, engine.sampler, k, AdaptiveK(k, _costs(engine, drafter)))):
-            engine.set_speculator(warm)
-            _batch_rate(engine, prompts[:1], 48, [ids[0]])
-        engine.set_speculator(None)
-        costs = pass_costs(engine, {"draft": drafter}, k, [batch], args.context, args.iters)
-        v = costs[0].verify_ms / costs[0].decode_ms
-        c = costs[1].decode_ms / costs[0].decode_ms
-        # The oracle under the numerics of verification passes: the output of speculating with
-        # the oracle itself (α = 1), again until it reproduces itself (see `_matched`). These
-        # runs also compile what the batch's shapes need outside the timed ones.
-        drafter.alpha = 1.0
-        for _ in range(args.oracle_iterations):
-            drafter.rng = random.Random(2)
-            engine.set_speculator(SpecDecoder(drafter, engine.sampler, k))
-            _, outputs = _batch_rate(engine, prompts, args.max_tokens, ids)
-            engine.set_speculator(None)
-            if outputs == drafter.oracle:
-                break
-            drafter.oracle = oracle = outputs
-        cases = [(a, False) for a in args.alphas] + [(a, True) for a in args.alphas]
-        for alpha, adaptive in cases:
-            drafter.alpha, drafter.rng = alpha, random.Random(2)
-            ada = AdaptiveK(k, _costs(engine, drafter, c + (v - 1) / k)) if adaptive else None
-            spec = SpecDecoder(drafter, engine.sampler, k, ada)
-            engine.set_speculator(spec)
-            counters = _counters(engine, drafter)
-            profiler = cProfile.Profile() if batch in args.profile and alpha == args.alphas[0] else None
-            if profiler is not None:
-                profiler.enable()
-            rate, outputs = _batch_rate(engine, prompts, args.max_tokens, ids)
-            if profiler is not None:
-                profiler.disable()
-                mode = "adaptive" if adaptive else f"K={k}"
-                print(f"host profile, batch {batch}, {mode} (cProfile, cumulative, pdserve's own):")
-                pstats.Stats(profiler).sort_stats("cumulative").print_stats("pdserve", 40)
-            engine.set_speculator(None)
-            print(f"  steps served (target eager, by q; draft eager, by q): {_counters(engine, drafter, counters)}")
-            matched = _matched(oracle, outputs)
-            m = spec.metrics
-            predicted = expected_tokens_per_pass(m.alpha, k) / (v + k * c)
-            runs.append(ControlledRun(batch, k, alpha, adaptive, m.alpha, m.mean_tokens_per_pass, v, c, rate, base,
-                                      rate / base, predicted, dict(m.num_steps_by_k), matched))
-            print(f"batch {batch}: alpha {alpha} {'adaptive' if adaptive else f'K={k}'}: {rate:.1f} tok/s "
-                  f"({rate / base:.2f}x, predicted {predicted:.2f}x), K chosen {dict(m.num_steps_by_k)}")
-        del drafter
-    return runs
-
-
-def print_controlled(runs: list[ControlledRun]) -> None:
-    print("\nacceptance-controlled, greedy (same as baseline: the share of tokens before a bf16 flip), "
-          "baseline = no speculation, same run\n")
-    print("| batch | K | target α | α | tokens/pass | v | c | tok/s | baseline tok/s | speedup | formula (v+Kc) "
-          "| measured / formula | steps by K | same as baseline |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
-    for r in runs:
-        k = "adaptive" if r.adaptive else str(r.k)
-        print(f"| {r.batch} | {k} | {r.target_alpha:.2f} | {r.alpha:.3f} | {r.tokens_per_pass:.2f} | {r.v:.3f} | "
-              f"{r.c:.3f} | {r.tokens_per_s:.1f} | {r.baseline_tokens_per_s:.1f} | {r.speedup:.2f}x | "
-              f"{r.predicted_speedup:.2f}x | {r.speedup / r.predicted_speedup:.2f} | {r.steps_by_k} | "
-              f"{r.matched:.1%} |")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -449,7 +249,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, nargs="*", default=[],
                     help="batch sizes whose first controlled runs are profiled on the host (cProfile)")
     args = ap.parse_args()
-    if args.controlled:
+    if args.controlled:  # its own module (imports this one's pass costs, hence here)
+        from benchmarks.spec_controlled import main_controlled
         main_controlled(args)
         return
 
@@ -491,23 +292,6 @@ def main() -> None:
                        "costs": [asdict(c) for c in costs], "runs": [asdict(r) for r in runs]}, f, indent=1)
 
 
-def main_controlled(args: argparse.Namespace) -> None:
-    block_size = CacheConfig().block_size
-    batch = max(args.batches)
-    num_blocks = args.num_blocks or batch * -(-(args.context + args.max_tokens + 2 * args.k) // block_size) + 64
-    spec = SpecConfig(method="draft_model", draft_model=args.draft or args.model, num_speculative_tokens=args.k)
-    engine = Engine(EngineConfig(model=ModelConfig(source=args.model, device=args.device),
-                                 cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                                   enable_prefix_caching=False),
-                                 scheduler=SchedulerConfig(max_num_seqs=max(8, batch)), spec=spec))
-    runs = controlled(engine, args)
-    print_controlled(runs)
-    print(f"\n{engine.model_name} on {engine.device} ({engine.dtype}), draft {args.draft or args.model}, "
-          f"context {args.context}, {args.max_tokens} tokens per request; {datetime.date.today()}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": str(datetime.date.today()), "model": engine.model_name, "draft": args.draft,
-                       "runs": [asdict(r) for r in runs]}, f, indent=1)
 
 
 if __name__ == "__main__":
