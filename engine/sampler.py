@@ -35,20 +35,42 @@ class SamplerOutput:
 
 
 @dataclass(slots=True)
+class HostCopy:
+    """A device tensor on its way to pinned host memory: `get` waits for it and the GPU work
+    queued before it, not for what the stream runs after."""
+
+    _host: torch.Tensor
+    _ready: torch.cuda.Event | None
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> HostCopy:
+        on_gpu = t.device.type == "cuda"
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu)
+        host.copy_(t, non_blocking=on_gpu)
+        ready = None
+        if on_gpu:
+            ready = torch.cuda.Event()
+            ready.record()
+        return cls(host, ready)
+
+    def get(self) -> torch.Tensor:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host
+
+
+@dataclass(slots=True)
 class PendingSample:
     """Sampled ids still on their way from the GPU: `token_ids` stays on the device (a next
-    step can read it there), the host copies land in pinned memory behind `ready`."""
+    step can read it there), the host copies land in pinned memory."""
 
     token_ids: torch.Tensor  # [N] int64, on the sampler's device
-    _host_ids: torch.Tensor
+    _host_ids: HostCopy
     _logprobs: _PendingLogprobs | None
-    _ready: torch.cuda.Event | None
 
     def resolve(self) -> SamplerOutput:
         """Wait for the copies (the step's GPU work before them) and read them."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        ids = self._host_ids.tolist()
+        ids = self._host_ids.get().tolist()
         lp = self._logprobs.resolve(ids) if self._logprobs is not None else [None] * len(ids)
         return SamplerOutput(ids, lp)
 
@@ -91,14 +113,7 @@ class Sampler:
         """`sample` without waiting for the GPU: everything is queued on the current stream."""
         token_ids, _ = self.draw(logits, params, token_indices)
         pending_lp = _logprobs_async(logits, token_ids, params)
-        on_gpu = logits.device.type == "cuda"
-        host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=on_gpu)
-        host_ids.copy_(token_ids, non_blocking=on_gpu)
-        ready = None
-        if on_gpu:
-            ready = torch.cuda.Event()
-            ready.record()
-        return PendingSample(token_ids, host_ids, pending_lp, ready)
+        return PendingSample(token_ids, HostCopy.of(token_ids), pending_lp)
 
     def draw(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int],
              with_probs: bool = False, stream: Stream = "target") -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -42,7 +42,9 @@ class InFlightTokens:
     (still `PLACEHOLDER_TOKEN_ID` on the host), reads them from `token_ids`."""
 
     token_ids: torch.Tensor  # [N] int64, on the device
-    rows: dict[Sequence, int]  # each sequence's row of token_ids (its proposals: that row and on)
+    # Each sequence's row of token_ids: its last token's, or its proposals' first (they take
+    # that row and on; the rows after its last token's when both are in flight).
+    rows: dict[Sequence, int]
 
 
 @dataclass(slots=True)
@@ -251,7 +253,8 @@ class StepInputBuilder:
             g.starts[i] = start
             end = start + k
             last = len(seq.token_ids)
-            if seq.token_ids[last - 1] == PLACEHOLDER_TOKEN_ID:
+            carried = seq.token_ids[last - 1] == PLACEHOLDER_TOKEN_ID
+            if carried:
                 assert in_flight is not None and start == last - 1, "an unknown token can only be a decode's input"
                 g.carried_to.append(len(ids))
                 g.carried_from.append(in_flight.rows[seq])
@@ -261,7 +264,7 @@ class StepInputBuilder:
                 ids.extend(seq.spec_token_ids[:num_proposed])
                 if num_proposed and seq.spec_token_ids[0] == PLACEHOLDER_TOKEN_ID:  # drafted on the device
                     assert in_flight is not None, "proposals drafted on the device need their InFlightTokens"
-                    row = in_flight.rows[seq]
+                    row = in_flight.rows[seq] + carried  # after the last token when that is in flight too
                     g.carried_to.extend(range(len(ids) - num_proposed, len(ids)))
                     g.carried_from.extend(range(row, row + num_proposed))
                 g.spans.append((seq, len(logits_rows), 1 + num_proposed))

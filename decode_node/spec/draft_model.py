@@ -6,11 +6,18 @@ sequence whose KV covers the tokens the draft has seen; a proposal first
 catches the draft up on the target's new tokens (on a decode worker, the whole
 prompt the first time: the draft's KV is built from the prompt received), then
 drafts one token per step.
+
+After a verification the catch-up starts before the host knows the outcome
+(`catch_up`): the draft is fed every position the pass verified, with the tokens
+the acceptance emitted there, on the device, right behind the verification; the
+row after the last kept token gives the first draft token. The host reads the
+pass meanwhile (`settle` tells the drafter how many were kept), so the GPU does
+not wait for the host between a verification and the next proposal.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,7 +29,7 @@ from pdserve.engine.config import MAX_SPECULATIVE_TOKENS
 from pdserve.engine.cuda_graphs import StepGraphs
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_pool import KVLayout, KVPool
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import ModelRunner, StepLogits
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.sampler import Sampler, on_device
@@ -31,6 +38,20 @@ from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from pdserve.engine.speculator import Proposals
 from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
 from pdserve.engine.weights import load_model, load_tokenizer, resolve_model
+from pdserve.kernels.paged_decode import paged_verify_fits
+
+
+@dataclass(slots=True)
+class _CaughtUp:
+    """A shadow fed the positions a verification checked, from `start` on, `width` of them,
+    before the host knew how many it kept; its first draft token's logits are row `row` of
+    the drafter's `_caught_up_rows`. `kept` (set by `settle`): how many of the fed tokens
+    are the target's (the accepted proposals and the target's own)."""
+
+    start: int
+    width: int
+    row: int
+    kept: int | None = None
 
 
 class ModelDrafter:
@@ -60,30 +81,46 @@ class ModelDrafter:
         backend = backend_for(target.device)
         graphs = None
         if target.device.type == "cuda" and not target.config.model.enforce_eager:
+            # Decodes, the steady catch-up of two tokens, and each verification's catch-up
+            # (K + 1 positions, for every K adaptive K may pick).
+            group = arch.num_heads // arch.num_kv_heads
+            catch_ups = [k + 1 for k in range(1, spec.num_speculative_tokens + 1) if paged_verify_fits(k + 1, group)]
             graphs = StepGraphs(model, self.pool, backend, inputs, arch.head_dim ** -0.5,
-                                min(sched.max_num_seqs, spec.max_graph_batch), (1, 2))
+                                min(sched.max_num_seqs, spec.max_graph_batch), (1, 2, *catch_ups))
             graphs.capture()
         self.runner = ModelRunner(model, self.pool, backend, target.sampler, inputs, graphs)
         self._shadows: dict[Sequence, Sequence] = {}
         # The last proposal's tokens, still on the device: [(shadow, its row, tokens drafted)].
         self._drafted: tuple[torch.Tensor, list[tuple[Sequence, int, int]]] | None = None
+        # Target sequences caught up on their last verification (see `catch_up`), and the
+        # logits of each one's first draft token [n, vocab].
+        self._caught_up: dict[Sequence, _CaughtUp] = {}
+        self._caught_up_rows: torch.Tensor | None = None
+        self.num_caught_up = 0  # proposals that started from their verification's catch-up
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposals:
         """Drafts on the device: one forward per drafted token, each fed the tokens the step
-        before drew there, nothing read back until the engine verifies."""
+        before drew there, nothing read back until the engine verifies. A sequence caught up
+        on its last verification (`catch_up`) draws its first token from the logits it got
+        there, without a forward of its own."""
+        ready = self._take_caught_up(seqs)
+        self.num_caught_up += len(ready)
         self._learn_drafted()
         n, width = len(seqs), max(num_tokens, default=0)
         drafted = torch.zeros((n, width), dtype=torch.int64, device=self.device)
         counts = [0] * n
         active = [i for i in range(n) if num_tokens[i] > 0]
-        shadows = {i: self._sync(seqs[i]) for i in active}
+        shadows = {i: self._shadows[seqs[i]] if i in ready else self._sync(seqs[i]) for i in active}
         want_probs = any(not seqs[i].params.greedy for i in active)
         probs: torch.Tensor | None = None
         in_flight: InFlightTokens | None = None
         budget_left = self.max_step_tokens
         for j in range(width):
+            early = [i for i in active if i in ready] if j == 0 else []
             batch = ScheduledBatch()
             for i in active:
+                if j == 0 and i in ready:
+                    continue
                 shadow = shadows[i]
                 num_new = min(shadow.num_tokens - shadow.num_computed_tokens, budget_left)
                 # Else (over the step's budget, or the draft pool full) it proposes less.
@@ -91,18 +128,17 @@ class ModelDrafter:
                     batch.seqs.append(shadow)
                     batch.num_new_tokens.append(num_new)
                     budget_left -= num_new
-            if not batch.seqs:
-                break
-            logits = self.runner.compute_logits(batch, in_flight)
+            logits = self.runner.compute_logits(batch, in_flight) if batch.seqs else None
             for shadow, num_new in zip(batch.seqs, batch.num_new_tokens):
                 shadow.num_computed_tokens += num_new
             # A sequence whose catch-up did not fit this step's budget proposes nothing.
-            active = [i for i in active if shadows[i] in logits]
+            fresh = [i for i in active if logits is not None and shadows[i] in logits]
+            active = early + fresh
             if not active:
                 break
-            rows = logits.rows_of([shadows[i] for i in active])
-            tokens, q = self._draw([seqs[i] for i in active], j, rows, want_probs)
-            if len(active) == n:
+            tokens, q = self._draw([seqs[i] for i in active], j, self._first_rows(early, ready, fresh, shadows, logits),
+                                   want_probs)
+            if active == list(range(n)):
                 drafted[:, j] = tokens
             else:
                 drafted[:, j].index_copy_(0, on_device(active, torch.int64, self.device), tokens)
@@ -115,10 +151,119 @@ class ModelDrafter:
                 shadows[i].token_ids.append(PLACEHOLDER_TOKEN_ID)  # learnt after verification
             in_flight = InFlightTokens(tokens, {shadows[i]: r for r, i in enumerate(active)})
             # The last drafted token is not fed: the target computes its KV if it is accepted.
-            active = [i for i in active if counts[i] < num_tokens[i]]
+            active = sorted(i for i in active if counts[i] < num_tokens[i])
             budget_left = self.max_step_tokens
+        self._caught_up_rows = None
         self._drafted = (drafted, [(shadows[i], i, counts[i]) for i in range(n) if counts[i]])
         return Proposals(drafted, counts, probs)
+
+    def _first_rows(self, early: list[int], ready: dict[int, int], fresh: list[int], shadows: dict[int, Sequence],
+                    logits: StepLogits | None) -> torch.Tensor:
+        """The logits [len(early) + len(fresh), vocab] a draft step draws from: the caught-up
+        sequences' (`early`, from `catch_up`), then those of this step's forward."""
+        parts = []
+        if early:
+            assert self._caught_up_rows is not None
+            index = [ready[i] for i in early]
+            whole = index == list(range(self._caught_up_rows.shape[0]))
+            parts.append(self._caught_up_rows if whole
+                         else self._caught_up_rows.index_select(0, on_device(index, torch.int64, self.device)))
+        if fresh:
+            assert logits is not None
+            parts.append(logits.rows_of([shadows[i] for i in fresh]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def catch_up(self, seqs: list[Sequence], token_ids: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Feed the draft every position a verification checked, right behind it on the
+        device and before the host has read it: `seqs` (each still holding the proposals it
+        verified), the tokens the acceptance emitted there (token_ids [m, k + 1]: the kept
+        proposals, the target's own, then garbage) and how many proposals it kept
+        (num_accepted [m]). The garbage's KV lies past what the draft attends to and is
+        overwritten later; the row after the target's own token gives the first token of
+        the next proposal. Only sequences the draft proposed for in this pass qualify (their
+        shadow's KV covers the target's tokens before the verified ones); under CUDA graphs
+        only a batch a graph replays (one verified width), else the next proposal catches up
+        as before."""
+        self._caught_up.clear()
+        self._caught_up_rows = None
+        drafted = {shadow: count for shadow, _, count in self._drafted[1]} if self._drafted is not None else {}
+        candidates = []
+        for i, seq in enumerate(seqs):
+            shadow = self._shadows.get(seq)
+            if shadow is not None and drafted.get(shadow):
+                candidates.append((i, seq, shadow, 1 + len(seq.spec_token_ids)))
+        if not candidates:
+            return
+        graphs = self.runner.graphs
+        width = candidates[0][3]
+        if graphs is not None and (any(w != width for *_, w in candidates)
+                                   or graphs.bucket_for(len(candidates), width) is None):
+            return
+        batch, picked = ScheduledBatch(), []
+        for i, seq, shadow, w in candidates:
+            start = seq.num_tokens  # the draft's KV covers the positions before it
+            shadow.num_computed_tokens = start
+            del shadow.token_ids[start:]
+            if not self.block_manager.allocate(shadow, w):  # the next proposal catches up instead
+                continue
+            shadow.token_ids.append(PLACEHOLDER_TOKEN_ID)
+            shadow.spec_token_ids[:] = [PLACEHOLDER_TOKEN_ID] * (w - 1)
+            batch.seqs.append(shadow)
+            batch.num_new_tokens.append(w)
+            picked.append((i, seq, start))
+        if not batch.seqs:
+            return
+        assert self._drafted is not None
+        fed = set(batch.seqs)  # their placeholders are the target's tokens now, not drafted ones
+        self._drafted = (self._drafted[0], [e for e in self._drafted[1] if e[0] not in fed])
+        stride = token_ids.shape[1]
+        rows_of = {shadow: i * stride for shadow, (i, _, _) in zip(batch.seqs, picked)}
+        logits = self.runner.compute_logits(batch, InFlightTokens(token_ids.reshape(-1), rows_of))
+        firsts = []
+        for shadow, w, (i, seq, start) in zip(batch.seqs, batch.num_new_tokens, picked):
+            shadow.num_computed_tokens = start + w
+            shadow.spec_token_ids.clear()
+            self._caught_up[seq] = _CaughtUp(start, w, len(firsts))
+            firsts.append(logits.spans[shadow][0])
+        rows = [i for i, _, _ in picked]
+        accepted = num_accepted if rows == list(range(len(seqs))) else num_accepted.index_select(
+            0, on_device(rows, torch.int64, self.device))
+        self._caught_up_rows = logits.values.index_select(0, on_device(firsts, torch.int64, self.device) + accepted)
+
+    def settle(self, seqs: list[Sequence], token_ids: list[list[int]]) -> None:
+        """The host's read of the verification that `catch_up` followed: each sequence's
+        emitted tokens (all of them its own unless one of them ends it, which releases it).
+        A caught-up shadow now holds exactly them."""
+        for seq, ids in zip(seqs, token_ids):
+            c = self._caught_up.get(seq)
+            shadow = self._shadows.get(seq)
+            if c is None or shadow is None:
+                continue
+            assert len(ids) <= c.width
+            c.kept = len(ids)
+            del shadow.token_ids[c.start:]
+            shadow.token_ids.extend(ids)
+            shadow.num_computed_tokens = c.start + c.kept
+            self.block_manager.trim(shadow, shadow.num_computed_tokens)
+
+    def _take_caught_up(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Of `seqs` (by index), those whose catch-up on their last verification still holds
+        (no step since gave them tokens), and the row of each one's first draft token in
+        `_caught_up_rows`. Clears the rest; a shadow never settled goes back to the KV it
+        had before its catch-up."""
+        records, self._caught_up = self._caught_up, {}
+        ready = {}
+        for i, seq in enumerate(seqs):
+            c = records.get(seq)
+            if c is not None and c.kept is not None and seq.num_tokens == c.start + c.kept:
+                ready[i] = c.row
+        for seq, c in records.items():
+            shadow = self._shadows.get(seq)
+            if c.kept is None and shadow is not None:
+                shadow.num_computed_tokens = c.start
+                del shadow.token_ids[c.start:]
+                self.block_manager.trim(shadow, c.start)
+        return ready
 
     def _draw(self, seqs: list[Sequence], step: int, logits: torch.Tensor, with_probs: bool
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -130,6 +275,7 @@ class ModelDrafter:
                                  with_probs, stream="draft")
 
     def release(self, seq: Sequence) -> None:
+        self._caught_up.pop(seq, None)
         shadow = self._shadows.pop(seq, None)
         if shadow is not None:
             self.block_manager.free(shadow)

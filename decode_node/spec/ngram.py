@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.decode_node.spec.drafter import HostDrafter
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculator import Proposals
 
 
-class NgramDrafter:
+class NgramDrafter(HostDrafter):
     def __init__(self, min_n: int, max_n: int, device: torch.device) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram drafter needs 1 <= min_n <= max_n, got {min_n}, {max_n}")

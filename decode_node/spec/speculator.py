@@ -7,7 +7,7 @@ import torch
 from pdserve.decode_node.spec import rejection
 from pdserve.decode_node.spec.adaptive import AdaptiveK
 from pdserve.decode_node.spec.drafter import Drafter
-from pdserve.engine.sampler import Sampler, on_device
+from pdserve.engine.sampler import HostCopy, Sampler, on_device
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculator import Proposals, SpecMetrics
 
@@ -62,10 +62,12 @@ class SpecDecoder:
             uniforms, exponentials = self._noise(seqs, k, vocab)
             num_accepted, token_ids = rejection.rejection_sample(draft_ids, counts, draft_probs, probs,
                                                                  uniforms, exponentials)
-        # The one read back of the step: every sequence's count and tokens together.
-        host = torch.cat([num_accepted[:, None], token_ids], dim=1).tolist()
+        # The one read back of the step: every sequence's count and tokens together, queued
+        # before the drafter's catch-up so that the host reads while the draft computes.
+        host = HostCopy.of(torch.cat([num_accepted[:, None], token_ids], dim=1))
+        self.drafter.catch_up(seqs, token_ids, num_accepted)
         out = []
-        for seq, proposed, row in zip(seqs, num_proposed, host):
+        for seq, proposed, row in zip(seqs, num_proposed, host.get().tolist()):
             n = row[0]
             out.append(row[1:n + 2])
             if not proposed:  # a padded row: a plain decode
@@ -73,6 +75,7 @@ class SpecDecoder:
             self.metrics.record(proposed, n)
             if self.adaptive is not None:
                 self.adaptive.update(seq.request_id, proposed, n)
+        self.drafter.settle(seqs, out)
         return out
 
     def _noise(self, seqs: list[Sequence], k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ import torch
 
 import pdserve.decode_node.spec.rejection as rejection_module
 from pdserve.decode_node.spec import SpecDecoder, build_speculator
+from pdserve.decode_node.spec.drafter import HostDrafter
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.models.arch import DUMMY_SHAPES, ModelArch
@@ -75,7 +76,7 @@ def exact_marginals(engine) -> tuple[torch.Tensor, torch.Tensor]:
     return p1 @ p2, torch.einsum("a,ab,abc->c", p1, p2, p3)
 
 
-class UniformDrafter:
+class UniformDrafter(HostDrafter):
     """Proposes uniformly random tokens: a legal draft as far from the target as it gets."""
 
     def __init__(self, sampler: Sampler) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from pdserve.decode_node.spec import SpecDecoder, build_speculator
 from pdserve.decode_node.spec.drafter import Drafter
@@ -44,6 +45,12 @@ class OnlySome:
         out = self.inner.propose(seqs, num_tokens)
         self.proposed_for.update(s.request_id for s, k in zip(seqs, out.num_tokens) if k)
         return out
+
+    def catch_up(self, seqs: list[Sequence], token_ids: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        self.inner.catch_up(seqs, token_ids, num_accepted)
+
+    def settle(self, seqs: list[Sequence], token_ids: list[list[int]]) -> None:
+        self.inner.settle(seqs, token_ids)
 
     def release(self, seq: Sequence) -> None:
         self.inner.release(seq)
@@ -168,6 +175,9 @@ def test_draft_equal_to_target_accepts_everything(engine, requests, baseline, sp
     finally:
         engine.set_speculator(None)
     assert tokens == baseline[0]
+    # Proposals after the first start from the catch-up that ran behind their verification
+    # (its KV, had it been wrong, would have made the equal draft disagree).
+    assert spec.drafter.num_caught_up > 0
     m = spec.metrics
     assert m.num_proposed > 0 and m.num_accepted == m.num_proposed and m.num_rejections == 0
     assert m.alpha == 1.0 and m.acceptance_rate == 1.0

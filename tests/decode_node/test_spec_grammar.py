@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.decode_node.spec import SpecDecoder, build_speculator
+from pdserve.decode_node.spec.drafter import HostDrafter
 from pdserve.engine.config import SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling import SamplingParams, StructuredOutput
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow
 NGRAM = SpecConfig(method="ngram", num_speculative_tokens=4)
 
 
-class Scripted:
+class Scripted(HostDrafter):
     """Proposes a request's known continuation with its third token replaced by one that no
     JSON grammar allows (a newline): the first two are accepted, the third must be rejected."""
 
