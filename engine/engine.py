@@ -16,27 +16,19 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.attention import backend_for
+from pdserve.engine.assembly import assemble
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cuda_graphs import StepGraphs
 from pdserve.engine.grammar import StructuredOutputs
-from pdserve.engine.kv_budget import blocks_that_fit, draft_memory
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
-from pdserve.engine.parallel import ShardPlan, TensorParallel, check_splits
 from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
-from pdserve.engine.sampler import PendingSample, Sampler
+from pdserve.engine.sampler import PendingSample
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence
 from pdserve.engine.spec_step import SpeculativeSteps, StepProposals
 from pdserve.engine.speculator import Speculator
-from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
-from pdserve.engine.tensor_parallel import TensorParallelRanks, kv_layout
-from pdserve.engine.weights import load_model, load_tokenizer, resolve_model
-from pdserve.kernels.paged_decode import paged_verify_fits
+from pdserve.engine.step_inputs import InFlightTokens
 
 logger = logging.getLogger(__name__)
 
@@ -86,72 +78,25 @@ class NoCapacity(RuntimeError):
 class Engine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        files = resolve_model(config.model)
-        self.model_name = files.name
-        self.arch = arch = files.arch
-        self.device = device = config.model.torch_device()
-        self.dtype = dtype = config.model.torch_dtype()
-        self.tokenizer = load_tokenizer(files)
-
-        limit = config.model.max_model_len or arch.max_position_embeddings
-        if limit > arch.max_position_embeddings:
-            raise ValueError(f"max_model_len {limit} exceeds the model's context ({arch.max_position_embeddings})")
-        # Ranks 1..N-1 of a tensor-parallel engine, in processes of their own (None: one rank).
-        self.ranks: TensorParallelRanks | None = None
-        tp = None
-        if config.parallel.tensor_parallel_size > 1:
-            check_splits(arch, config.parallel.tensor_parallel_size)
-            self.ranks = TensorParallelRanks(config, limit)
-            self._stop_ranks = weakref.finalize(self, self.ranks.close)
-            tp = TensorParallel(ShardPlan.of(arch, 0, self.ranks.size), self.ranks.comm)
-        self.model = load_model(files, limit, device, dtype, config.model.seed, tp)
-
-        layout = kv_layout(self.model_name, dtype, self.model.tp.plan, arch.num_layers, arch.head_dim,
-                           config.cache.block_size)
-        num_blocks = config.cache.num_blocks or blocks_that_fit(config, layout, device, draft_memory(config, arch))
-        self.pool = KVPool(layout, num_blocks, device)
-        # Every rank's pool and its first KV head (what a KV transfer reads or writes).
-        self.kv_shards: list[tuple[torch.Tensor, int]] = [(self.pool.kv, layout.kv_head_start)]
+        parts = assemble(config)
+        self.model_name, self.arch, self.tokenizer = parts.model_name, parts.arch, parts.tokenizer
+        self.device, self.dtype = parts.device, parts.dtype
+        self.model, self.pool, self.runner, self.sampler = parts.model, parts.pool, parts.runner, parts.sampler
+        self.ranks = parts.ranks
         if self.ranks is not None:
-            self.kv_shards += self.ranks.open_pools(num_blocks)
-        # The KV of every head, as one rank would lay it out: what moves between workers.
-        self.kv_wire_layout = kv_layout(self.model_name, dtype, ShardPlan.of(arch), arch.num_layers, arch.head_dim,
-                                        config.cache.block_size)
-        capacity = num_blocks * layout.block_size
-        if config.model.max_model_len is not None and capacity < limit:
-            raise ValueError(f"max_model_len {limit} needs {limit} KV slots; the pool has {capacity}")
-        self.max_model_len = min(limit, capacity)
-        self.processor = RequestProcessor(self.tokenizer, self.model_name, arch.vocab_size, self.max_model_len)
-        self.block_manager = BlockManager(num_blocks, layout.block_size, config.cache.enable_prefix_caching)
+            self._stop_ranks = weakref.finalize(self, self.ranks.close)
+        self.kv_shards, self.kv_wire_layout = parts.kv_shards, parts.kv_wire_layout
+        self.max_model_len = parts.max_model_len
+        self.processor = RequestProcessor(self.tokenizer, self.model_name, self.arch.vocab_size, self.max_model_len)
+        self.block_manager = BlockManager(self.pool.num_blocks, self.pool.layout.block_size,
+                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.sampler = Sampler(config.model.seed, device)
-        backend = backend_for(device)
-        sched_config = config.scheduler
-        inputs = StepInputBuilder(layout.block_size, -(-self.max_model_len // layout.block_size),
-                                  max(sched_config.max_num_batched_tokens, sched_config.max_num_seqs),
-                                  sched_config.max_num_seqs, device)
-        graphs = None
-        if self.ranks is not None and device.type == "cuda":
-            logger.info("tensor parallelism: steps run eagerly (no CUDA graphs yet)")
-        elif device.type == "cuda" and not config.model.enforce_eager:
-            # Verification steps of K + 1 tokens per sequence (every K adaptive K may pick).
-            spec = config.spec
-            group = arch.num_heads // arch.num_kv_heads
-            verify = tuple(k + 1 for k in range(1, spec.num_speculative_tokens + 1)
-                           if spec.enabled and paged_verify_fits(k + 1, group))
-            graphs = StepGraphs(self.model, self.pool, backend, inputs, arch.head_dim ** -0.5,
-                                sched_config.max_num_seqs, (1, *verify), spec.max_graph_batch)
-            graphs.capture()
-        self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, inputs, graphs, self.ranks)
         self._spec: SpeculativeSteps | None = None
-        self.structured = StructuredOutputs(self.tokenizer, arch.vocab_size, arch.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._on_kv_computed: KVComputed | None = None
         self._in_flight: _LaunchedStep | None = None  # the step queued last, not yet resolved
         self._ids = itertools.count()
-        logger.info("engine ready: %s on %s (%s, tensor parallel %d), %d KV blocks of %d tokens, max_model_len %d",
-                    self.model_name, device, dtype, config.parallel.tensor_parallel_size, num_blocks,
-                    layout.block_size, self.max_model_len)
 
     def close(self) -> None:
         """Stop the engine's other tensor-parallel ranks (idempotent; also done when the
