@@ -1,9 +1,9 @@
-"""Triton kernels of pdserve: paged KV cache write, FlashAttention prefill (and a Gluon
-one for Hopper, for prompts without earlier context), paged decode, the
-block-to-block copy of the KV transport's direct path, and the decoder layer's
-elementwise steps (RMSNorm fused with the residual add, rotary embedding in place,
-SwiGLU's silu-and-mul), the one-row linear layer of a batch-1 decode step (GEMV), and sampling at a temperature
-in one pass (Gumbel-max).
+"""Triton kernels of pdserve: FlashAttention prefill (and a Gluon one for Hopper, for
+prompts without earlier context), paged decode, the block-to-block copy of the KV
+transport's direct path, the decoder layer's small steps (the rotary embedding fused with
+the paged KV cache write, RMSNorm fused with the residual add, SwiGLU's silu-and-mul), the
+one-row linear layer of a batch-1 decode step (GEMV), and sampling at a temperature in one
+pass (Gumbel-max).
 
 One file per kernel family; each holds private @triton.jit kernels and one public
 launcher that checks shapes, dtypes and strides. Without a GPU, set TRITON_INTERPRET=1
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from pdserve.kernels.activation import silu_and_mul
 from pdserve.kernels.block_copy import copy_blocks
-from pdserve.kernels.cache_write import cache_write
 from pdserve.kernels.flash_prefill import flash_prefill
 from pdserve.kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
 from pdserve.kernels.gemv import gemv
@@ -26,9 +25,10 @@ from pdserve.kernels.paged_decode import (
            paged_verify_fits,
 )
 from pdserve.kernels.rms_norm import rms_norm
-from pdserve.kernels.rotary import apply_rotary
+from pdserve.kernels.rotary import rotary_cache_write
 from pdserve.kernels.sampling import gumbel_argmax
 
-__all__ = ["apply_rotary", "cache_write", "copy_blocks", "decode_num_splits", "decode_workspace", "flash_prefill",
+__all__ = ["copy_blocks", "decode_num_splits", "decode_workspace", "flash_prefill",
            "flash_prefill_ws", "flash_prefill_ws_paged", "flash_prefill_ws_supported", "gemv", "gumbel_argmax",
-           "paged_decode", "paged_verify", "paged_verify_fits", "rms_norm", "silu_and_mul"]
+           "paged_decode", "paged_verify", "paged_verify_fits", "rms_norm", "rotary_cache_write",
+           "silu_and_mul"]

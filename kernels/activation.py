@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import _pdl
+
 _BLOCK = 1024
 
 
@@ -14,8 +16,9 @@ def _silu_and_mul_kernel(
     gate_up_ptr,  # [num_tokens, 2 * inter], last dim contiguous: gate columns, then up
     out_ptr,      # [num_tokens, inter], last dim contiguous
     stride_in, stride_out, inter,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    _pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -50,8 +53,9 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     assert out.stride(-1) == 1, "last dim of out must be contiguous"
     if num_tokens == 0:
         return out
+    pdl = _pdl.pdl(gate_up)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, _BLOCK))](
         gate_up, out, gate_up.stride(0), out.stride(0), inter,
-        BLOCK=_BLOCK, num_warps=4,
+        BLOCK=_BLOCK, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return out

@@ -236,7 +236,7 @@ def flash_prefill(
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous,
             q's dtype (fp16, bf16 or fp32). K/V of earlier context (positions before each
             sequence's new tokens) must be there; without k_new/v_new the new tokens' too
-            (cache_write runs first).
+            (rotary_cache_write runs first).
         cu_seqlens_q: [batch + 1] int32 query offsets into q.
         seq_lens: [batch] int32 context length per sequence including its new tokens;
             query i of sequence b sits at position seq_lens[b] - q_len_b + i.

@@ -132,7 +132,7 @@ def flash_prefill_ws_paged(
             last dim contiguous.
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, 128], contiguous, q's
             dtype, block_size 16/32/64/128. Every position of each sequence must be there,
-            its new tokens' too (cache_write runs first). Whole blocks are read, so the
+            its new tokens' too (rotary_cache_write runs first). Whole blocks are read, so the
             slots of a sequence's last block past its end must hold finite values (the
             engine's pool starts zeroed and only ever holds K/V): 0 x NaN would reach the
             output.

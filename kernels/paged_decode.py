@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import _pdl
+
 LOG2E = 1.4426950408889634
 # A split shorter than this many tokens costs more in launch and merge than it gains.
 _MIN_TOKENS_PER_SPLIT = 128
@@ -36,43 +38,79 @@ def _split_range(seq_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, last_key, scale_log2, row_stride,
-            HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            CAUSAL: tl.constexpr):
-    """Online softmax of q's rows [R, D] over keys start .. end - 1 of one sequence's paged
-    K/V (one KV head, block table row bt_row). CAUSAL: row r sees keys <= last_key[r] only
-    (else every key: one query token at the sequence's end). Returns the running max (base
-    2), the sum and the unnormalised output [R, D]."""
-    BLOCK_R: tl.constexpr = q.shape[0]
+def _tile_offsets(bt_row, kv_head, n0, end, row_stride,
+                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys n0 .. n0 + BLOCK_N - 1 of one sequence: their positions, which are < end, and
+    their rows' offsets [BLOCK_N, D] in the paged cache (one KV head)."""
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
+    pos = n0 + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    block_ids = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    rows = (block_ids * PAGE_SIZE + pos % PAGE_SIZE) * row_stride + kv_head * HEAD_DIM
+    return pos, valid, rows[:, None] + offs_d[None, :]
+
+
+@triton.jit
+def _first_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, first_new, row_stride,
+                HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """The split's first K/V tile, read across the PDL wait (`_pdl`): keys before the
+    step's new tokens (first_new on) were written by earlier steps, so they are read
+    while the kernel before this one (which writes the new tokens' K/V, and q) finishes;
+    the new tokens' rows are read again after it has. Returns what `_update` takes."""
+    pos, valid, kv_offs = _tile_offsets(bt_row, kv_head, start, end, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N)
+    k = tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
+    _pdl.wait(PDL)
+    fresh = (valid & (pos >= first_new))[:, None]
+    k = tl.load(k_cache_ptr + kv_offs, mask=fresh, other=k)
+    v = tl.load(v_cache_ptr + kv_offs, mask=fresh, other=v)
+    return pos, valid, k, v
+
+
+@triton.jit
+def _update(q, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc,
+            DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+    """One K/V tile [BLOCK_N, D] into the online softmax of q's rows [R, D] (running max in
+    base 2, sum, unnormalised output)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if CAUSAL:
+        s = tl.where(valid[None, :] & (pos[None, :] <= last_key[:, None]), s, float("-inf"))
+    else:
+        s = tl.where(valid[None, :], s, float("-inf"))                     # [BLOCK_R, BLOCK_N]
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+    if CAUSAL:
+        # A row may see no key of a tile (a split past its position): keep it at 0, not NaN.
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+    else:
+        m_ref = m_new
+    alpha = tl.math.exp2(m_i - m_ref)
+    p = tl.math.exp2(s * scale_log2 - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend(q, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, last_key, scale_log2,
+            row_stride, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+    """Online softmax of q's rows [R, D] over keys start .. end - 1 of one sequence's paged
+    K/V (one KV head, block table row bt_row), the first tile given (pos0, valid0, k0, v0:
+    `_first_tile`).
+    CAUSAL: row r sees keys <= last_key[r] only (else every key: one query token at the
+    sequence's end). Returns the running max (base 2), the sum and the unnormalised
+    output [R, D]."""
+    BLOCK_R: tl.constexpr = q.shape[0]
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        valid = pos < end
-        block_ids = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        rows = (block_ids * PAGE_SIZE + pos % PAGE_SIZE) * row_stride + kv_head * HEAD_DIM
-        kv_offs = rows[:, None] + offs_d[None, :]                          # [BLOCK_N, D]
+    if start < end:  # an empty split (past the sequence's end) sees no key
+        m_i, l_i, acc = _update(q, k0, v0, pos0, valid0, last_key, scale_log2, m_i, l_i, acc, DOT_PRECISION, CAUSAL)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+        pos, valid, kv_offs = _tile_offsets(bt_row, kv_head, n0, end, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N)
         k = tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if CAUSAL:
-            s = tl.where(valid[None, :] & (pos[None, :] <= last_key[:, None]), s, float("-inf"))
-        else:
-            s = tl.where(valid[None, :], s, float("-inf"))                 # [BLOCK_R, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
-        if CAUSAL:
-            # A row may see no key of a tile (a split past its position): keep it at 0, not NaN.
-            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
-        else:
-            m_ref = m_new
-        alpha = tl.math.exp2(m_i - m_ref)
-        p = tl.math.exp2(s * scale_log2 - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _update(q, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc, DOT_PRECISION, CAUSAL)
     return m_i, l_i, acc
 
 
@@ -108,13 +146,17 @@ def _decode_split_kernel(
     row_stride,         # num_kv_heads * head_dim: one token's row in the cache
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # The lengths and block tables come from the host, before the step's first kernel.
     seq_len = tl.load(seq_lens_ptr + seq)
     start, end = _split_range(seq_len, BLOCK_N, NUM_SPLITS)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    pos0, valid0, k0, v0 = _first_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, seq_len - 1,
+                                       row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, PDL)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -122,9 +164,8 @@ def _decode_split_kernel(
     mask_g = offs_g < QUERIES_PER_KV
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None], other=0.0)                          # [BLOCK_G, D]
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    m_i, l_i, acc = _attend(q, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, end, scale_log2, row_stride,
-                            HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False)
+    m_i, l_i, acc = _attend(q, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, end,
+                            scale_log2, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False)
     _write_rows(out_ptr + seq * stride_ob + heads * stride_oh,
                 ws_ptr + seq.to(tl.int64) * stride_wb + heads * stride_wh + split * stride_ws,
                 m_i, l_i, acc, mask_g, HEAD_DIM, NUM_SPLITS)
@@ -146,7 +187,7 @@ def _verify_split_kernel(
     row_stride,         # num_kv_heads * head_dim
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """_decode_split_kernel with rows (new token t, query head g of the KV group): row r is
     token r // QUERIES_PER_KV, head r % QUERIES_PER_KV; token t sits at position
@@ -154,10 +195,14 @@ def _verify_split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # The offsets, lengths and block tables come from the host, before the step's first kernel.
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     start, end = _split_range(seq_len, BLOCK_N, NUM_SPLITS)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    pos0, valid0, k0, v0 = _first_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, seq_len - q_len,
+                                       row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, PDL)
 
     offs_r = tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -167,9 +212,9 @@ def _verify_split_kernel(
     token_rows = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + token_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_r[:, None], other=0.0)                            # [BLOCK_R, D]
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    m_i, l_i, acc = _attend(q, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, seq_len - q_len + tok,
-                            scale_log2, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, True)
+    m_i, l_i, acc = _attend(q, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end,
+                            seq_len - q_len + tok, scale_log2, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+                            DOT_PRECISION, True)
     _write_rows(out_ptr + token_rows * stride_ot + heads * stride_oh,
                 ws_ptr + token_rows * stride_wt + heads * stride_wh + split * stride_ws,
                 m_i, l_i, acc, mask_r, HEAD_DIM, NUM_SPLITS)
@@ -180,8 +225,9 @@ def _decode_merge_kernel(
     ws_ptr,     # [>=batch, num_q_heads, num_splits, head_dim + 2] fp32: acc, max (base 2), sum
     out_ptr,    # [batch, num_q_heads, head_dim]
     stride_wb, stride_wh, stride_ws, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    _pdl.wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -261,9 +307,11 @@ def _workspace_args(workspace: torch.Tensor | None, out: torch.Tensor) -> tuple[
 def _merge(workspace: torch.Tensor, out: torch.Tensor, rows: int, ws_strides: tuple[int, int, int]) -> None:
     """The splits' partial results of out's first `rows` rows, merged into out."""
     num_splits, head_dim = workspace.shape[2], out.shape[2]
+    pdl = _pdl.pdl(out)
     _decode_merge_kernel[(rows, out.shape[1])](
         workspace, out, *ws_strides, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )
 
 
@@ -325,6 +373,7 @@ def paged_decode(
     block_n = block_n or _default_block_n(q)
     queries_per_kv = num_q_heads // num_kv_heads
     ws, ws_strides = _workspace_args(workspace, out)
+    pdl = _pdl.pdl(q)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, ws, scale * LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), *ws_strides,
@@ -332,8 +381,8 @@ def paged_decode(
         PAGE_SIZE=page_size,
         # tl.dot needs at least 16 rows: pad the query group.
         BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)), BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
         _merge(workspace, out, batch, ws_strides)
@@ -376,7 +425,7 @@ def paged_verify(
             some sequence's (num_tokens == cu_seqlens_q[-1]); last dim contiguous.
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous,
             q's dtype (fp16, bf16 or fp32); every position of each sequence there, its new
-            tokens' too (cache_write runs first).
+            tokens' too (rotary_cache_write runs first).
         cu_seqlens_q: [batch + 1] int32 offsets of each sequence's tokens in q.
         seq_lens: [batch] int32 keys per sequence, its new tokens included; token i of
             sequence b sits at position seq_lens[b] - q_len_b + i.
@@ -410,13 +459,14 @@ def paged_verify(
     workspace = decode_workspace(num_tokens, num_q_heads, head_dim, num_splits, q.device) if num_splits > 1 else None
     block_n = block_n or _default_block_n(q)
     ws, ws_strides = _workspace_args(workspace, out)
+    pdl = _pdl.pdl(q)
     _verify_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, ws, scale * LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), *ws_strides,
         num_kv_heads * head_dim, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_R=max(16, triton.next_power_of_2(max_seqlen_q * queries_per_kv)), BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
         _merge(workspace, out, num_tokens, ws_strides)

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import _pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -15,8 +17,9 @@ def _rms_norm_kernel(
     out_ptr,       # [num_tokens, hidden], last dim contiguous; x itself with HAS_RESIDUAL
     stride_x, stride_r, stride_out,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    _pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -74,11 +77,12 @@ def rms_norm(
         return out
     block = triton.next_power_of_2(hidden)
     r = x if residual is None else residual  # a placeholder pointer without residual
+    pdl = _pdl.pdl(x)
     _rms_norm_kernel[(num_tokens,)](
         x, r, weight, out,
         x.stride(0), r.stride(0), out.stride(0),
         hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl, launch_pdl=pdl,
         # ~16 elements per thread: 8 warps for hidden 4096, 2 for 576.
         num_warps=min(max(block // 512, 1), 16),
     )

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention.base import AttentionMetadata
 from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.models.rope import Rope
 
 # torch's CPU flash-attention kernel, which also returns the log-sum-exp of each query's
 # scores (natural log, scaled) and broadcasts grouped KV heads as `enable_gqa` does.
@@ -93,7 +94,9 @@ class _TorchStep:
     def __init__(self, meta: AttentionMetadata, pool: KVPool, scale: float, plan: _Plan) -> None:
         self.meta, self.pool, self.scale, self.plan = meta, pool, scale, plan
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 rope: Rope) -> torch.Tensor:
+        q, k = rope(q, k)
         k_cache, v_cache = self.pool.layer(layer_idx)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)

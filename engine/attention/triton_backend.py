@@ -6,10 +6,11 @@ import torch
 
 from pdserve.engine.attention.base import AttentionMetadata
 from pdserve.engine.kv_pool import KVPool
-from pdserve.kernels.cache_write import cache_write
+from pdserve.engine.models.rope import Rope
 from pdserve.kernels.flash_prefill import flash_prefill
 from pdserve.kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
 from pdserve.kernels.paged_decode import paged_decode, paged_verify, paged_verify_fits
+from pdserve.kernels.rotary import rotary_cache_write
 
 # A step with earlier context runs on the Hopper kernel's paged entry point once its
 # longest chunk fills a query tile (128 rows; the kernel runs one program per SM). Below
@@ -38,10 +39,12 @@ class _TritonStep:
         self.paged_prefills = (hopper and not self.fresh_prefills
                                and meta.prefill_max_seqlen_q >= PAGED_PREFILL_MIN_QUERY_LEN)
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 rope: Rope) -> torch.Tensor:
         meta = self.meta
         k_cache, v_cache = self.pool.layer(layer_idx)
-        cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        # q and k rotated in place, k and v written to the cache: one kernel.
+        rotary_cache_write(q, k, v, rope.positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

@@ -1,14 +1,15 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
 
-The model never sees the cache layout: each layer hands q, k, v to the
-step's attention callable, which writes k, v into the pool and attends.
+The model never sees the cache layout: each layer hands q, k, v and the step's rotary
+embedding to the step's attention callable, which rotates q and k, writes k, v into the
+pool and attends.
 
 As in vLLM, each layer's residual add is fused into the next norm: a layer takes and
 returns (x, residual), x being the output of its last block not yet added. On CUDA the
-norms (with that add), the rotary embedding and SwiGLU's activation are one Triton
-kernel each, working in place where they can, and a one-row linear layer (a batch-1
-decode step) is `kernels.gemv`; on the CPU they keep transformers' torch
-arithmetic, which the HF parity tests compare greedy tokens against.
+norms (with that add), the rotary embedding with the KV cache write, and SwiGLU's
+activation are one Triton kernel each, working in place where they can, and a one-row
+linear layer (a batch-1 decode step) is `kernels.gemv`; on the CPU they keep
+transformers' torch arithmetic, which the HF parity tests compare greedy tokens against.
 
 Under tensor parallelism (`engine.parallel`) each rank builds the layers of its shard:
 its heads, its slice of the MLP and of the vocabulary; o_proj, down_proj and the
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.models.arch import ModelArch
-from pdserve.engine.models.rope import RotaryEmbedding
+from pdserve.engine.models.rope import Rope, RotaryEmbedding
 from pdserve.engine.parallel import Collectives, ShardPlan, TensorParallel
 from pdserve.kernels.activation import silu_and_mul
 from pdserve.kernels.gemv import gemv
@@ -34,8 +35,11 @@ from pdserve.kernels.rms_norm import rms_norm
 
 
 class AttentionStep(Protocol):
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens -> [T, Hq, D]."""
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 rope: Rope) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens, q and k not yet rotated
+        -> [T, Hq, D]. It rotates q and k by `rope` (in place or not), writes k, v into the
+        layer's cache and attends."""
         ...
 
 
@@ -121,15 +125,13 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, arch.hidden_size, arch.o_bias, tp)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                attn: AttentionStep) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionStep) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        out = attn(self.layer_idx, q, k, v)
+        out = attn(self.layer_idx, q, k, v, rope)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -156,8 +158,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch, tp)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                rotary: RotaryEmbedding, attn: AttentionStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                attn: AttentionStep) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (mlp output, residual), the mlp output not yet added to it.
 
         The first layer gets the embedding as x and no residual: the embedding becomes it.
@@ -166,7 +168,7 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.self_attn(x, positions, rotary, attn)
+        x = self.self_attn(x, rope, attn)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(x), residual
 
@@ -192,9 +194,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual, rope = self.embed_tokens(input_ids), None, self.rotary.at(positions)
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rotary, attn)
+            x, residual = layer(x, residual, rope, attn)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.add_and_norm(x, residual)[0]

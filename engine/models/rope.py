@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.models.arch import RopeConfig
-from pdserve.kernels.rotary import apply_rotary
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -46,18 +46,26 @@ class RotaryEmbedding:
         self.cos = emb.cos()  # [max_positions, head_dim] float32
         self.sin = emb.sin()
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k (same dtypes).
+    def at(self, positions: torch.Tensor) -> Rope:
+        """The rotation of a step's tokens, for its attention to apply."""
+        return Rope(positions, self.cos, self.sin)
 
-        On CUDA one Triton kernel rotates q and k in place (in fp32, rounded once) and
-        returns them; elsewhere new tensors, in transformers' own arithmetic (the CPU
-        parity tests compare against it).
-        """
-        if q.is_cuda:
-            apply_rotary(q, k, positions, self.cos, self.sin)
-            return q, k
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """The rotary embedding of one step's tokens: positions [T] and the tables. The
+    attention step applies it (on CUDA fused with the KV cache write,
+    `kernels.rotary_cache_write`); `__call__` is transformers' own arithmetic, the CPU's
+    and the kernels' reference."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor  # [max_positions, head_dim] float32, both halves equal
+    sin: torch.Tensor
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D] -> new rotated q, k (same dtypes)."""
+        cos = self.cos[self.positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[self.positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -1,65 +1,86 @@
-"""apply_rotary against the float64 reference: GQA head counts, head dims with and
-without a power-of-2 half, q and k as strided views of one fused qkv output whose V
-and row padding hold NaN that must stay untouched, int32/int64 positions."""
+"""rotary_cache_write against the float64 rotation and the reference scatter: GQA head
+counts, head dims with and without a power-of-2 half, q, k and v as strided views of one
+fused qkv output whose row padding holds NaN that must stay untouched, int32/int64
+positions and slots, negative (padding) slots rotated but not written, block sizes 16/32."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.kernels import apply_rotary
-from tests.kernels.reference import ref_rotary, rope_tables, rounding_tolerance
+from pdserve.kernels import rotary_cache_write
+from tests.kernels.reference import ref_cache_write, ref_rotary, rope_tables, rounding_tolerance
 
-COVERS = ("apply_rotary",)
+COVERS = ("rotary_cache_write",)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAD = 3  # NaN elements after each token's fused q, k, v
 
 
-def _check_rotary(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                  pos_dtype: torch.dtype, fused: bool, max_positions: int = 4096) -> None:
+def _check(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+           index_dtype: torch.dtype, fused: bool, max_positions: int = 4096, block_size: int = 16,
+           num_blocks: int = 4) -> None:
     cos, sin = (t.to(DEVICE) for t in rope_tables(head_dim, max_positions))
-    positions = torch.randint(0, max_positions, (num_tokens,), device=DEVICE).to(pos_dtype)
+    positions = torch.randint(0, max_positions, (num_tokens,), device=DEVICE).to(index_dtype)
     positions[0] = max_positions - 1
     q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
     if fused:
         qkv = torch.full((num_tokens, q_size + 2 * kv_size + PAD), float("nan"), dtype=dtype, device=DEVICE)
-        qkv[:, :q_size + kv_size] = torch.randn(num_tokens, q_size + kv_size, device=DEVICE).to(dtype)
+        qkv[:, :q_size + 2 * kv_size] = torch.randn(num_tokens, q_size + 2 * kv_size, device=DEVICE).to(dtype)
         q = qkv[:, :q_size].view(num_tokens, num_q_heads, head_dim)
         k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size:q_size + 2 * kv_size].view(num_tokens, num_kv_heads, head_dim)
     else:
-        q = torch.randn(num_tokens, num_q_heads, head_dim, device=DEVICE).to(dtype)
-        k = torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+        q, k, v = (torch.randn(num_tokens, h, head_dim, device=DEVICE).to(dtype)
+                   for h in (num_q_heads, num_kv_heads, num_kv_heads))
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens].to(index_dtype)
+    slots[1::3] = -1  # padding tokens
     q_ref, k_ref = ref_rotary(q, positions, cos, sin), ref_rotary(k, positions, cos, sin)
-    apply_rotary(q, k, positions, cos, sin)
+    v_before = v.clone()
+
+    rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+
     tol = rounding_tolerance(dtype)
     torch.testing.assert_close(q.double(), q_ref, **tol)
     torch.testing.assert_close(k.double(), k_ref, **tol)
-    if fused:  # V and the row padding
-        assert qkv[:, q_size + kv_size:].isnan().all()
+    assert torch.equal(v, v_before)
+    # The cache: the rotated k as the kernel left it in place, v as given, at each real
+    # token's slot; every other slot keeps its NaN poison.
+    k_want, v_want = ref_cache_write(k, v, k_cache, v_cache, slots)
+    assert torch.allclose(k_cache, k_want, rtol=0, atol=0, equal_nan=True)
+    assert torch.allclose(v_cache, v_want, rtol=0, atol=0, equal_nan=True)
+    if fused:  # the row padding
+        assert qkv[:, q_size + 2 * kv_size:].isnan().all()
 
 
 @pytest.mark.parametrize("num_tokens", [1, 6])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 128), (2, 2, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fused", [True, False])
-def test_rotary(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, fused):
-    _check_rotary(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, torch.int64, fused)
+def test_rotary_cache_write(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, fused):
+    _check(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, torch.int64, fused)
 
 
-def test_rotary_int32_positions():
-    _check_rotary(5, 4, 2, 64, torch.float32, torch.int32, fused=True)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_int32_positions_and_slots(block_size):
+    _check(17, 4, 2, 64, torch.float32, torch.int32, fused=True, block_size=block_size, num_blocks=2)
 
 
-def test_rotary_no_tokens():
+def test_no_tokens():
     cos, sin = (t.to(DEVICE) for t in rope_tables(64, 16))
     q = torch.empty(0, 2, 64, device=DEVICE)
-    apply_rotary(q, q[:, :1], torch.empty(0, dtype=torch.int64, device=DEVICE), cos, sin)
+    k_cache = torch.zeros(1, 16, 1, 64, device=DEVICE)
+    none = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    rotary_cache_write(q, q[:, :1], q[:, 1:], none, cos, sin, k_cache, k_cache.clone(), none)
+    assert not k_cache.any()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 8192])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_rotary_gpu(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype):
-    _check_rotary(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, torch.int64, fused=True,
-                  max_positions=131072)
+def test_rotary_cache_write_gpu(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype):
+    _check(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, torch.int64, fused=True,
+           max_positions=131072, num_blocks=1024)
