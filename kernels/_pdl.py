@@ -4,13 +4,16 @@ that kernel's completion and memory before it reads or writes anything an earlie
 touches. Between the small kernels of a decode step the GPU otherwise idles for each
 launch; under CUDA graph capture the dependency becomes a programmatic edge.
 
-Every kernel that takes `PDL` follows one rule: before `wait` it only loads what is final
-before the step's first kernel (the weights, the rotary tables, the step's inputs the host
-uploaded: positions, slots, lengths, block tables; the KV of earlier positions), and it
-stores nothing; right after `wait`, `launch_dependents` lets the next kernel launch (a
-chain is at most two kernels deep, each but the oldest waiting). The step's first kernel
-(the embedding, torch's) is launched without PDL, so it starts only once everything
-before it has finished; PDL and ordinary kernels mix freely.
+Every kernel that takes `PDL` waits before it touches memory, and right after `wait`,
+`launch_dependents` lets the next kernel launch (a chain is at most two kernels deep, each
+but the oldest waiting). A launcher's `read_ahead=True` lets it load, before the wait, what
+its caller promises was final before the kernel preceding it started: the weights, the
+rotary tables, the step's inputs (positions, slots, lengths, block tables), the KV of
+earlier positions. It stores nothing before the wait. The engine keeps that promise: a
+step's inputs are uploaded before its first kernel (torch's embedding, launched without
+PDL, so it starts only once everything before it has finished), and its weights and
+earlier KV do not change during a step. Without it (the default) nothing is read early:
+a kernel right after the one that wrote its inputs is safe.
 """
 
 from __future__ import annotations

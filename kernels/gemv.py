@@ -6,8 +6,8 @@ H200, CUDA graphs, back to back, cold weights: 4096 x 4096 at 2.70 TB/s, 6144 x 
 3.35 TB/s). Each program here owns BLOCK_N output rows and walks all of K in BLOCK_K
 steps, accumulating in float32 elementwise and reducing once at the end: no split-K
 partials, no second kernel, one launch per layer. 3.25 and 3.76 TB/s on the same shapes.
-Launched with programmatic dependent launch (`_pdl`), each program reads its first weight
-tile while the kernel before it is still finishing.
+Launched with programmatic dependent launch (`_pdl`); with `read_ahead` each program reads
+its first weight tile while the kernel before it is still finishing.
 """
 
 from __future__ import annotations
@@ -46,14 +46,16 @@ def _gemv_kernel(
     y_ptr,      # [N], contiguous
     N, stride_wn, K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, READ_AHEAD: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    # No kernel writes the weights: with PDL the first tile is read while the kernel
-    # before this one finishes; x only after it has.
-    w = _weights(row_ptrs, rows, 0, N, K, EVEN, BLOCK_K)
-    _pdl.wait(PDL)
+    if READ_AHEAD:  # the weights are final: the first tile is read while the kernel before finishes
+        w = _weights(row_ptrs, rows, 0, N, K, EVEN, BLOCK_K)
+        _pdl.wait(PDL)
+    else:
+        _pdl.wait(PDL)
+        w = _weights(row_ptrs, rows, 0, N, K, EVEN, BLOCK_K)
     acc = w.to(tl.float32) * _x(x_ptr, 0, K, EVEN, BLOCK_K)[None, :]
     for k0 in tl.range(BLOCK_K, K, BLOCK_K):
         acc += (_weights(row_ptrs, rows, k0, N, K, EVEN, BLOCK_K).to(tl.float32)
@@ -89,8 +91,12 @@ def _config(n: int, k: int) -> tuple[int, int, int]:
     return 8, 256, 4
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         read_ahead: bool = False) -> torch.Tensor:
     """x [1, K] @ weight.T [K, N] (+ bias [N]) -> [1, N] in x's dtype; accumulates in float32.
+
+    read_ahead: the weights were final before the kernel preceding this one started (a
+    model's, once loaded): read their first tile before waiting for it (`kernels._pdl`).
 
     x's last dim and weight's rows contiguous; one launch, no host sync: safe to capture in
     a CUDA graph.
@@ -103,6 +109,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     pdl = _pdl.pdl(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else y, y, n, weight.stride(0), k,
-        HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps,
-        launch_pdl=pdl)
+        HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, READ_AHEAD=read_ahead,
+        num_warps=num_warps, launch_pdl=pdl)
     return y

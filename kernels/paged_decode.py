@@ -52,18 +52,21 @@ def _tile_offsets(bt_row, kv_head, n0, end, row_stride,
 
 @triton.jit
 def _first_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, first_new, row_stride,
-                HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """The split's first K/V tile, read across the PDL wait (`_pdl`): keys before the
-    step's new tokens (first_new on) were written by earlier steps, so they are read
-    while the kernel before this one (which writes the new tokens' K/V, and q) finishes;
-    the new tokens' rows are read again after it has. Returns what `_update` takes."""
+                HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+                READ_AHEAD: tl.constexpr):
+    """The split's first K/V tile. With READ_AHEAD it is read across the PDL wait (`_pdl`):
+    keys before the step's new tokens (first_new on) were written by earlier steps, so they
+    are read while the kernel before this one (which writes the new tokens' K/V, and q)
+    finishes; the new tokens' rows are read again after it has (the kernel has waited
+    already without READ_AHEAD). Returns what `_update` takes."""
     pos, valid, kv_offs = _tile_offsets(bt_row, kv_head, start, end, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N)
     k = tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
     v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
-    _pdl.wait(PDL)
-    fresh = (valid & (pos >= first_new))[:, None]
-    k = tl.load(k_cache_ptr + kv_offs, mask=fresh, other=k)
-    v = tl.load(v_cache_ptr + kv_offs, mask=fresh, other=v)
+    if READ_AHEAD:
+        _pdl.wait(PDL)
+        fresh = (valid & (pos >= first_new))[:, None]
+        k = tl.load(k_cache_ptr + kv_offs, mask=fresh, other=k)
+        v = tl.load(v_cache_ptr + kv_offs, mask=fresh, other=v)
     return pos, valid, k, v
 
 
@@ -146,17 +149,18 @@ def _decode_split_kernel(
     row_stride,         # num_kv_heads * head_dim: one token's row in the cache
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, READ_AHEAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # The lengths and block tables come from the host, before the step's first kernel.
+    if not READ_AHEAD:
+        _pdl.wait(PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     start, end = _split_range(seq_len, BLOCK_N, NUM_SPLITS)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     pos0, valid0, k0, v0 = _first_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, seq_len - 1,
-                                       row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, PDL)
+                                       row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, PDL, READ_AHEAD)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -187,7 +191,7 @@ def _verify_split_kernel(
     row_stride,         # num_kv_heads * head_dim
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, READ_AHEAD: tl.constexpr,
 ):
     """_decode_split_kernel with rows (new token t, query head g of the KV group): row r is
     token r // QUERIES_PER_KV, head r % QUERIES_PER_KV; token t sits at position
@@ -195,14 +199,15 @@ def _verify_split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # The offsets, lengths and block tables come from the host, before the step's first kernel.
+    if not READ_AHEAD:
+        _pdl.wait(PDL)
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     start, end = _split_range(seq_len, BLOCK_N, NUM_SPLITS)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     pos0, valid0, k0, v0 = _first_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, seq_len - q_len,
-                                       row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, PDL)
+                                       row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, PDL, READ_AHEAD)
 
     offs_r = tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -328,6 +333,7 @@ def paged_decode(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    read_ahead: bool = False,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged K/V.
 
@@ -348,6 +354,9 @@ def paged_decode(
             over the context block_tables can hold.
         block_n, num_warps, num_stages: tuning (tokens per K/V tile: default 64, 32 for fp32,
             16 on CPU).
+        read_ahead: the lengths, block tables and the KV before each sequence's new tokens
+            were final before the kernel preceding this one started (the engine's step):
+            read them, and the first K/V tile, before waiting for it (`kernels._pdl`).
 
     Returns:
         out.
@@ -382,7 +391,7 @@ def paged_decode(
         # tl.dot needs at least 16 rows: pad the query group.
         BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)), BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        READ_AHEAD=read_ahead, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
         _merge(workspace, out, batch, ws_strides)
@@ -413,6 +422,7 @@ def paged_verify(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    read_ahead: bool = False,
 ) -> torch.Tensor:
     """Causal attention of a few new query tokens per sequence over its paged K/V: what a
     speculative verification step asks (K + 1 tokens after the context). kernels.flash_prefill's
@@ -435,6 +445,7 @@ def paged_verify(
         out: optional preallocated [num_tokens, num_q_heads, head_dim] in q's dtype.
         num_splits: default decode_num_splits over the context block_tables can hold.
         block_n, num_warps, num_stages: tuning, as paged_decode's.
+        read_ahead: as paged_decode's.
 
     Returns:
         out. Allocates its split-K workspace (not for CUDA graphs).
@@ -466,7 +477,7 @@ def paged_verify(
         num_kv_heads * head_dim, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_R=max(16, triton.next_power_of_2(max_seqlen_q * queries_per_kv)), BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        READ_AHEAD=read_ahead, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
         _merge(workspace, out, num_tokens, ws_strides)

@@ -49,11 +49,14 @@ def _rotary_cache_write_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    READ_AHEAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
-    # The positions and slots (the step's inputs) and the tables are final before the
-    # step's first kernel: read while the kernel before this one finishes; q, k, v after.
+    # With READ_AHEAD the positions, slots and tables are read while the kernel before this
+    # one finishes; q, k, v after it has.
+    if not READ_AHEAD:
+        _pdl.wait(PDL)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     # int64: slot * row size overflows int32 for pools past 2**31 elements.
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -64,7 +67,8 @@ def _rotary_cache_write_kernel(
     sin1 = tl.load(sin_ptr + table, mask=mask_d, other=0.0)
     cos2 = tl.load(cos_ptr + table + HALF, mask=mask_d, other=0.0)
     sin2 = tl.load(sin_ptr + table + HALF, mask=mask_d, other=0.0)
-    _pdl.wait(PDL)
+    if READ_AHEAD:
+        _pdl.wait(PDL)
     _rotate_heads(q_ptr, token, stride_qt, stride_qh, cos1, sin1, cos2, sin2, q_ptr, slot,
                   NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_D, False)
     # A padding token is rotated but not written: a branch, not the scalar folded into the
@@ -93,6 +97,8 @@ def rotary_cache_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    read_ahead: bool = False,
 ) -> None:
     """Rotate q and k in place by their tokens' positions (x * cos + rotate_half(x) * sin,
     in fp32, rounded once to the dtype), and write each token's rotated k and its v into
@@ -110,6 +116,9 @@ def rotary_cache_write(
             q's dtype.
         slot_mapping: [num_tokens] int32 or int64; slot = block_id * block_size + offset.
             A negative slot (a padded token of a CUDA-graph batch) is rotated, not written.
+        read_ahead: positions, slots and tables were final before the kernel preceding this
+            one started (the engine's step inputs): read them before waiting for it
+            (`kernels._pdl`).
 
     No host sync and no allocation: safe to capture in a CUDA graph.
     """
@@ -135,6 +144,6 @@ def rotary_cache_write(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim // 2), PDL=pdl,
+        BLOCK_D=triton.next_power_of_2(head_dim // 2), PDL=pdl, READ_AHEAD=read_ahead,
         num_warps=4, launch_pdl=pdl,
     )

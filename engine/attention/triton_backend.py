@@ -43,13 +43,15 @@ class _TritonStep:
                  rope: Rope) -> torch.Tensor:
         meta = self.meta
         k_cache, v_cache = self.pool.layer(layer_idx)
-        # q and k rotated in place, k and v written to the cache: one kernel.
-        rotary_cache_write(q, k, v, rope.positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping)
+        # q and k rotated in place, k and v written to the cache: one kernel. read_ahead: a
+        # step's inputs are uploaded before its first kernel, and earlier KV is final.
+        rotary_cache_write(q, k, v, rope.positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
+                           read_ahead=True)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                         self.scale, out=out[:nd])
+                         self.scale, out=out[:nd], read_ahead=True)
         if self.fresh_prefills:
             flash_prefill_ws(q[nd:], k[nd:], v[nd:], meta.prefill_cu_seqlens_q, meta.prefill_max_seqlen_q, self.scale,
                              out=out[nd:])
@@ -59,7 +61,7 @@ class _TritonStep:
             if paged_verify_fits(meta.prefill_max_seqlen_q, q.shape[1] // k_cache.shape[2]):
                 # A few new tokens per sequence (speculative verification: K + 1): decode's
                 # work split, every K/V tile read once for all its tokens and query heads.
-                paged_verify(*args, out=out[nd:])
+                paged_verify(*args, out=out[nd:], read_ahead=True)
             elif self.paged_prefills:
                 flash_prefill_ws_paged(*args, out=out[nd:])
             else:

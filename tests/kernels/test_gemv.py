@@ -16,14 +16,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(8, 256), (24, 512), (50, 300), (3, 17), (40, 8192 + 96)]
 
 
-def _check(n: int, k: int, dtype: torch.dtype, with_bias: bool, pad: int) -> None:
+def _check(n: int, k: int, dtype: torch.dtype, with_bias: bool, pad: int, read_ahead: bool = False) -> None:
     gen = torch.Generator().manual_seed(n * 7919 + k)
     w_buf = torch.randn(n, k + pad, generator=gen).to(dtype)
     w = w_buf.to(DEVICE)[:, :k]  # rows `pad` elements apart
     x = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
     bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if with_bias else None
     ref = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
-    out = gemv(x, w, bias)
+    out = gemv(x, w, bias, read_ahead=read_ahead)
     assert out.shape == (1, n) and out.dtype == dtype
     # float32 accumulation over k products, then one rounding to the dtype.
     scale = (x.double().abs() @ w.double().abs().T).max().item()
@@ -40,6 +40,12 @@ def test_gemv_matches_the_product(n, k, dtype, with_bias):
 
 def test_gemv_reads_strided_weight_rows():
     _check(40, 300, torch.float32, with_bias=True, pad=13)
+
+
+@pytest.mark.parametrize("n, k", [(24, 512), (50, 300)])
+def test_gemv_read_ahead(n, k):
+    """The engine's launch: the first weight tile read before the PDL wait."""
+    _check(n, k, torch.float32, with_bias=True, pad=0, read_ahead=True)
 
 
 @pytest.mark.gpu

@@ -50,6 +50,12 @@ def test_decode_split_k(num_splits, use_workspace):
     _check_decode([70, 1, 40], 4, 2, 64, 16, torch.float32, num_splits=num_splits, use_workspace=use_workspace)
 
 
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_decode_read_ahead(num_splits):
+    """The engine's launch: the first K/V tile read before the PDL wait, the new token's row again after it."""
+    _check_decode([70, 1, 40, 16], 4, 2, 64, 16, torch.float32, num_splits=num_splits, read_ahead=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_dtypes_head_dims(dtype, head_dim):

@@ -53,6 +53,13 @@ def test_verify_split_k_with_splits_past_some_tokens(num_splits):
     _check_verify([(8, 60), (1, 3), (4, 30)], 4, 2, 64, 16, torch.float32, num_splits=num_splits, block_n=16)
 
 
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_verify_read_ahead(num_splits):
+    """The engine's launch: the first K/V tile read before the PDL wait, the new tokens' rows again after it."""
+    _check_verify([(8, 60), (1, 3), (4, 30), (5, 0)], 4, 2, 64, 16, torch.float32, num_splits=num_splits,
+                  block_n=16, read_ahead=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_verify_dtypes_head_dim_128(dtype):
     _check_verify([(5, 27), (2, 9)], 8, 2, 128, 32, dtype, num_splits=2)

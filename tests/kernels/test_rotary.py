@@ -18,7 +18,7 @@ PAD = 3  # NaN elements after each token's fused q, k, v
 
 def _check(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
            index_dtype: torch.dtype, fused: bool, max_positions: int = 4096, block_size: int = 16,
-           num_blocks: int = 4) -> None:
+           num_blocks: int = 4, read_ahead: bool = False) -> None:
     cos, sin = (t.to(DEVICE) for t in rope_tables(head_dim, max_positions))
     positions = torch.randint(0, max_positions, (num_tokens,), device=DEVICE).to(index_dtype)
     positions[0] = max_positions - 1
@@ -40,7 +40,7 @@ def _check(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, 
     q_ref, k_ref = ref_rotary(q, positions, cos, sin), ref_rotary(k, positions, cos, sin)
     v_before = v.clone()
 
-    rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+    rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots, read_ahead=read_ahead)
 
     tol = rounding_tolerance(dtype)
     torch.testing.assert_close(q.double(), q_ref, **tol)
@@ -66,6 +66,11 @@ def test_rotary_cache_write(num_tokens, num_q_heads, num_kv_heads, head_dim, dty
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_int32_positions_and_slots(block_size):
     _check(17, 4, 2, 64, torch.float32, torch.int32, fused=True, block_size=block_size, num_blocks=2)
+
+
+def test_read_ahead():
+    """The engine's launch: positions, slots and tables read before the PDL wait."""
+    _check(6, 9, 3, 64, torch.float16, torch.int64, fused=True, read_ahead=True)
 
 
 def test_no_tokens():
