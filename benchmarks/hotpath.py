@@ -1,13 +1,15 @@
 """The engine's hot path on one GPU: this tree against a baseline tree, same run, same device.
 
-    python -m benchmarks.hotpath [--baseline PATH] [--model dummy:llama-3.1-8b] [--offline-requests 512] [--json PATH]
+    python -m benchmarks.hotpath [--baseline PATH] [--model dummy:llama-3.1-8b] [--offline-requests 512]
+        [--kv-cache-dtypes auto fp8] [--json PATH]
 
 Each tree is measured in a subprocess of its own, its packages importable as `pdserve.*`
 from the tree itself (a `pdserve` link to it on PYTHONPATH; a tree from before the
 packages moved under `pdserve` is imported by its bare names), so `--baseline` can name
 any checkout, e.g. `git worktree add /tmp/base main`; this
 script relies only on the public Engine API (plus the graph of the decode bucket, to time
-its replay alone). Figures, random token ids throughout:
+its replay alone). This tree runs once per `--kv-cache-dtypes` entry (the baseline at its
+default). Figures, random token ids throughout:
 - decode: one stream, 1k-token prompt, greedy, 512 tokens; tokens/s after the first token.
 - prefill: one fresh 4k-token prompt alone, time to its first token (best and median of 3).
 - step: 256 sequences at ~1.5k context, all decoding: a step's wall time back to back
@@ -49,7 +51,8 @@ def _sync() -> None:
     torch.cuda.synchronize()
 
 
-def measure(package: str, model: str, offline_requests: int, profile: bool = False) -> dict[str, float]:
+def measure(package: str, model: str, offline_requests: int, profile: bool = False,
+            kv_cache_dtype: str = "auto") -> dict[str, float]:
     """Every figure for the engine package `package` (runs in the worker process)."""
     import importlib
 
@@ -59,8 +62,10 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
     Engine = importlib.import_module(f"{package}.engine").Engine  # noqa: N806
     SamplingParams = importlib.import_module(f"{package}.sampling").SamplingParams  # noqa: N806
 
+    # A baseline from before kv_cache_dtype existed takes no such field.
+    kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
     engine = Engine(EngineConfig(model=ModelConfig(source=model, device="cuda"),
-                                 cache=CacheConfig(enable_prefix_caching=False),
+                                 cache=CacheConfig(enable_prefix_caching=False, **kv),
                                  scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=512)))
     arch = engine.arch
     vocab = arch.vocab_size
@@ -179,13 +184,14 @@ def _graph_ms(engine, bucket: int, key: str, profile: bool) -> dict[str, float]:
     return {key: start.elapsed_time(end) / 30}
 
 
-def _run_tree(tree: Path, args: argparse.Namespace) -> dict[str, float]:
+def _run_tree(tree: Path, args: argparse.Namespace, kv_cache_dtype: str) -> dict[str, float]:
     moved = '"pdserve" = "."' in (tree / "pyproject.toml").read_text()
     with tempfile.NamedTemporaryFile(suffix=".json") as f, tempfile.TemporaryDirectory() as links:
         (Path(links) / "pdserve").symlink_to(tree, target_is_directory=True)
         env = dict(os.environ, PYTHONPATH=links if moved else str(tree), PYTHONUNBUFFERED="1")
         argv = [__file__, "--worker", f.name, "--package", "pdserve.engine" if moved else "engine",
-                "--model", args.model, "--offline-requests", str(args.offline_requests)]
+                "--model", args.model, "--offline-requests", str(args.offline_requests),
+                "--kv-cache-dtypes", kv_cache_dtype]
         argv += ["--profile"] if args.profile else []
         # Run by path without its folder on sys.path (benchmarks/kernels.py would shadow `kernels`).
         code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -223,28 +229,35 @@ def main() -> None:
     parser.add_argument("--offline-requests", type=int, default=512)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", action="store_true", help="print the decode graphs' kernels (torch.profiler)")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8"],
+                        help="KV cache dtypes to run this tree at (CacheConfig.kv_cache_dtype)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--package", default="pdserve.engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        Path(args.worker).write_text(json.dumps(measure(args.package, args.model, args.offline_requests, args.profile)))
+        Path(args.worker).write_text(json.dumps(measure(args.package, args.model, args.offline_requests, args.profile,
+                                                        args.kv_cache_dtypes[0])))
         return
     here = Path(__file__).resolve().parents[1]
-    trees = ([("baseline", args.baseline.resolve())] if args.baseline else []) + [("this tree", here)]
-    results = {name: _run_tree(tree, args) for name, tree in trees}
+    trees = [("baseline", args.baseline.resolve(), "auto")] if args.baseline else []
+    trees += [("this tree" + ("" if kv == "auto" else f", {kv} KV"), here, kv) for kv in args.kv_cache_dtypes]
+    results = {}
+    for name, tree, kv in trees:
+        results[name] = _run_tree(tree, args, kv)
+        print(json.dumps({name: results[name]}), flush=True)  # kept if a later tree does not finish
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     names = list(results)
     limits = _limits(results[names[-1]])
     print(f"\n{args.model}, one GPU; limits from weights {results[names[-1]]['weight_bytes'] / 1e9:.1f} GB")
-    print("| figure | " + " | ".join(names) + (" | change" if len(names) == 2 else "") + " | limit |")
-    print("|---|" + "---:|" * (len(names) + (1 if len(names) == 2 else 0)) + "---:|")
+    print("| figure | " + " | ".join(names) + (" | change" if len(names) >= 2 else "") + " | limit |")
+    print("|---|" + "---:|" * (len(names) + (1 if len(names) >= 2 else 0)) + "---:|")
     for key, label, _ in ROWS:
         vals = [results[n].get(key) for n in names]
         cells = [f"{v:,.1f}" if v is not None else "-" for v in vals]
         change = ""
-        if len(names) == 2:
-            change = f" | {vals[1] / vals[0]:.2f}x" if vals[0] and vals[1] else " | -"
+        if len(names) >= 2:  # the last column over the first
+            change = f" | {vals[-1] / vals[0]:.2f}x" if vals[0] and vals[-1] else " | -"
         print(f"| {label} | " + " | ".join(cells) + change + f" | {limits.get(key, '')} |")
     for n in names:
         print(f"{n}: offline {results[n]['offline_s']:.1f} s, {results[n]['num_preemptions']:.0f} preemptions")

@@ -23,6 +23,7 @@ ALIASES: dict[str, str] = {
     "engine.model.dtype": "--dtype",
     "engine.model.max_model_len": "--max-model-len",
     "engine.cache.num_blocks": "--num-kv-blocks",
+    "engine.cache.kv_cache_dtype": "--kv-cache-dtype",
     "engine.scheduler.max_num_batched_tokens": "--max-num-batched-tokens",
     "engine.scheduler.max_num_seqs": "--max-num-seqs",
     "engine.parallel.tensor_parallel_size": "--tensor-parallel-size",

@@ -78,20 +78,21 @@ def _assemble(config: EngineConfig, files: ModelFiles, tokenizer: Any | None, li
               dtype: torch.dtype) -> EngineParts:
     arch = files.arch
     model = load_model(files, limit, device, dtype, config.model.seed, tp)
-    layout = kv_layout(files.name, dtype, model.tp.plan, arch.num_layers, arch.head_dim, config.cache.block_size)
+    kv_dtype = config.cache.kv_dtype(dtype)
+    layout = kv_layout(files.name, kv_dtype, model.tp.plan, arch.num_layers, arch.head_dim, config.cache.block_size)
     num_blocks = config.cache.num_blocks or blocks_that_fit(config, layout, device, draft_memory(config, arch))
     pool = KVPool(layout, num_blocks, device)
     kv_shards = [(pool.kv, layout.kv_head_start)]
     if ranks is not None:
         kv_shards += ranks.open_pools(num_blocks)
-    wire_layout = kv_layout(files.name, dtype, ShardPlan.of(arch), arch.num_layers, arch.head_dim,
+    wire_layout = kv_layout(files.name, kv_dtype, ShardPlan.of(arch), arch.num_layers, arch.head_dim,
                             config.cache.block_size)
     capacity = num_blocks * layout.block_size
     if config.model.max_model_len is not None and capacity < limit:
         raise ValueError(f"max_model_len {limit} needs {limit} KV slots; the pool has {capacity}")
     max_model_len = min(limit, capacity)
     sampler = Sampler(config.model.seed, device)
-    backend = backend_for(device)
+    backend = backend_for(device, dtype)
     sched = config.scheduler
     inputs = StepInputBuilder(layout.block_size, -(-max_model_len // layout.block_size),
                               max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs, device)
@@ -108,8 +109,8 @@ def _assemble(config: EngineConfig, files: ModelFiles, tokenizer: Any | None, li
                             spec.max_graph_batch)
         graphs.capture()
     runner = ModelRunner(model, pool, backend, sampler, inputs, graphs, ranks)
-    logger.info("engine ready: %s on %s (%s, tensor parallel %d), %d KV blocks of %d tokens, max_model_len %d",
+    logger.info("engine ready: %s on %s (%s, tensor parallel %d), %d KV blocks of %d tokens (%s), max_model_len %d",
                 files.name, device, dtype, config.parallel.tensor_parallel_size, num_blocks, layout.block_size,
-                max_model_len)
+                kv_dtype, max_model_len)
     return EngineParts(files.name, arch, device, dtype, tokenizer, ranks, model, pool, kv_shards, wire_layout,
                        max_model_len, sampler, runner)

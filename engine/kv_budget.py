@@ -26,7 +26,7 @@ def draft_memory(config: EngineConfig, target: ModelArch) -> DraftMemory:
     spec = config.spec
     if not spec.enabled or spec.method not in ("draft_model", "self_draft"):
         return DraftMemory()
-    itemsize = config.model.torch_dtype().itemsize
+    itemsize = config.cache.kv_dtype(config.model.torch_dtype()).itemsize
     if spec.method == "self_draft":  # the target's own weights; KV for its first layers
         arch, weight_bytes = target, 0
         num_layers = min(spec.num_draft_layers, target.num_layers)

@@ -213,8 +213,9 @@ class _Follower:
         plan = ShardPlan.of(arch, rank, size)
         dtype = config.model.torch_dtype()
         self.model = load_model(files, max_positions, device, dtype, config.model.seed, TensorParallel(plan, comm))
-        self.layout = kv_layout(files.name, dtype, plan, arch.num_layers, arch.head_dim, config.cache.block_size)
-        self.backend = backend_for(device)
+        self.layout = kv_layout(files.name, config.cache.kv_dtype(dtype), plan, arch.num_layers, arch.head_dim,
+                                config.cache.block_size)
+        self.backend = backend_for(device, dtype)
         self.scale = arch.head_dim ** -0.5
         self.pool: KVPool | None = None
 

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from pdserve.kernels import fp8
+
 LOG2E = 1.4426950408889634
 
 
@@ -65,6 +67,7 @@ def _attend_paged(
         else:
             k = tl.load(k_cache_ptr + kv_offs)
             v = tl.load(v_cache_ptr + kv_offs)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache's tile, widened
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)            # [BLOCK_M, BLOCK_N]
         if MASKED:
             visible = (pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
@@ -234,7 +237,7 @@ def flash_prefill(
         q: [num_tokens, num_q_heads, head_dim], sequences packed back to back; last dim
             contiguous (a strided view of a fused qkv output is fine).
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous,
-            q's dtype (fp16, bf16 or fp32). K/V of earlier context (positions before each
+            q's dtype (fp16, bf16 or fp32) or float8_e4m3fn. K/V of earlier context (positions before each
             sequence's new tokens) must be there; without k_new/v_new the new tokens' too
             (rotary_cache_write runs first).
         cu_seqlens_q: [batch + 1] int32 query offsets into q.
@@ -259,7 +262,8 @@ def flash_prefill(
     _, page_size, num_kv_heads, _ = k_cache.shape
     batch = seq_lens.shape[0]
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (k_cache.shape, q.shape)
-    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32) and k_cache.dtype == v_cache.dtype
+    fp8.check_cache_dtype(q.dtype, k_cache.dtype)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
     assert scale > 0, "the kernel folds the scale into a running max"

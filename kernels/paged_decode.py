@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels import _pdl
+from pdserve.kernels import _pdl, fp8
 
 LOG2E = 1.4426950408889634
 # A split shorter than this many tokens costs more in launch and merge than it gains.
@@ -74,7 +74,8 @@ def _first_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, first_new
 def _update(q, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc,
             DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
     """One K/V tile [BLOCK_N, D] into the online softmax of q's rows [R, D] (running max in
-    base 2, sum, unnormalised output)."""
+    base 2, sum, unnormalised output). An FP8 cache's tile is widened to q's dtype."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if CAUSAL:
         s = tl.where(valid[None, :] & (pos[None, :] <= last_key[:, None]), s, float("-inf"))
@@ -290,7 +291,8 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (k_cache.shape, q.shape)
-    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32) and k_cache.dtype == v_cache.dtype
+    fp8.check_cache_dtype(q.dtype, k_cache.dtype)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
     assert scale > 0, "the kernel folds the scale into a running max"
@@ -341,7 +343,8 @@ def paged_decode(
         q: [batch, num_q_heads, head_dim], last dim contiguous; the token sits at position
             seq_lens[b] - 1 and its own K/V must already be in the cache.
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous,
-            q's dtype (fp16, bf16 or fp32); num_q_heads % num_kv_heads == 0.
+            q's dtype (fp16, bf16 or fp32) or float8_e4m3fn (`kernels.fp8`);
+            num_q_heads % num_kv_heads == 0.
         block_tables: [batch, max_blocks_per_seq] int32.
         seq_lens: [batch] int32, context length including the new token (0 = padding row,
             output zeros).
@@ -434,7 +437,7 @@ def paged_verify(
         q: [num_tokens, num_q_heads, head_dim], sequences packed back to back, every row
             some sequence's (num_tokens == cu_seqlens_q[-1]); last dim contiguous.
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous,
-            q's dtype (fp16, bf16 or fp32); every position of each sequence there, its new
+            q's dtype (fp16, bf16 or fp32) or float8_e4m3fn; every position of each sequence there, its new
             tokens' too (rotary_cache_write runs first).
         cu_seqlens_q: [batch + 1] int32 offsets of each sequence's tokens in q.
         seq_lens: [batch] int32 keys per sequence, its new tokens included; token i of

@@ -1,7 +1,7 @@
 """A step's new q and k rotated in place by their positions (the neox / Hugging Face
 "rotate_half" convention: a head's first half rotates against its second), and the rotated
-k with v written into the paged KV cache, in one kernel: the two were two launches per
-layer, and at one token each launch costs more than its work."""
+k with v written into the paged KV cache (in its dtype: the model's, or FP8), in one kernel:
+the two were two launches per layer, and at one token each launch costs more than its work."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels import _pdl
+from pdserve.kernels import _pdl, fp8
 
 
 @triton.jit
@@ -29,12 +29,15 @@ def _rotate_heads(
     # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
     out1 = (x1 * cos1[None, :] - x2 * sin1[None, :]).to(x_ptr.dtype.element_ty)
     out2 = (x2 * cos2[None, :] + x1 * sin2[None, :]).to(x_ptr.dtype.element_ty)
-    tl.store(first, out1, mask=mask)
-    tl.store(first + HALF, out2, mask=mask)
     if WRITE:
         dst = cache_ptr + slot * (NUM_HEADS * 2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-        tl.store(dst, out1, mask=mask)
-        tl.store(dst + HALF, out2, mask=mask)
+        c1, c2 = fp8.to_cache(out1, cache_ptr), fp8.to_cache(out2, cache_ptr)
+        tl.store(dst, c1, mask=mask)
+        tl.store(dst + HALF, c2, mask=mask)
+        # The step attends what the cache holds: an FP8 cache's rounding, in place too.
+        out1, out2 = c1.to(x_ptr.dtype.element_ty), c2.to(x_ptr.dtype.element_ty)
+    tl.store(first, out1, mask=mask)
+    tl.store(first + HALF, out2, mask=mask)
 
 
 @triton.jit
@@ -80,8 +83,13 @@ def _rotary_cache_write_kernel(
         mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HALF)
         src = v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
         dst = v_cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(dst, tl.load(src, mask=mask), mask=mask)
-        tl.store(dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
+        v1 = fp8.to_cache(tl.load(src, mask=mask), v_cache_ptr)
+        v2 = fp8.to_cache(tl.load(src + HALF, mask=mask), v_cache_ptr)
+        tl.store(dst, v1, mask=mask)
+        tl.store(dst + HALF, v2, mask=mask)
+        if v_cache_ptr.dtype.element_ty != v_ptr.dtype.element_ty:
+            tl.store(src, v1.to(v_ptr.dtype.element_ty), mask=mask)
+            tl.store(src + HALF, v2.to(v_ptr.dtype.element_ty), mask=mask)
     else:
         _rotate_heads(k_ptr, token, stride_kt, stride_kh, cos1, sin1, cos2, sin2, k_cache_ptr, slot,
                       NUM_KV_HEADS, HALF, BLOCK_HK, BLOCK_D, False)
@@ -102,7 +110,9 @@ def rotary_cache_write(
 ) -> None:
     """Rotate q and k in place by their tokens' positions (x * cos + rotate_half(x) * sin,
     in fp32, rounded once to the dtype), and write each token's rotated k and its v into
-    its slot of the paged cache.
+    its slot of the paged cache. With an FP8 cache, each written token's k and v are left
+    in place as the cache holds them (rounded to e4m3, in their dtype), so that attention
+    over the step's own k, v (a fresh prompt's) sees the values every later step reads.
 
     Args:
         q: [num_tokens, num_q_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
@@ -113,7 +123,7 @@ def rotary_cache_write(
         cos, sin: [max_positions, head_dim] float32, contiguous (engine/models/rope.py's
             tables, whose two halves are equal).
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous,
-            q's dtype.
+            q's dtype, or float8_e4m3fn (an FP8 cache: k and v rounded to it, `kernels.fp8`).
         slot_mapping: [num_tokens] int32 or int64; slot = block_id * block_size + offset.
             A negative slot (a padded token of a CUDA-graph batch) is rotated, not written.
         read_ahead: positions, slots and tables were final before the kernel preceding this
@@ -126,7 +136,8 @@ def rotary_cache_write(
     num_kv_heads = k.shape[1]
     assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), (q.shape, k.shape, v.shape)
     assert head_dim % 2 == 0, head_dim
-    assert q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype)
+    assert q.dtype == k.dtype == v.dtype and k_cache.dtype == v_cache.dtype, (q.dtype, k.dtype, v.dtype)
+    fp8.check_cache_dtype(q.dtype, k_cache.dtype)
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dim of q/k/v must be contiguous"
     assert positions.shape == (num_tokens,) and positions.dtype in (torch.int32, torch.int64), positions.dtype
     assert positions.is_contiguous()

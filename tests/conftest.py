@@ -49,11 +49,12 @@ def make_engine() -> MakeEngine:
     """Engine on the default model, CPU fp32; keyword args override cache/scheduler fields."""
 
     def make(num_blocks: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
-             enable_prefix_caching: bool = True, seed: int = 0, async_scheduling: bool = True) -> Engine:
+             enable_prefix_caching: bool = True, seed: int = 0, async_scheduling: bool = True,
+             kv_cache_dtype: str = "auto") -> Engine:
         return Engine(EngineConfig(
             model=ModelConfig(device="cpu", dtype="float32", seed=seed),
             cache=CacheConfig(num_blocks=num_blocks, cpu_kv_cache_gib=0.25,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       async_scheduling=async_scheduling),
         ))

@@ -61,7 +61,8 @@ class ModelDrafter:
         # As many tokens as the target's pool, plus the drafted tail of every running sequence
         # (the engine counted them when it sized its own pool: `engine.kv_budget.draft_memory`).
         num_blocks = target.pool.num_blocks + target.config.scheduler.max_num_seqs * -(-MAX_SPECULATIVE_TOKENS // bs)
-        layout = KVLayout(name, target.dtype, arch.num_layers, arch.num_kv_heads, arch.head_dim, bs)
+        # The target's KV dtype (an FP8 target cache, an FP8 draft cache).
+        layout = KVLayout(name, target.pool.layout.dtype, arch.num_layers, arch.num_kv_heads, arch.head_dim, bs)
         num_bytes = layout.bytes_per_block * num_blocks
         if target.device.type == "cuda" and num_bytes > torch.cuda.mem_get_info(target.device)[0]:
             raise ValueError(f"no GPU memory left for the draft's KV cache ({num_blocks} blocks of "
@@ -78,7 +79,7 @@ class ModelDrafter:
         self.max_step_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs * 2)
         inputs = StepInputBuilder(bs, -(-target.max_model_len // bs) + 1, self.max_step_tokens,
                                   sched.max_num_seqs, target.device)
-        backend = backend_for(target.device)
+        backend = backend_for(target.device, target.dtype)
         graphs = None
         if target.device.type == "cuda" and not target.config.model.enforce_eager:
             # Decodes, the steady catch-up of two tokens, and each verification's catch-up

@@ -7,12 +7,12 @@ import torch
 from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
 
 
-def backend_for(device: torch.device) -> AttentionBackend:
-    """Triton kernels on CUDA, the torch reference elsewhere."""
+def backend_for(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """Triton kernels on CUDA, the torch reference elsewhere, for a model computing in dtype."""
     if device.type == "cuda":
         from pdserve.engine.attention.triton_backend import TritonAttention
 
-        return TritonAttention()
+        return TritonAttention(dtype)
     from pdserve.engine.attention.torch_ref import TorchAttention
 
     return TorchAttention()

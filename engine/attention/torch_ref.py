@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from pdserve.engine.attention.base import AttentionMetadata
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.models.rope import Rope
+from pdserve.kernels import fp8
 
 # torch's CPU flash-attention kernel, which also returns the log-sum-exp of each query's
 # scores (natural log, scaled) and broadcasts grouped KV heads as `enable_gqa` does.
@@ -58,6 +59,19 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
     context_slots = [_slots(meta.prefill_block_tables[i], n - q_len, block_size) if n > q_len else None
                      for i, (q_len, n) in enumerate(zip(meta.prefill_q_lens_host, meta.prefill_seq_lens_host))]
     return _Plan(decode_slots, decode_mask, context_slots)
+
+
+def _write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, D] into rows `slots` of cache [slots, heads, D], in the cache's
+    dtype (`kernels.fp8.quantize` for an FP8 cache, whose rows go in as bytes: torch has
+    no index_copy_ for float8 on the CPU). Returns x as written."""
+    if cache.dtype == fp8.KV_FP8:
+        x = fp8.quantize(x)
+        cache.view(torch.uint8).index_copy_(0, slots, x.view(torch.uint8))
+        return x
+    x = x.to(cache.dtype)
+    cache.index_copy_(0, slots, x)
+    return x
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -101,17 +115,17 @@ class _TorchStep:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        # Attention reads the new k, v as the pool holds them (its dtype may differ from the model's).
-        k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
-        k_flat.index_copy_(0, self.meta.slot_mapping, k)
-        v_flat.index_copy_(0, self.meta.slot_mapping, v)
+        # Attention reads the new k, v as the pool holds them (its dtype may differ from the
+        # model's: an FP8 pool's values are rounded, then widened back to q's dtype).
+        k = _write(k_flat, self.meta.slot_mapping, k).to(q.dtype)
+        v = _write(v_flat, self.meta.slot_mapping, v).to(q.dtype)
 
         outs = []  # [tokens, H, D] per part of the step, in token order
         nd = self.meta.num_decodes
         if nd:
             # [B, H, 1, D] queries against [B, Hkv, max_len, D] padded context.
-            keys = k_flat[self.plan.decode_slots].transpose(1, 2)
-            values = v_flat[self.plan.decode_slots].transpose(1, 2)
+            keys = k_flat[self.plan.decode_slots].to(q.dtype).transpose(1, 2)
+            values = v_flat[self.plan.decode_slots].to(q.dtype).transpose(1, 2)
             outs.append(F.scaled_dot_product_attention(
                 q[:nd].unsqueeze(2), keys, values, attn_mask=self.plan.decode_mask,
                 scale=self.scale, enable_gqa=True,
@@ -123,8 +137,8 @@ class _TorchStep:
             if context_slots is None:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                o = _attend_after_context(qs, _heads_first(k_flat[context_slots]), _heads_first(v_flat[context_slots]),
-                                          ks, vs, self.scale)
+                o = _attend_after_context(qs, _heads_first(k_flat[context_slots].to(q.dtype)),
+                                          _heads_first(v_flat[context_slots].to(q.dtype)), ks, vs, self.scale)
             outs.append(o.squeeze(0).transpose(0, 1))
             start = end
         # A step of one part (one prompt's chunk) returns it as is: the CPU kernel's output is

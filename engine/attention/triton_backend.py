@@ -19,24 +19,30 @@ PAGED_PREFILL_MIN_QUERY_LEN = 128
 
 
 class TritonAttention:
+    """dtype: the model's (q, k, v); the pool's may be FP8."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
     def begin_step(self, meta: AttentionMetadata, pool: KVPool, scale: float) -> _TritonStep:
-        return _TritonStep(meta, pool, scale)
+        return _TritonStep(meta, pool, scale, self.dtype)
 
 
 class _TritonStep:
-    def __init__(self, meta: AttentionMetadata, pool: KVPool, scale: float) -> None:
+    def __init__(self, meta: AttentionMetadata, pool: KVPool, scale: float, dtype: torch.dtype) -> None:
         self.meta, self.pool, self.scale = meta, pool, scale
         layout = pool.layout
         # On Hopper, the warp-specialized kernels: prompts with no earlier context (no chunk
         # before this one, no prefix hit) attend only to their own K/V, read as contiguous
         # tiles; other prefill steps gather theirs through the block table once some chunk
-        # fills a 128-row query tile. Steps of only a few new tokens per sequence
-        # (speculative verification: K + 1) take paged_verify, on any GPU; the rest
-        # flash_prefill (benchmarks/RESULTS.md, "v8" and "verify").
-        hopper = meta.num_prefills > 0 and flash_prefill_ws_supported(pool.kv.device, layout.dtype, layout.head_dim,
+        # fills a 128-row query tile (from a cache of the model's dtype: that kernel reads no
+        # FP8). Steps of only a few new tokens per sequence (speculative verification: K + 1)
+        # take paged_verify, on any GPU; the rest flash_prefill (benchmarks/RESULTS.md, "v8"
+        # and "verify").
+        hopper = meta.num_prefills > 0 and flash_prefill_ws_supported(pool.kv.device, dtype, layout.head_dim,
                                                                       layout.block_size)
         self.fresh_prefills = hopper and meta.prefill_q_lens_host == meta.prefill_seq_lens_host
-        self.paged_prefills = (hopper and not self.fresh_prefills
+        self.paged_prefills = (hopper and not self.fresh_prefills and layout.dtype == dtype
                                and meta.prefill_max_seqlen_q >= PAGED_PREFILL_MIN_QUERY_LEN)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -55,6 +55,8 @@ def test_bad_model_config(bad):
 def test_bad_cache_config():
     with pytest.raises(ValueError, match="block_size"):
         CacheConfig(block_size=12)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or 'fp8', got 'fp4'"):
+        CacheConfig(kv_cache_dtype="fp4")
 
 
 @pytest.mark.slow

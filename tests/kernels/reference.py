@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels import fp8
+
 # Block-table entries past a sequence's last block: far out of range, so a kernel that
 # reads one faults (GPU) or raises (interpreter) instead of silently passing.
 UNUSED_BLOCK = 1 << 30
@@ -29,9 +31,10 @@ def slot_mapping(block_tables: torch.Tensor, seq_idx: int, positions: range, blo
 
 def make_paged_kv(
     seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
-    dtype: torch.dtype, device: torch.device | str, spare_blocks: int = 3,
+    dtype: torch.dtype, device: torch.device | str, spare_blocks: int = 3, cache_dtype: torch.dtype | None = None,
 ) -> PagedKV:
-    """K/V for every position of each sequence, scattered over randomly permuted blocks."""
+    """K/V for every position of each sequence, scattered over randomly permuted blocks;
+    cache_dtype KV_FP8: random values of dtype rounded as an FP8 cache holds them."""
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     perm = torch.randperm(num_blocks).tolist()
@@ -46,6 +49,8 @@ def make_paged_kv(
         slots = torch.tensor(slot_mapping(block_tables, b, range(n), block_size))
         k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim).to(dtype)
         v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim).to(dtype)
+    if cache_dtype == fp8.KV_FP8:
+        k_cache, v_cache = fp8.quantize(k_cache), fp8.quantize(v_cache)  # NaN stays NaN
     return PagedKV(k_cache.to(device), v_cache.to(device), block_tables.to(device),
                    torch.tensor(seq_lens, dtype=torch.int32, device=device))
 
@@ -83,7 +88,11 @@ def ref_cache_write(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slots: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of the caches with each token whose slot is >= 0 written at its slot."""
+    """Copies of the caches with each token whose slot is >= 0 written at its slot, in
+    float32 for an FP8 cache (its values, `kernels.fp8.quantize`d)."""
+    if k_cache.dtype == fp8.KV_FP8:
+        key, value = fp8.quantize(key).float(), fp8.quantize(value).float()
+        k_cache, v_cache = k_cache.float(), v_cache.float()
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     keep = slots >= 0
     k_ref.flatten(0, 1)[slots[keep].long()] = key[keep]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pdserve.kernels import flash_prefill
+from pdserve.kernels.fp8 import KV_FP8
 from tests.kernels.reference import PagedKV, make_paged_kv, ref_paged_attention, rel_error, slot_mapping, tolerance
 
 COVERS = ("flash_prefill",)
@@ -18,9 +19,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _split_new_kv(
-    kv: PagedKV, q_lens: list[int], context_lens: list[int], fused: bool,
+    kv: PagedKV, q_lens: list[int], context_lens: list[int], fused: bool, dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The new tokens' K/V taken out of the cache, packed like q (as views of one fused
+    """The new tokens' K/V taken out of the cache, in dtype (q's), packed like q (as views of one fused
     [num_tokens, 2, kv_heads, dim] buffer when `fused`); their cache slots then hold NaN,
     so a kernel that still reads them there fails."""
     block_size, num_kv_heads, head_dim = kv.k_cache.shape[1:]
@@ -29,21 +30,26 @@ def _split_new_kv(
                          device=kv.k_cache.device)
     k_flat, v_flat = kv.k_cache.view(-1, num_kv_heads, head_dim), kv.v_cache.view(-1, num_kv_heads, head_dim)
     if fused:
-        kv_new = torch.stack([k_flat[slots], v_flat[slots]], dim=1)
+        kv_new = torch.stack([k_flat[slots].to(dtype), v_flat[slots].to(dtype)], dim=1)
         k_new, v_new = kv_new[:, 0], kv_new[:, 1]
     else:
-        k_new, v_new = k_flat[slots].clone(), v_flat[slots].clone()
-    k_flat[slots] = float("nan")
-    v_flat[slots] = float("nan")
+        k_new, v_new = k_flat[slots].to(dtype), v_flat[slots].to(dtype)
+    if k_flat.dtype == KV_FP8:  # e4m3's NaN, as bytes (torch has no float8 index_put on the CPU)
+        k_flat.view(torch.uint8)[slots] = 0x7F
+        v_flat.view(torch.uint8)[slots] = 0x7F
+    else:
+        k_flat[slots] = float("nan")
+        v_flat[slots] = float("nan")
     return k_new, v_new
 
 
 def _check_prefill(
     q_lens: list[int], context_lens: list[int], num_q_heads: int, num_kv_heads: int, head_dim: int,
-    block_size: int, dtype: torch.dtype, strided_q: bool = False, new_kv: bool = False, **tuning: int,
+    block_size: int, dtype: torch.dtype, strided_q: bool = False, new_kv: bool = False,
+    cache_dtype: torch.dtype | None = None, **tuning: int,
 ) -> None:
     seq_lens = [c + n for c, n in zip(context_lens, q_lens)]
-    kv = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, DEVICE)
+    kv = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, DEVICE, cache_dtype=cache_dtype)
     num_tokens = sum(q_lens)
     if strided_q:  # q as a view of a fused qkv projection output
         qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, device=DEVICE).to(dtype)
@@ -56,7 +62,7 @@ def _check_prefill(
     ref = ref_paged_attention(q, kv, q_lens, scale)
     k_new = v_new = None
     if new_kv:
-        k_new, v_new = _split_new_kv(kv, q_lens, context_lens, fused=strided_q)
+        k_new, v_new = _split_new_kv(kv, q_lens, context_lens, fused=strided_q, dtype=dtype)
     got = flash_prefill(q, kv.k_cache, kv.v_cache, cu_seqlens_q, kv.seq_lens, kv.block_tables, scale,
                         max(q_lens), out=out, k_new=k_new, v_new=v_new, **tuning)
     assert got is out
@@ -96,6 +102,14 @@ def test_prefill_head_dim_128_and_wide_tiles(new_kv):
 def test_prefill_new_kv_tile_wider_than_queries():
     # K/V tiles wider than the query tile: the diagonal tile starts left of the queries'.
     _check_prefill([40, 7], [5, 0], 2, 1, 64, 16, torch.float32, new_kv=True, block_m=16, block_n=32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_prefill_fp8_cache(dtype, new_kv):
+    """Earlier context from an FP8 cache, widened to q's dtype; the new tokens' K/V from the
+    cache too, or given in q's dtype."""
+    _check_prefill([5, 17, 1], [20, 3, 40], 4, 2, 64, 16, dtype, new_kv=new_kv, cache_dtype=KV_FP8)
 
 
 def test_prefill_new_kv_needs_both():
@@ -164,3 +178,11 @@ def test_prefill_gpu_new_kv_tunings(block_m, block_n, num_warps, num_stages, max
     _check_prefill([1, 777, 2048], [0, 100, 3], 32, 8, 128, 16, torch.bfloat16, strided_q=True, new_kv=True,
                    block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                    maxnreg=maxnreg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lens,context_lens", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_prefill_gpu_fp8_cache(q_lens, context_lens, dtype, new_kv):
+    _check_prefill(q_lens, context_lens, 32, 8, 128, 16, dtype, strided_q=True, new_kv=new_kv, cache_dtype=KV_FP8)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve.kernels import decode_num_splits, decode_workspace, paged_decode
+from pdserve.kernels.fp8 import KV_FP8
 from tests.kernels.reference import make_paged_kv, ref_paged_attention, rel_error, tolerance
 
 COVERS = ("paged_decode", "decode_workspace", "decode_num_splits")
@@ -17,9 +18,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _check_decode(
     seq_lens: list[int], num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-    dtype: torch.dtype, num_splits: int | None = None, use_workspace: bool = False, **tuning: int,
+    dtype: torch.dtype, num_splits: int | None = None, use_workspace: bool = False,
+    cache_dtype: torch.dtype | None = None, **tuning: int,
 ) -> None:
-    kv = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, DEVICE)
+    kv = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, DEVICE, cache_dtype=cache_dtype)
     batch = len(seq_lens)
     q = torch.randn(batch, num_q_heads, head_dim, device=DEVICE).to(dtype)
     out = torch.full_like(q, float("nan"))
@@ -62,6 +64,13 @@ def test_decode_dtypes_head_dims(dtype, head_dim):
     _check_decode([33, 17], 8, 2, head_dim, 32, dtype, num_splits=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_fp8_cache(dtype, num_splits):
+    """An FP8 cache, widened to q's dtype: the same attention over the values it holds."""
+    _check_decode([1, 17, 40], 4, 2, 64, 16, dtype, num_splits=num_splits, cache_dtype=KV_FP8)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_padded_rows_give_zeros(num_splits):
     kv = make_paged_kv([20, 1], 1, 64, 16, torch.float32, DEVICE)
@@ -88,6 +97,15 @@ def test_decode_num_splits_bounds():
                          [(torch.bfloat16, 16), (torch.bfloat16, 32), (torch.float16, 16), (torch.float32, 32)])
 def test_decode_gpu(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
     _check_decode(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_lens", [[1, 15, 16, 17, 33], [4096, 5, 1000]])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (16, 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_decode_gpu_fp8_cache(seq_lens, num_q_heads, num_kv_heads, dtype, block_n):
+    _check_decode(seq_lens, num_q_heads, num_kv_heads, 128, 16, dtype, cache_dtype=KV_FP8, block_n=block_n)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pdserve.kernels import paged_verify, paged_verify_fits
+from pdserve.kernels.fp8 import KV_FP8
 from tests.kernels.reference import make_paged_kv, ref_paged_attention, rel_error, tolerance
 
 COVERS = ("paged_verify", "paged_verify_fits")
@@ -20,11 +21,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _check_verify(
     chunks: list[tuple[int, int]], num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-    dtype: torch.dtype, **launch: int,
+    dtype: torch.dtype, cache_dtype: torch.dtype | None = None, **launch: int,
 ) -> None:
     """chunks: (new tokens, earlier context) per sequence."""
     q_lens = [n for n, _ in chunks]
-    kv = make_paged_kv([n + c for n, c in chunks], num_kv_heads, head_dim, block_size, dtype, DEVICE)
+    kv = make_paged_kv([n + c for n, c in chunks], num_kv_heads, head_dim, block_size, dtype, DEVICE,
+                       cache_dtype=cache_dtype)
     q = torch.randn(sum(q_lens), num_q_heads, head_dim, device=DEVICE).to(dtype)
     cu_seqlens = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
@@ -65,6 +67,12 @@ def test_verify_dtypes_head_dim_128(dtype):
     _check_verify([(5, 27), (2, 9)], 8, 2, 128, 32, dtype, num_splits=2)
 
 
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_verify_fp8_cache(num_splits):
+    _check_verify([(8, 60), (1, 3), (4, 30)], 4, 2, 64, 16, torch.float16, cache_dtype=KV_FP8,
+                  num_splits=num_splits, block_n=16)
+
+
 def test_verify_fits_and_refuses_by_name():
     assert paged_verify_fits(16, 4) and paged_verify_fits(5, 4) and not paged_verify_fits(17, 4)
     assert not paged_verify_fits(0, 4)
@@ -83,6 +91,14 @@ def test_verify_gpu(chunks, num_q_heads, num_kv_heads, dtype, block_size):
     group = num_q_heads // num_kv_heads
     chunks = [(min(n, 64 // group), c) for n, c in chunks]  # what paged_verify_fits lets the engine send
     _check_verify(chunks, num_q_heads, num_kv_heads, 128, block_size, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks", [[(5, 4091)] * 8, [(5, 100), (9, 4087), (1, 31), (16, 2000)]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_verify_gpu_fp8_cache(chunks, dtype):
+    chunks = [(min(n, 16), c) for n, c in chunks]
+    _check_verify(chunks, 32, 8, 128, 16, dtype, cache_dtype=KV_FP8)
 
 
 @pytest.mark.gpu

@@ -43,9 +43,10 @@ class PeerSpec:
     # in for the CUDA IPC mapping (CPU-only CI); the wire protocol and the copy are the real ones.
     direct: bool = False
     device: str = "cpu"  # the pool's; on a GPU the real CUDA IPC mapping serves direct writes
+    dtype: torch.dtype = torch.float16  # the pool's (float8_e4m3fn: an FP8 cache)
 
     def layout(self) -> KVLayout:
-        return KVLayout(self.model, torch.float16, num_layers=2, num_kv_heads=2, head_dim=self.head_dim, block_size=4)
+        return KVLayout(self.model, self.dtype, num_layers=2, num_kv_heads=2, head_dim=self.head_dim, block_size=4)
 
     def config(self) -> TransportConfig:
         return TransportConfig(secret=self.secret, transfer_timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s,
@@ -105,7 +106,7 @@ class _Peer:
     async def run(self) -> None:
         if self.role in ("sender", "stranger"):
             torch.manual_seed(self.spec.seed)
-            self.pool.kv.copy_(torch.randn_like(self.pool.kv))
+            self.pool.kv.copy_(torch.randn(self.pool.kv.shape).to(self.pool.kv.dtype))
             self.peer: Any = UcxKVSender(self.pool.kv, self.spec.layout(), self.spec.config())
         else:
             self.peer = await UcxKVReceiver.start(self.pool.kv, self.spec.layout(), self.spec.config())

@@ -60,6 +60,7 @@ def test_fingerprint_covers_every_layout_field() -> None:
     variants = [
         KVLayout("qwen", torch.bfloat16, 32, 8, 128, 16),
         KVLayout("llama", torch.float16, 32, 8, 128, 16),
+        KVLayout("llama", torch.float8_e4m3fn, 32, 8, 128, 16),  # an FP8 pool beside a bf16 one
         KVLayout("llama", torch.bfloat16, 16, 8, 128, 16),
         KVLayout("llama", torch.bfloat16, 32, 4, 128, 16),
         KVLayout("llama", torch.bfloat16, 32, 8, 64, 16),

@@ -143,6 +143,25 @@ def test_concurrent_requests_land_byte_exact(request: pytest.FixtureRequest, pat
     assert receiver.stats()["stray_blocks"] == 0
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["messages", "direct-writes"])
+def test_fp8_pools_land_byte_exact(direct: bool) -> None:
+    """An FP8 cache moves as the bytes it is (half a 16-bit pool's), either path."""
+    spec = PeerSpec(num_blocks=64, timeout_s=TIMEOUT_S, direct=direct, dtype=torch.float8_e4m3fn)
+    with peers(("receiver", spec), ("sender", spec.with_(seed=3))) as (receiver, sender):
+        requests = [("fp8-0", [3, 40, 17]), ("fp8-1", [60])]
+        receiver.command("expect", requests=requests)
+        sender.command("send", requests=[(name, [b + 1 for b in ids]) for name, ids in requests],
+                       peer=receiver.address)
+        sent = sender.wait_results(["fp8-0", "fp8-1"], TIMEOUT_S + SLACK_S)
+        landed = receiver.wait_results(["fp8-0", "fp8-1"], TIMEOUT_S + SLACK_S)
+        for name, ids in requests:
+            assert sent[name]["ok"] and landed[name]["ok"], (sent[name], landed[name])
+            assert landed[name]["digest"] == sent[name]["digest"]
+            assert sent[name]["num_bytes"] == len(ids) * spec.layout().bytes_per_block
+            assert sent[name]["direct"] == direct
+        assert receiver.stats()["stray_blocks"] == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("direct_writes", [False, True], ids=["messages", "direct-writes"])

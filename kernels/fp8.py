@@ -1,0 +1,56 @@
+"""The FP8 KV cache's number format: e4m3 (`torch.float8_e4m3fn`, Triton's `float8e4nv`),
+4 exponent bits and 3 mantissa bits, finite up to +-448, no infinities.
+
+K and V are stored without a scale (vLLM's default of k_scale = v_scale = 1): a value is
+rounded to the nearest e4m3 number (ties to even) and saturated at +-448. Attention
+kernels widen what they load to the query's dtype before their dots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+KV_FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def to_e4m3(x):
+    """x (float32) rounded to nearest-even on the e4m3 grid, saturated at +-448, as float8e4nv.
+
+    The rounding is float32 arithmetic, so the final cast only converts an exact value: the
+    GPU's cvt does the same rounding, but Triton 3.6's interpreter rounds a carry into the
+    exponent wrongly (7.97 -> 4) and ties away from even, and the kernels' CPU tests run
+    there. Spacing of the grid at |x|: 2**(exponent - 3) for normal numbers (exponent >= -6),
+    2**-9 below; x / spacing < 16, where adding and subtracting 1.5 * 2**23 rounds to an
+    integer, ties to even.
+    """
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) - 3
+    down = ((127 - exponent) << 23).to(tl.float32, bitcast=True)  # 2 ** -exponent
+    up = ((127 + exponent) << 23).to(tl.float32, bitcast=True)
+    steps = (x * down + 12582912.0) - 12582912.0
+    return (steps * up).to(tl.float8e4nv)
+
+
+@triton.jit
+def to_cache(x, cache_ptr):
+    """x in the dtype of the cache behind cache_ptr: rounded to e4m3 for an FP8 cache."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        return to_e4m3(x.to(tl.float32))
+    else:
+        return x.to(cache_ptr.dtype.element_ty)
+
+
+def check_cache_dtype(model_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """A KV cache holds the model's dtype, or e4m3 beside a floating model dtype."""
+    assert cache_dtype == model_dtype or (cache_dtype == KV_FP8 and model_dtype in (
+        torch.float16, torch.bfloat16, torch.float32)), (model_dtype, cache_dtype)
+
+
+def quantize(x: torch.Tensor) -> torch.Tensor:
+    """x as an FP8 cache holds it, in torch (the CPU path, and the kernels' reference):
+    saturated at +-448, rounded to nearest-even."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(KV_FP8)
