@@ -71,6 +71,18 @@ def _first_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, first_new
 
 
 @triton.jit
+def _dot_dtype(q, k):
+    """q in the dtype the dots run in: q's own, but float16 beside an FP8 cache when q is
+    bfloat16 (e4m3 widens to float16 in one conversion, to bfloat16 through float32: at 256
+    x 1.5k that made the kernel compute-bound at half the bandwidth; e4m3 is exact in
+    either, and a query past float16's range, 65504, saturates)."""
+    if k.dtype == tl.float8e4nv and q.dtype == tl.bfloat16:
+        return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    else:
+        return q
+
+
+@triton.jit
 def _update(q, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc,
             DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
     """One K/V tile [BLOCK_N, D] into the online softmax of q's rows [R, D] (running max in
@@ -169,6 +181,7 @@ def _decode_split_kernel(
     mask_g = offs_g < QUERIES_PER_KV
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None], other=0.0)                          # [BLOCK_G, D]
+    q = _dot_dtype(q, k0)
     m_i, l_i, acc = _attend(q, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, end,
                             scale_log2, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False)
     _write_rows(out_ptr + seq * stride_ob + heads * stride_oh,
@@ -218,6 +231,7 @@ def _verify_split_kernel(
     token_rows = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + token_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_r[:, None], other=0.0)                            # [BLOCK_R, D]
+    q = _dot_dtype(q, k0)
     m_i, l_i, acc = _attend(q, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end,
                             seq_len - q_len + tok, scale_log2, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N,
                             DOT_PRECISION, True)
@@ -299,9 +313,14 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 16, got {head_dim}"
 
 
-def _default_block_n(q: torch.Tensor) -> int:
-    """Tokens per K/V tile: fp32 tiles are twice the bytes, halved to stay inside shared memory."""
-    return (64 if q.element_size() <= 2 else 32) if q.is_cuda else 16
+def _default_block_n(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """Tokens per K/V tile: fp32 tiles are twice the bytes, halved to stay inside shared
+    memory; FP8 tiles half, doubled (H200, 256 x 1.5k: 0.316 ms at 128 against 0.339 at 64)."""
+    if not q.is_cuda:
+        return 16
+    if k_cache.element_size() == 1:
+        return 128
+    return 64 if q.element_size() <= 2 else 32
 
 
 def _workspace_args(workspace: torch.Tensor | None, out: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -382,7 +401,7 @@ def paged_decode(
         workspace = decode_workspace(batch, num_q_heads, head_dim, num_splits, q.device)
     if batch == 0:
         return out
-    block_n = block_n or _default_block_n(q)
+    block_n = block_n or _default_block_n(q, k_cache)
     queries_per_kv = num_q_heads // num_kv_heads
     ws, ws_strides = _workspace_args(workspace, out)
     pdl = _pdl.pdl(q)
@@ -471,7 +490,7 @@ def paged_verify(
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, q.device)
     workspace = decode_workspace(num_tokens, num_q_heads, head_dim, num_splits, q.device) if num_splits > 1 else None
-    block_n = block_n or _default_block_n(q)
+    block_n = block_n or _default_block_n(q, k_cache)
     ws, ws_strides = _workspace_args(workspace, out)
     pdl = _pdl.pdl(q)
     _verify_split_kernel[(batch, num_kv_heads, num_splits)](
