@@ -55,5 +55,8 @@ $(NEWEST)/.installed: pyproject.toml
 	$(NEWEST)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers|numpy|protobuf) '
 	touch $@
 
+# -P and --import-mode=append: the checkout's root goes last on sys.path, not first, so its
+# `kernels/` folder never shadows Hugging Face's `kernels`, which transformers (5.25 on)
+# requires and imports.
 test-newest: $(NEWEST)/.installed
-	$(NEWEST)/bin/python -m pytest -q $(NEWEST_TESTS)
+	$(NEWEST)/bin/python -P -m pytest -q --import-mode=append $(NEWEST_TESTS)
