@@ -44,6 +44,18 @@ def to_cache(x, cache_ptr):
         return x.to(cache_ptr.dtype.element_ty)
 
 
+@triton.jit
+def dot_dtype(q, k):
+    """q in the dtype attention's dots run in beside a K tile k: q's own, but float16 beside
+    an FP8 cache when q is bfloat16 (e4m3 widens to float16 in one conversion, to bfloat16
+    through float32: at 256 x 1.5k that made paged decode compute-bound at half the
+    bandwidth; e4m3 is exact in either, and a query past float16's range, 65504, saturates)."""
+    if k.dtype == tl.float8e4nv and q.dtype == tl.bfloat16:
+        return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    else:
+        return q
+
+
 def check_cache_dtype(model_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     """A KV cache holds the model's dtype, or e4m3 beside a floating model dtype."""
     assert cache_dtype == model_dtype or (cache_dtype == KV_FP8 and model_dtype in (

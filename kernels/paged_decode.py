@@ -71,18 +71,6 @@ def _first_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, first_new
 
 
 @triton.jit
-def _dot_dtype(q, k):
-    """q in the dtype the dots run in: q's own, but float16 beside an FP8 cache when q is
-    bfloat16 (e4m3 widens to float16 in one conversion, to bfloat16 through float32: at 256
-    x 1.5k that made the kernel compute-bound at half the bandwidth; e4m3 is exact in
-    either, and a query past float16's range, 65504, saturates)."""
-    if k.dtype == tl.float8e4nv and q.dtype == tl.bfloat16:
-        return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-    else:
-        return q
-
-
-@triton.jit
 def _update(q, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc,
             DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
     """One K/V tile [BLOCK_N, D] into the online softmax of q's rows [R, D] (running max in
@@ -181,7 +169,7 @@ def _decode_split_kernel(
     mask_g = offs_g < QUERIES_PER_KV
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None], other=0.0)                          # [BLOCK_G, D]
-    q = _dot_dtype(q, k0)
+    q = fp8.dot_dtype(q, k0)
     m_i, l_i, acc = _attend(q, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, end,
                             scale_log2, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False)
     _write_rows(out_ptr + seq * stride_ob + heads * stride_oh,
@@ -231,7 +219,7 @@ def _verify_split_kernel(
     token_rows = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + token_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_r[:, None], other=0.0)                            # [BLOCK_R, D]
-    q = _dot_dtype(q, k0)
+    q = fp8.dot_dtype(q, k0)
     m_i, l_i, acc = _attend(q, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end,
                             seq_len - q_len + tok, scale_log2, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N,
                             DOT_PRECISION, True)
