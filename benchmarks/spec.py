@@ -232,6 +232,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--num-draft-layers", type=int, default=8, help="layers of the self-draft")
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="the model drafters' heads keep only N token ids (SpecConfig.draft_vocab_size)")
+    ap.add_argument("--draft-vocab-file", default=None,
+                    help="token ids, most frequent first, that --draft-vocab-size cuts (SpecConfig.draft_vocab_file)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8, help="second batch size of the pass-cost table")
     ap.add_argument("--context", type=int, default=512, help="context length in the pass-cost table")
@@ -264,8 +268,10 @@ def main() -> None:
     specs = {
         "ngram": SpecConfig(method="ngram", num_speculative_tokens=args.k),
         "self_draft": SpecConfig(method="self_draft", num_draft_layers=args.num_draft_layers,
-                                 num_speculative_tokens=args.k),
-        "draft_model": SpecConfig(method="draft_model", draft_model=draft, num_speculative_tokens=args.k),
+                                 num_speculative_tokens=args.k, draft_vocab_size=args.draft_vocab_size,
+                                 draft_vocab_file=args.draft_vocab_file),
+        "draft_model": SpecConfig(method="draft_model", draft_model=draft, num_speculative_tokens=args.k,
+                                  draft_vocab_size=args.draft_vocab_size, draft_vocab_file=args.draft_vocab_file),
     }
     drafters = {}
     for name in ("self_draft", "draft_model"):
@@ -283,12 +289,14 @@ def main() -> None:
     machine = (f"{platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs"
                + (f", {torch.cuda.get_device_name(engine.device)}" if engine.device.type == "cuda" else ""))
     print(f"\n{engine.model_name} on {engine.device} ({engine.dtype}), draft {draft}, "
-          f"self-draft {args.num_draft_layers}/{engine.arch.num_layers} layers; {machine}; "
+          f"self-draft {args.num_draft_layers}/{engine.arch.num_layers} layers, "
+          f"draft vocabulary {args.draft_vocab_size or engine.arch.vocab_size}; {machine}; "
           f"{datetime.date.today()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": str(datetime.date.today()), "machine": machine, "device": str(engine.device),
                        "model": engine.model_name, "draft": draft, "k": args.k,
+                       "draft_vocab_size": args.draft_vocab_size,
                        "costs": [asdict(c) for c in costs], "runs": [asdict(r) for r in runs]}, f, indent=1)
 
 

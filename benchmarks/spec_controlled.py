@@ -22,7 +22,7 @@ import torch
 from benchmarks.spec import _sync, pass_costs
 from pdserve.decode_node.spec import SpecDecoder, expected_tokens_per_pass
 from pdserve.decode_node.spec.adaptive import AdaptiveK, MeasuredCosts, RelativeCosts
-from pdserve.decode_node.spec.draft_model import ModelDrafter, load_draft_model
+from pdserve.decode_node.spec.draft_model import ModelDrafter, draft_head_ids, load_draft_model
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampler import on_device
@@ -34,8 +34,9 @@ class ControlledDrafter(ModelDrafter):
     a wrong token with probability 1 - alpha (see `--controlled`). The draft model still
     runs every step: only its choice of token is overridden."""
 
-    def __init__(self, model, target: Engine, name: str, alpha: float, oracle: dict[str, list[int]]) -> None:
-        super().__init__(model, target, name)
+    def __init__(self, model, target: Engine, name: str, alpha: float, oracle: dict[str, list[int]],
+                 head_ids: torch.Tensor | None = None) -> None:
+        super().__init__(model, target, name, head_ids)
         self.alpha = alpha
         self.oracle = oracle
         self.vocab = target.arch.vocab_size
@@ -149,6 +150,7 @@ def controlled(engine: Engine, args: argparse.Namespace) -> list[ControlledRun]:
     if args.chain:
         make_greedy_chain(engine.model)
     draft_model = load_draft_model(args.draft or args.model, engine)
+    head_ids = draft_head_ids(engine.config.spec, vocab)
     rng = random.Random(1)
     runs = []
     for batch in args.batches:
@@ -158,7 +160,7 @@ def controlled(engine: Engine, args: argparse.Namespace) -> list[ControlledRun]:
         _batch_rate(engine, prompts[:1], 4, ["warm-up"])
         base, oracle = _batch_rate(engine, prompts, args.max_tokens, ids)
         print(f"batch {batch}: no speculation {base:.1f} tok/s")
-        drafter = ControlledDrafter(draft_model, engine, args.draft or args.model, 1.0, oracle)
+        drafter = ControlledDrafter(draft_model, engine, args.draft or args.model, 1.0, oracle, head_ids)
         # Warm up: the draft's own kernels compile on its first prompt and on the catch-ups
         # of every length adaptive K's pauses leave (eager steps of new shapes).
         drafter.alpha = 0.5
@@ -229,7 +231,8 @@ def main_controlled(args: argparse.Namespace) -> None:
     block_size = CacheConfig().block_size
     batch = max(args.batches)
     num_blocks = args.num_blocks or batch * -(-(args.context + args.max_tokens + 2 * args.k) // block_size) + 64
-    spec = SpecConfig(method="draft_model", draft_model=args.draft or args.model, num_speculative_tokens=args.k)
+    spec = SpecConfig(method="draft_model", draft_model=args.draft or args.model, num_speculative_tokens=args.k,
+                      draft_vocab_size=args.draft_vocab_size, draft_vocab_file=args.draft_vocab_file)
     engine = Engine(EngineConfig(model=ModelConfig(source=args.model, device=args.device),
                                  cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                                    enable_prefix_caching=False),
@@ -237,9 +240,11 @@ def main_controlled(args: argparse.Namespace) -> None:
     runs = controlled(engine, args)
     print_controlled(runs)
     print(f"\n{engine.model_name} on {engine.device} ({engine.dtype}), draft {args.draft or args.model}, "
-          f"context {args.context}, {args.max_tokens} tokens per request; {datetime.date.today()}")
+          f"draft vocabulary {args.draft_vocab_size or engine.arch.vocab_size}, context {args.context}, "
+          f"{args.max_tokens} tokens per request; {datetime.date.today()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": str(datetime.date.today()), "model": engine.model_name, "draft": args.draft,
+                       "draft_vocab_size": args.draft_vocab_size,
                        "runs": [asdict(r) for r in runs]}, f, indent=1)
 

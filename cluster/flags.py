@@ -30,6 +30,8 @@ ALIASES: dict[str, str] = {
     "engine.spec.method": "--spec-method",
     "engine.spec.num_speculative_tokens": "--num-speculative-tokens",
     "engine.spec.draft_model": "--draft-model",
+    "engine.spec.draft_vocab_size": "--draft-vocab-size",
+    "engine.spec.draft_vocab_file": "--draft-vocab-file",
     "ray.address": "--address",
     "server.host": "--host",
     "server.port": "--port",

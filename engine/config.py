@@ -170,6 +170,15 @@ class SpecConfig:
         replay times of the captured graphs instead.
     max_graph_batch: the largest batch whose verification and draft steps get
         CUDA graphs (larger ones run eagerly: speculation rarely pays there).
+    draft_vocab_size: a model drafter proposes only among N token ids, its head
+        scoring N rows instead of the whole vocabulary (FR-Spec, Zhao et al. 2025:
+        the N most frequent tokens). Output stays exact: the target verifies every
+        token, and one outside the N comes from the target's residual. Which N:
+        the first of `draft_vocab_file`, else the first N ids (a byte-level BPE
+        numbers its merges in the order learnt, roughly most frequent first).
+        None: all of the file, or without one the whole vocabulary.
+    draft_vocab_file: token ids, most frequent first: a `torch.save`d list or
+        tensor (FR-Spec's freq_<N>.pt) or a JSON list.
     """
 
     method: str = "none"
@@ -181,6 +190,8 @@ class SpecConfig:
     adaptive: bool = False
     verify_cost: float = 0.05
     max_graph_batch: int = 64
+    draft_vocab_size: int | None = None
+    draft_vocab_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -198,6 +209,11 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.verify_cost must be >= 0, got {self.verify_cost}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"SpecConfig needs 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"SpecConfig.draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        if (self.draft_vocab_size is not None or self.draft_vocab_file is not None) and self.method == "ngram":
+            raise ValueError(f"SpecConfig.draft_vocab_size and draft_vocab_file trim a draft model's head; "
+                             f"method {self.method!r} has none")
 
     @property
     def enabled(self) -> bool:

@@ -26,14 +26,17 @@ def draft_memory(config: EngineConfig, target: ModelArch) -> DraftMemory:
     spec = config.spec
     if not spec.enabled or spec.method not in ("draft_model", "self_draft"):
         return DraftMemory()
-    itemsize = config.cache.kv_dtype(config.model.torch_dtype()).itemsize
+    dtype = config.model.torch_dtype()
+    itemsize = config.cache.kv_dtype(dtype).itemsize
     if spec.method == "self_draft":  # the target's own weights; KV for its first layers
         arch, weight_bytes = target, 0
         num_layers = min(spec.num_draft_layers, target.num_layers)
     else:
         assert spec.draft_model is not None
         arch = resolve_model(dataclasses.replace(config.model, source=spec.draft_model)).arch
-        weight_bytes, num_layers = arch.num_params * itemsize, arch.num_layers
+        weight_bytes, num_layers = arch.num_params * dtype.itemsize, arch.num_layers
+    if spec.draft_vocab_file is not None:  # a head of the listed rows, copied (the first N are a view)
+        weight_bytes += (spec.draft_vocab_size or arch.vocab_size) * arch.hidden_size * dtype.itemsize
     kv = 2 * num_layers * config.cache.block_size * arch.num_kv_heads * arch.head_dim * itemsize
     return DraftMemory(weight_bytes, kv)
 

@@ -17,6 +17,8 @@ not wait for the host between a verification and the next proposal.
 
 from __future__ import annotations
 
+import json
+import pickle
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,13 +27,13 @@ from torch import nn
 
 from pdserve.engine.attention import backend_for
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import MAX_SPECULATIVE_TOKENS
+from pdserve.engine.config import MAX_SPECULATIVE_TOKENS, SpecConfig
 from pdserve.engine.cuda_graphs import StepGraphs
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.engine.model_runner import ModelRunner, StepLogits
 from pdserve.engine.models.arch import ModelArch
-from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.llama import Linear, LlamaForCausalLM
 from pdserve.engine.sampler import Sampler, on_device
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
@@ -55,7 +57,11 @@ class _CaughtUp:
 
 
 class ModelDrafter:
-    def __init__(self, model: LlamaForCausalLM, target: Engine, name: str) -> None:
+    def __init__(self, model: LlamaForCausalLM, target: Engine, name: str,
+                 head_ids: torch.Tensor | None = None) -> None:
+        """head_ids: the token ids the draft's head keeps (`draft_head_ids`; None: all)."""
+        if head_ids is not None:
+            model = trim_head(model, head_ids)
         arch = model.arch
         bs = target.pool.layout.block_size
         # As many tokens as the target's pool, plus the drafted tail of every running sequence
@@ -69,6 +75,11 @@ class ModelDrafter:
                              f"{layout.bytes_per_block} bytes): lower CacheConfig.gpu_memory_utilization "
                              f"or set CacheConfig.num_blocks")
         self.device = target.device
+        # The target's vocabulary: the width of draft distributions (a trimmed head's are zero
+        # elsewhere), and the ids of a trimmed head's columns when they are not its first ones.
+        self.vocab_size = target.arch.vocab_size
+        self._head_ids = (None if head_ids is None or int(head_ids[-1]) == len(head_ids) - 1
+                          else head_ids.to(target.device))
         self.pool = KVPool(layout, num_blocks, target.device)
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         # The target's sampler: the same filtering (temperature, top-k/p) and the request's own seeded draws.
@@ -145,7 +156,7 @@ class ModelDrafter:
                 drafted[:, j].index_copy_(0, on_device(active, torch.int64, self.device), tokens)
             if q is not None:
                 if probs is None:
-                    probs = torch.zeros((n, width, q.shape[1]), dtype=torch.float32, device=self.device)
+                    probs = torch.zeros((n, width, self.vocab_size), dtype=torch.float32, device=self.device)
                 probs[:, j].index_copy_(0, on_device(active, torch.int64, self.device), q)
             for i in active:
                 counts[i] += 1
@@ -271,9 +282,20 @@ class ModelDrafter:
         """Draft token `step` of each of `seqs` from the draft's logits [len(seqs), vocab], on
         the device, and the distributions they were drawn from (None: greedy). A seeded
         request's draws are keyed by the output index the token would take, in a stream
-        of their own (the target's acceptance must not reuse them)."""
-        return self.sampler.draw(logits, [s.params for s in seqs], [s.next_output_index + step for s in seqs],
-                                 with_probs, stream="draft")
+        of their own (the target's acceptance must not reuse them). Under a trimmed head the
+        distributions are widened to the whole vocabulary, zero past the head's ids."""
+        tokens, q = self.sampler.draw(logits, [s.params for s in seqs], [s.next_output_index + step for s in seqs],
+                                      with_probs, stream="draft")
+        if self._head_ids is not None:
+            tokens = self._head_ids[tokens]
+        if q is not None and q.shape[1] < self.vocab_size:
+            wide = q.new_zeros((q.shape[0], self.vocab_size))
+            if self._head_ids is None:
+                wide[:, :q.shape[1]] = q
+            else:
+                wide.index_copy_(1, self._head_ids, q)
+            q = wide
+        return tokens, q
 
     def release(self, seq: Sequence) -> None:
         self._caught_up.pop(seq, None)
@@ -339,6 +361,66 @@ def self_draft_model(target: LlamaForCausalLM, num_layers: int) -> LlamaForCausa
     draft.lm_head = target.lm_head
     draft.rotary = target.rotary
     return draft.eval()
+
+
+def draft_head_ids(config: SpecConfig, vocab_size: int) -> torch.Tensor | None:
+    """The token ids a model drafter's head keeps (`SpecConfig.draft_vocab_size` and
+    `draft_vocab_file`), sorted; None: the whole vocabulary. Raises ValueError naming what
+    is wrong with the size or the file."""
+    if config.draft_vocab_size is None and config.draft_vocab_file is None:
+        return None
+    if config.draft_vocab_file is None:
+        ranked = list(range(vocab_size))
+    else:
+        ranked = load_token_ranking(config.draft_vocab_file, vocab_size)
+    size = config.draft_vocab_size or len(ranked)
+    if not 1 <= size <= len(ranked):
+        where = f"the file's {len(ranked)} ids" if config.draft_vocab_file else f"the vocabulary, {vocab_size}"
+        raise ValueError(f"SpecConfig.draft_vocab_size must be in [1, {len(ranked)}] ({where}), got {size}")
+    return torch.tensor(sorted(ranked[:size]), dtype=torch.int64)
+
+
+def load_token_ranking(path: str, vocab_size: int) -> list[int]:
+    """Token ids, most frequent first, from `path`: a `torch.save`d list or 1-D tensor (as
+    FR-Spec publishes them, e.g. freq_32768.pt) or a JSON list."""
+    try:
+        if path.endswith((".pt", ".pth")):
+            raw = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            with open(path) as f:
+                raw = json.load(f)
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+        raise ValueError(f"SpecConfig.draft_vocab_file {path!r} cannot be read: {e}") from e
+    ids = raw.tolist() if isinstance(raw, torch.Tensor) else raw
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"SpecConfig.draft_vocab_file {path!r} must hold a non-empty list of token ids")
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"SpecConfig.draft_vocab_file {path!r}: token id {bad} is outside the vocabulary "
+                         f"[0, {vocab_size})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"SpecConfig.draft_vocab_file {path!r} lists a token id twice")
+    return ids
+
+
+def trim_head(model: LlamaForCausalLM, ids: torch.Tensor) -> LlamaForCausalLM:
+    """`model` with a head that scores only token ids `ids` (sorted; see `draft_head_ids`):
+    a new model around the same embedding, layers and norm (the one passed in is left
+    as it is). Its logits are [N, len(ids)], column j for token ids[j]. When ids are the
+    first N, the head is a view of those rows of the model's; else a copy of its rows."""
+    weight = model.lm_head.weight.detach()
+    n = len(ids)
+    prefix = int(ids[-1]) == n - 1
+    rows = weight[:n] if prefix else weight.index_select(0, ids.to(weight.device))
+    with torch.device("meta"):
+        trimmed = LlamaForCausalLM(replace(model.arch, num_layers=0), 1, torch.device("meta"))
+        head = Linear(model.arch.hidden_size, n, bias=False)
+    head.weight = nn.Parameter(rows, requires_grad=False)
+    trimmed.arch = model.arch
+    trimmed.embed_tokens, trimmed.layers, trimmed.norm = model.embed_tokens, model.layers, model.norm
+    trimmed.rotary, trimmed.tp = model.rotary, model.tp
+    trimmed.lm_head = head
+    return trimmed.eval()
 
 
 def load_draft_model(source: str, target: Engine) -> LlamaForCausalLM:

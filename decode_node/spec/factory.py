@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.decode_node.spec.adaptive import AdaptiveK, MeasuredCosts, RelativeCosts, StepCosts
-from pdserve.decode_node.spec.draft_model import ModelDrafter, load_draft_model, self_draft_model
+from pdserve.decode_node.spec.draft_model import ModelDrafter, draft_head_ids, load_draft_model, self_draft_model
 from pdserve.decode_node.spec.drafter import Drafter
 from pdserve.decode_node.spec.ngram import NgramDrafter
 from pdserve.decode_node.spec.speculator import SpecDecoder
@@ -31,7 +31,7 @@ def build_speculator(engine: Engine, config: SpecConfig | None = None) -> SpecDe
             assert config.draft_model is not None  # SpecConfig checks it
             model = load_draft_model(config.draft_model, engine)
             name, cost_ratio = config.draft_model, model.arch.num_params / engine.arch.num_params
-        model_drafter = ModelDrafter(model, engine, name)
+        model_drafter = ModelDrafter(model, engine, name, draft_head_ids(config, engine.arch.vocab_size))
         drafter, draft_graphs = model_drafter, model_drafter.runner.graphs
     adaptive = None
     if config.adaptive:

@@ -10,6 +10,8 @@ distributions, computed from the target's full logprobs of every prefix.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -94,14 +96,23 @@ class UniformDrafter(HostDrafter):
         pass
 
 
-def _speculator(engine: Engine, method: str):
+def _speculator(engine: Engine, method: str, tmp_path=None):
     if method == "uniform":
         return SpecDecoder(UniformDrafter(engine.sampler), engine.sampler, 3)
+    # "draft_model_head_10": the draft proposes only among token ids 0-9; "draft_model_head_odd":
+    # only among the odd ones (a ranking file: columns of the head are not their token ids).
+    # The target's mass elsewhere must come back through the residual.
+    method, _, trim = method.partition("_head_")
+    size, path = (int(trim), None) if trim.isdigit() else (None, None)
+    if trim == "odd":
+        path = tmp_path / "ranking.json"
+        path.write_text(json.dumps(list(range(VOCAB - 1, 0, -2))))
     with pytest.MonkeyPatch.context() as mp:
         for name, arch in SHAPES.items():
             mp.setitem(DUMMY_SHAPES, name, arch)
         return build_speculator(engine, SpecConfig(method=method, num_speculative_tokens=3, num_draft_layers=1,
-                                                   draft_model="dummy:spec-test-draft"))
+                                                   draft_model="dummy:spec-test-draft", draft_vocab_size=size,
+                                                   draft_vocab_file=str(path) if path else None))
 
 
 def _sample_marginals(engine: Engine) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,9 +123,10 @@ def _sample_marginals(engine: Engine) -> tuple[torch.Tensor, torch.Tensor]:
     return second, third
 
 
-@pytest.mark.parametrize("method", ["self_draft", "draft_model", "ngram", "uniform"])
-def test_speculative_sampling_keeps_the_target_distribution(engine, exact_marginals, method):
-    spec = _speculator(engine, method)
+@pytest.mark.parametrize("method", ["self_draft", "draft_model", "ngram", "uniform", "draft_model_head_10",
+                                    "self_draft_head_odd"])
+def test_speculative_sampling_keeps_the_target_distribution(engine, exact_marginals, method, tmp_path):
+    spec = _speculator(engine, method, tmp_path)
     engine.set_speculator(spec)
     try:
         second, third = _sample_marginals(engine)
@@ -122,6 +134,9 @@ def test_speculative_sampling_keeps_the_target_distribution(engine, exact_margin
         engine.set_speculator(None)
     assert spec.metrics.num_passes > NUM_SAMPLES // 2  # the tokens really went through verification
     assert 0 < spec.metrics.num_accepted < spec.metrics.num_proposed
+    if "_head_" in method:  # the ids the draft cannot propose carry real mass, and are emitted
+        outside = list(range(10, VOCAB)) if method.endswith("_10") else list(range(0, VOCAB, 2))
+        assert exact_marginals[0][outside].sum() > 0.1 and second[outside].sum() > 0.1 * NUM_SAMPLES
     assert chi_square_pvalue(second, exact_marginals[0]) > 1e-3
     assert chi_square_pvalue(third, exact_marginals[1]) > 1e-3
 

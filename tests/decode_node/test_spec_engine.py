@@ -184,9 +184,81 @@ def test_draft_equal_to_target_accepts_everything(engine, requests, baseline, sp
     assert m.num_accepted == sum(len(tokens[r]) - num_deltas[r] for r in tokens)
 
 
-def test_bad_drafts_are_refused_at_start(engine, monkeypatch):
+TRIMMED = 4096  # of SmolLM2's 49,152 token ids
+
+
+@pytest.mark.parametrize("method", ["draft_model", "self_draft"])
+def test_a_draft_head_trimmed_to_the_first_ids_keeps_greedy_output(engine, requests, baseline, method):
+    """Draft = target (all its layers) with a head that scores only the first TRIMMED ids:
+    it proposes the target's own token wherever that lies below TRIMMED, so every rejection
+    is a token at or past it, which the target then emits itself. The self-draft's head is a
+    view of the target's rows, not a copy."""
+    config = SpecConfig(method=method, draft_model="default", num_draft_layers=30, num_speculative_tokens=4,
+                        draft_vocab_size=TRIMMED)
+    engine.set_speculator(build_speculator(engine, config))
+    spec = engine.speculator
+    head = spec.drafter.runner.model.lm_head.weight
+    assert head.shape == (TRIMMED, engine.arch.hidden_size)
+    if method == "self_draft":
+        assert head.data_ptr() == engine.model.lm_head.weight.data_ptr()
+    try:
+        tokens, num_deltas, _ = run(engine, requests)
+    finally:
+        engine.set_speculator(None)
+    assert tokens == baseline[0]
+    beyond = sum(t >= TRIMMED for ids in tokens.values() for t in ids)
+    assert beyond > 0  # the outputs hold ids the draft cannot propose
+    m = spec.metrics
+    assert 0 < m.num_rejections <= beyond
+    assert m.num_accepted == sum(len(tokens[r]) - num_deltas[r] for r in tokens)
+    assert m.num_accepted > m.num_proposed // 2
+    assert all_blocks_free(engine)
+
+
+def test_a_draft_head_of_listed_ids_proposes_those_tokens(engine, requests, baseline, tmp_path):
+    """A ranking file whose first ids are exactly the tokens of the baseline's outputs (a
+    few hundred, scattered over the vocabulary), then everything else: the draft (= target)
+    keeps only those, so its column j must stand for listed token j. It then accepts
+    every proposal; had a column been read as its own index, it would accept almost none."""
+    used = sorted({t for ids in baseline[0].values() for t in ids})
+    assert used[-1] >= len(used)  # not the first ids: the head's columns are not token ids
+    ranking = used + [t for t in range(engine.arch.vocab_size) if t not in set(used)]
+    path = tmp_path / "freq.pt"
+    torch.save(torch.tensor(ranking), path)
+    config = SpecConfig(method="draft_model", draft_model="default", num_speculative_tokens=4,
+                        draft_vocab_size=len(used), draft_vocab_file=str(path))
+    engine.set_speculator(build_speculator(engine, config))
+    spec = engine.speculator
+    assert spec.drafter.runner.model.lm_head.weight.shape == (len(used), engine.arch.hidden_size)
+    try:
+        tokens, _, _ = run(engine, requests)
+    finally:
+        engine.set_speculator(None)
+    assert tokens == baseline[0]
+    m = spec.metrics
+    assert m.num_proposed > 0 and m.num_accepted == m.num_proposed
+    assert all_blocks_free(engine)
+
+
+def test_bad_drafts_are_refused_at_start(engine, monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="self-draft layers must be in"):
         build_speculator(engine, SpecConfig(method="self_draft", num_draft_layers=31))
+    with pytest.raises(ValueError, match=r"draft_vocab_size must be in \[1, 49152\].*got 49153"):
+        build_speculator(engine, SpecConfig(method="self_draft", draft_vocab_size=49153))
+    files = {"missing.json": None, "far.json": "[1, 2, 49152]", "twice.json": "[5, 6, 5]", "text.json": "nope",
+             "empty.json": "[]"}
+    for name, text in files.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+    for name, message in [("missing.json", "cannot be read"), ("far.json", "token id 49152 is outside"),
+                          ("twice.json", "lists a token id twice"), ("text.json", "cannot be read"),
+                          ("empty.json", "non-empty list of token ids")]:
+        with pytest.raises(ValueError, match=f"draft_vocab_file .*{name}.*{message}"):
+            build_speculator(engine, SpecConfig(method="self_draft", draft_vocab_file=str(tmp_path / name)))
+    (tmp_path / "short.json").write_text("[3, 1, 2]")
+    with pytest.raises(ValueError, match=r"draft_vocab_size must be in \[1, 3\] \(the file's 3 ids\), got 4"):
+        build_speculator(engine, SpecConfig(method="self_draft", draft_vocab_size=4,
+                                            draft_vocab_file=str(tmp_path / "short.json")))
     with pytest.raises(ValueError, match="vocabulary size 512 differs"):
         build_speculator(engine, SpecConfig(method="draft_model", draft_model="dummy:tiny"))
     tiny = Engine(EngineConfig(model=ModelConfig(source="dummy:tiny", device="cpu", dtype="float32")))

@@ -17,7 +17,8 @@ from pdserve.decode_node.spec.adaptive import (
 from pdserve.decode_node.spec.draft_model import check_draft
 from pdserve.decode_node.spec.ngram import lookup
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import SchedulerConfig, SpecConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from pdserve.engine.kv_budget import draft_memory
 from pdserve.engine.models.arch import DUMMY_SHAPES
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -36,6 +37,8 @@ def test_k_outside_0_16_is_refused(k):
     ({"method": "draft_model"}, "needs SpecConfig.draft_model"),
     ({"num_draft_layers": 0}, "num_draft_layers"),
     ({"ngram_min": 3, "ngram_max": 2}, "ngram_min <= ngram_max"),
+    ({"method": "self_draft", "draft_vocab_size": 0}, "draft_vocab_size must be >= 1, got 0"),
+    ({"method": "ngram", "draft_vocab_size": 1024}, "trim a draft model's head; method 'ngram' has none"),
 ])
 def test_bad_spec_config(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -195,3 +198,25 @@ def test_trim_frees_the_tail_blocks():
     assert len(seq.block_ids) == 2
     bm.free(seq)
     assert bm.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_the_draft_is_counted_at_its_weights_dtype_and_with_a_copied_head(kv_cache_dtype):
+    """A draft's weights are counted at the model's dtype (not the KV cache's), its KV at
+    the cache's; a head of listed ids (a copy of those rows) adds its bytes, the first N
+    ids (a view) add none."""
+    target, draft = DUMMY_SHAPES["llama-3.1-8b"], DUMMY_SHAPES["llama-3.2-1b"]
+
+    def memory(**spec):
+        return draft_memory(EngineConfig(
+            model=ModelConfig(source="dummy:llama-3.1-8b", device="cpu", dtype="bfloat16"),
+            cache=CacheConfig(kv_cache_dtype=kv_cache_dtype),
+            spec=SpecConfig(method="draft_model", draft_model="dummy:llama-3.2-1b", **spec)), target)
+
+    kv_itemsize = 1 if kv_cache_dtype == "fp8" else 2
+    plain = memory()
+    assert plain.weight_bytes == draft.num_params * 2
+    assert plain.kv_bytes_per_block == 2 * draft.num_layers * 16 * draft.num_kv_heads * draft.head_dim * kv_itemsize
+    assert memory(draft_vocab_size=32768) == plain
+    listed = memory(draft_vocab_size=32768, draft_vocab_file="freq_32768.pt")
+    assert listed.weight_bytes == plain.weight_bytes + 32768 * draft.hidden_size * 2

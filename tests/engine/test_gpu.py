@@ -7,6 +7,8 @@ and prefix hits. Run on a GPU machine: `pytest -m gpu tests/engine/test_gpu.py`.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -146,14 +148,18 @@ def test_bf16_attention_step_matches_the_reference_with_and_without_context(monk
     assert calls == [want]
 
 
-@pytest.mark.parametrize("method, adaptive, kv_cache_dtype", [
-    ("self_draft", False, "auto"), ("draft_model", False, "auto"), ("ngram", False, "auto"),
-    ("draft_model", True, "auto"), ("draft_model", False, "fp8")])
-def test_speculation_under_cuda_graphs_keeps_greedy_output(tmp_path, method, adaptive, kv_cache_dtype):
+@pytest.mark.parametrize("method, adaptive, kv_cache_dtype, draft_vocab_size", [
+    ("self_draft", False, "auto", None), ("draft_model", False, "auto", None), ("ngram", False, "auto", None),
+    ("draft_model", True, "auto", None), ("draft_model", False, "fp8", None), ("draft_model", False, "auto", 300),
+    ("self_draft", False, "auto", "odd")])
+def test_speculation_under_cuda_graphs_keeps_greedy_output(tmp_path, method, adaptive, kv_cache_dtype,
+                                                           draft_vocab_size):
     """Verification and draft steps replay their graphs (K + 1 tokens per sequence),
     proposals stay on the device, and greedy output is what plain decoding gives, with
-    graphs and without; with adaptive K too (its steps at K = 0 overlap), and over FP8
-    caches (the target's and the draft's)."""
+    graphs and without; with adaptive K too (its steps at K = 0 overlap), over FP8
+    caches (the target's and the draft's), and with the draft's head trimmed to the first
+    300 of 512 token ids or to the odd ones (a ranking file; its graphs capture logits of
+    that width)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from pdserve.decode_node.spec import speculative_engine
@@ -168,10 +174,16 @@ def test_speculation_under_cuda_graphs_keeps_greedy_output(tmp_path, method, ada
     # Repetitive prompts, so that the n-gram drafter and the early exit get some accepted.
     prompts = [(torch.randint(0, 500, (n,), generator=gen).tolist() * 3)[:3 * n] for n in (7, 40, 130, 300)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    vocab_file = None
+    if draft_vocab_size == "odd":
+        vocab_file, draft_vocab_size = tmp_path / "ranking.json", None
+        vocab_file.write_text(json.dumps(list(range(1, 512, 2))))
     outputs = {}
     for eager in (True, False):
         for spec in (SpecConfig(), SpecConfig(method=method, num_speculative_tokens=3, num_draft_layers=2,
-                                              draft_model=str(tmp_path), adaptive=adaptive)):
+                                              draft_model=str(tmp_path), adaptive=adaptive,
+                                              draft_vocab_size=draft_vocab_size,
+                                              draft_vocab_file=str(vocab_file) if vocab_file else None)):
             engine = speculative_engine(EngineConfig(
                 model=ModelConfig(source=str(tmp_path), device="cuda", dtype="float32", enforce_eager=eager),
                 cache=CacheConfig(num_blocks=512, kv_cache_dtype=kv_cache_dtype),
@@ -189,6 +201,9 @@ def test_speculation_under_cuda_graphs_keeps_greedy_output(tmp_path, method, ada
                         # Draft decodes, and the catch-ups behind each verification (K + 1 = 4).
                         assert drafter.graphs.num_replays.get(1, 0) > 0 and drafter.graphs.num_replays.get(4, 0) > 0
                         assert engine.speculator.drafter.num_caught_up > 0
+                        if draft_vocab_size is not None or vocab_file is not None:
+                            rows = engine.speculator.drafter.runner.model.lm_head.weight.shape[0]
+                            assert rows == (draft_vocab_size or 256)
             assert engine.block_manager.num_free_blocks == 512
     want = outputs[True, "none"]
     assert outputs[False, "none"] == want
