@@ -296,7 +296,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"date": str(datetime.date.today()), "machine": machine, "device": str(engine.device),
                        "model": engine.model_name, "draft": draft, "k": args.k,
-                       "draft_vocab_size": args.draft_vocab_size,
+                       "draft_vocab_size": args.draft_vocab_size, "draft_vocab_file": args.draft_vocab_file,
                        "costs": [asdict(c) for c in costs], "runs": [asdict(r) for r in runs]}, f, indent=1)
 
 

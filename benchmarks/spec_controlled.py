@@ -245,6 +245,6 @@ def main_controlled(args: argparse.Namespace) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": str(datetime.date.today()), "model": engine.model_name, "draft": args.draft,
-                       "draft_vocab_size": args.draft_vocab_size,
+                       "draft_vocab_size": args.draft_vocab_size, "draft_vocab_file": args.draft_vocab_file,
                        "runs": [asdict(r) for r in runs]}, f, indent=1)
 

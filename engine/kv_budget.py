@@ -35,7 +35,8 @@ def draft_memory(config: EngineConfig, target: ModelArch) -> DraftMemory:
         assert spec.draft_model is not None
         arch = resolve_model(dataclasses.replace(config.model, source=spec.draft_model)).arch
         weight_bytes, num_layers = arch.num_params * dtype.itemsize, arch.num_layers
-    if spec.draft_vocab_file is not None:  # a head of the listed rows, copied (the first N are a view)
+    # A head of listed rows is a copy (of at most the vocabulary's rows when the file sets N); the first N are a view.
+    if spec.draft_vocab_file is not None:
         weight_bytes += (spec.draft_vocab_size or arch.vocab_size) * arch.hidden_size * dtype.itemsize
     kv = 2 * num_layers * config.cache.block_size * arch.num_kv_heads * arch.head_dim * itemsize
     return DraftMemory(weight_bytes, kv)

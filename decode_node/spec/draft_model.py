@@ -78,8 +78,7 @@ class ModelDrafter:
         # The target's vocabulary: the width of draft distributions (a trimmed head's are zero
         # elsewhere), and the ids of a trimmed head's columns when they are not its first ones.
         self.vocab_size = target.arch.vocab_size
-        self._head_ids = (None if head_ids is None or int(head_ids[-1]) == len(head_ids) - 1
-                          else head_ids.to(target.device))
+        self._head_ids = None if head_ids is None or _first_ids(head_ids) else head_ids.to(target.device)
         self.pool = KVPool(layout, num_blocks, target.device)
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         # The target's sampler: the same filtering (temperature, top-k/p) and the request's own seeded draws.
@@ -352,15 +351,18 @@ def self_draft_model(target: LlamaForCausalLM, num_layers: int) -> LlamaForCausa
     if not 1 <= num_layers <= target.arch.num_layers:
         raise ValueError(f"self-draft layers must be in [1, {target.arch.num_layers}] (the target's), "
                          f"got {num_layers}")
+    return _sharing(target, nn.ModuleList(list(target.layers)[:num_layers]), target.lm_head)
+
+
+def _sharing(model: LlamaForCausalLM, layers: nn.ModuleList, lm_head: nn.Module) -> LlamaForCausalLM:
+    """A model of `layers` and `lm_head` around `model`'s embedding, final norm and rotary
+    tables: no weights of its own, `model` left as it is."""
     with torch.device("meta"):
-        draft = LlamaForCausalLM(replace(target.arch, num_layers=0), 1, torch.device("meta"))
-    draft.arch = replace(target.arch, num_layers=num_layers)
-    draft.embed_tokens = target.embed_tokens
-    draft.layers = nn.ModuleList(list(target.layers)[:num_layers])
-    draft.norm = target.norm
-    draft.lm_head = target.lm_head
-    draft.rotary = target.rotary
-    return draft.eval()
+        shell = LlamaForCausalLM(replace(model.arch, num_layers=0), 1, torch.device("meta"))
+    shell.arch = replace(model.arch, num_layers=len(layers))
+    shell.embed_tokens, shell.layers, shell.norm, shell.rotary = model.embed_tokens, layers, model.norm, model.rotary
+    shell.lm_head = lm_head
+    return shell.eval()
 
 
 def draft_head_ids(config: SpecConfig, vocab_size: int) -> torch.Tensor | None:
@@ -410,17 +412,16 @@ def trim_head(model: LlamaForCausalLM, ids: torch.Tensor) -> LlamaForCausalLM:
     first N, the head is a view of those rows of the model's; else a copy of its rows."""
     weight = model.lm_head.weight.detach()
     n = len(ids)
-    prefix = int(ids[-1]) == n - 1
-    rows = weight[:n] if prefix else weight.index_select(0, ids.to(weight.device))
+    rows = weight[:n] if _first_ids(ids) else weight.index_select(0, ids.to(weight.device))
     with torch.device("meta"):
-        trimmed = LlamaForCausalLM(replace(model.arch, num_layers=0), 1, torch.device("meta"))
         head = Linear(model.arch.hidden_size, n, bias=False)
     head.weight = nn.Parameter(rows, requires_grad=False)
-    trimmed.arch = model.arch
-    trimmed.embed_tokens, trimmed.layers, trimmed.norm = model.embed_tokens, model.layers, model.norm
-    trimmed.rotary, trimmed.tp = model.rotary, model.tp
-    trimmed.lm_head = head
-    return trimmed.eval()
+    return _sharing(model, model.layers, head)
+
+
+def _first_ids(ids: torch.Tensor) -> bool:
+    """Whether sorted, distinct `ids` are 0..N-1 (a head's columns are then token ids)."""
+    return int(ids[-1]) == len(ids) - 1
 
 
 def load_draft_model(source: str, target: Engine) -> LlamaForCausalLM:
