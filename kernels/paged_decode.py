@@ -301,14 +301,18 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 16, got {head_dim}"
 
 
-def _default_block_n(q: torch.Tensor, k_cache: torch.Tensor) -> int:
-    """Tokens per K/V tile: fp32 tiles are twice the bytes, halved to stay inside shared
-    memory; FP8 tiles half, doubled (H200, 256 x 1.5k: 0.316 ms at 128 against 0.339 at 64)."""
+def _default_tiling(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
+    """(tokens per K/V tile, tiles a program keeps in flight). fp32 tiles are twice the bytes,
+    halved to stay inside shared memory; FP8 tiles half, doubled (H200, 256 x 1.5k: 0.316 ms
+    at 128 against 0.339 at 64). Two 16-bit tiles in flight, not three: less shared memory a
+    program, more programs a multiprocessor (H200, 8B decode step graphs: 64 x 4k 15.2 ->
+    12.7 ms, 256 x 1.5k 19.9 -> 18.7; benchmarks/RESULTS.md, "Two K/V tiles in flight");
+    FP8 keeps three (two measured 0.2-1.6% slower), and so does fp32 (not measured)."""
     if not q.is_cuda:
-        return 16
+        return 16, 3
     if k_cache.element_size() == 1:
-        return 128
-    return 64 if q.element_size() <= 2 else 32
+        return 128, 3
+    return (64, 2) if q.element_size() <= 2 else (32, 3)
 
 
 def _workspace_args(workspace: torch.Tensor | None, out: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -341,7 +345,7 @@ def paged_decode(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     read_ahead: bool = False,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged K/V.
@@ -363,7 +367,7 @@ def paged_decode(
         num_splits: split count when no workspace is given; default `decode_num_splits`
             over the context block_tables can hold.
         block_n, num_warps, num_stages: tuning (tokens per K/V tile: default 64, 32 for fp32,
-            16 on CPU).
+            16 on CPU; see `_default_tiling`).
         read_ahead: the lengths, block tables and the KV before each sequence's new tokens
             were final before the kernel preceding this one started (the engine's step):
             read them, and the first K/V tile, before waiting for it (`kernels._pdl`).
@@ -389,7 +393,8 @@ def paged_decode(
         workspace = decode_workspace(batch, num_q_heads, head_dim, num_splits, q.device)
     if batch == 0:
         return out
-    block_n = block_n or _default_block_n(q, k_cache)
+    default_block_n, default_stages = _default_tiling(q, k_cache)
+    block_n, num_stages = block_n or default_block_n, num_stages or default_stages
     queries_per_kv = num_q_heads // num_kv_heads
     ws, ws_strides = _workspace_args(workspace, out)
     pdl = _pdl.pdl(q)
@@ -431,7 +436,7 @@ def paged_verify(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     read_ahead: bool = False,
 ) -> torch.Tensor:
     """Causal attention of a few new query tokens per sequence over its paged K/V: what a
@@ -478,7 +483,8 @@ def paged_verify(
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, q.device)
     workspace = decode_workspace(num_tokens, num_q_heads, head_dim, num_splits, q.device) if num_splits > 1 else None
-    block_n = block_n or _default_block_n(q, k_cache)
+    default_block_n, default_stages = _default_tiling(q, k_cache)
+    block_n, num_stages = block_n or default_block_n, num_stages or default_stages
     ws, ws_strides = _workspace_args(workspace, out)
     pdl = _pdl.pdl(q)
     _verify_split_kernel[(batch, num_kv_heads, num_splits)](
