@@ -251,7 +251,7 @@ def main() -> None:
     ap.add_argument("--chain", action=argparse.BooleanOptionalAction, default=True,
                     help="dummy target weights with a stable greedy chain (--controlled; see make_greedy_chain)")
     ap.add_argument("--profile", type=int, nargs="*", default=[],
-                    help="batch sizes whose first controlled runs are profiled on the host (cProfile)")
+                    help="batch sizes whose cases at the first α run once more under cProfile (untimed)")
     args = ap.parse_args()
     if args.controlled:  # its own module (imports this one's pass costs, hence here)
         from benchmarks.spec_controlled import main_controlled

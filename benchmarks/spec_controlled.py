@@ -145,6 +145,28 @@ def make_greedy_chain(model: torch.nn.Module, seed: int = 0, layer_scale: float 
         model.lm_head.weight.copy_(embed[perm])
 
 
+def _speculator(engine: Engine, drafter: ControlledDrafter, k: int, alpha: float, adaptive: bool,
+                cost_ratio: float) -> SpecDecoder:
+    """A fresh speculator for one case (the drafter's acceptance and random draws reset)."""
+    drafter.alpha, drafter.rng = alpha, random.Random(2)
+    ada = AdaptiveK(k, _costs(engine, drafter, cost_ratio)) if adaptive else None
+    return SpecDecoder(drafter, engine.sampler, k, ada)
+
+
+def _host_profile(engine: Engine, spec: SpecDecoder, prompts: list[list[int]], max_tokens: int, ids: list[str],
+                  label: str) -> None:
+    """One more run of a case under cProfile, apart from the timed one: the profiler slows the
+    host several-fold, which a host-bound step shows as a lower speedup."""
+    engine.set_speculator(spec)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _batch_rate(engine, prompts, max_tokens, ids)
+    profiler.disable()
+    engine.set_speculator(None)
+    print(f"host profile, {label} (cProfile, cumulative, pdserve's own; an untimed run):")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats("pdserve", 40)
+
+
 def controlled(engine: Engine, args: argparse.Namespace) -> list[ControlledRun]:
     k, vocab = args.k, engine.arch.vocab_size
     if args.chain:
@@ -186,20 +208,14 @@ def controlled(engine: Engine, args: argparse.Namespace) -> list[ControlledRun]:
             drafter.oracle = oracle = outputs
         cases = [(a, False) for a in args.alphas] + [(a, True) for a in args.alphas]
         for alpha, adaptive in cases:
-            drafter.alpha, drafter.rng = alpha, random.Random(2)
-            ada = AdaptiveK(k, _costs(engine, drafter, c + (v - 1) / k)) if adaptive else None
-            spec = SpecDecoder(drafter, engine.sampler, k, ada)
+            cost, mode = c + (v - 1) / k, "adaptive" if adaptive else f"K={k}"
+            if batch in args.profile and alpha == args.alphas[0]:
+                _host_profile(engine, _speculator(engine, drafter, k, alpha, adaptive, cost), prompts,
+                              args.max_tokens, ids, f"batch {batch}, {mode}")
+            spec = _speculator(engine, drafter, k, alpha, adaptive, cost)
             engine.set_speculator(spec)
             counters = _counters(engine, drafter)
-            profiler = cProfile.Profile() if batch in args.profile and alpha == args.alphas[0] else None
-            if profiler is not None:
-                profiler.enable()
             rate, outputs = _batch_rate(engine, prompts, args.max_tokens, ids)
-            if profiler is not None:
-                profiler.disable()
-                mode = "adaptive" if adaptive else f"K={k}"
-                print(f"host profile, batch {batch}, {mode} (cProfile, cumulative, pdserve's own):")
-                pstats.Stats(profiler).sort_stats("cumulative").print_stats("pdserve", 40)
             engine.set_speculator(None)
             print(f"  steps served (target eager, by q; draft eager, by q): {_counters(engine, drafter, counters)}")
             matched = _matched(oracle, outputs)
@@ -207,7 +223,7 @@ def controlled(engine: Engine, args: argparse.Namespace) -> list[ControlledRun]:
             predicted = expected_tokens_per_pass(m.alpha, k) / (v + k * c)
             runs.append(ControlledRun(batch, k, alpha, adaptive, m.alpha, m.mean_tokens_per_pass, v, c, rate, base,
                                       rate / base, predicted, dict(m.num_steps_by_k), matched))
-            print(f"batch {batch}: alpha {alpha} {'adaptive' if adaptive else f'K={k}'}: {rate:.1f} tok/s "
+            print(f"batch {batch}: alpha {alpha} {mode}: {rate:.1f} tok/s "
                   f"({rate / base:.2f}x, predicted {predicted:.2f}x), K chosen {dict(m.num_steps_by_k)}")
         del drafter
     return runs
