@@ -35,6 +35,13 @@ def _hf_fp8_cache(hf_model):
     return RoundedCache(config=hf_model.config)
 
 
+def _e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable e4m3 values apart a and b are, element by element."""
+    a, b = a.view(torch.uint8).int(), b.view(torch.uint8).int()
+    same_sign = (a & 0x80) == (b & 0x80)
+    return torch.where(same_sign, (a & 0x7F) - (b & 0x7F), (a & 0x7F) + (b & 0x7F)).abs()
+
+
 def test_the_pool_holds_what_hf_computes_with_its_kv_rounded(make_engine, hf_model, tokenizer):
     # Chunked prefill (70 tokens in steps of 32), then decodes; one sequence, no overlap, so
     # that the positions written are exactly the ones computed.
@@ -51,18 +58,26 @@ def test_the_pool_holds_what_hf_computes_with_its_kv_rounded(make_engine, hf_mod
         hf_model(torch.tensor([seq.token_ids[:n]]), past_key_values=cache, use_cache=True)
     bs = engine.pool.layout.block_size
     slots = torch.tensor([seq.block_ids[p // bs] * bs + p % bs for p in range(n)])
-    equal, total = [], 0
+    first_chunk, equal, near, total = [], [], 0, 0
     for layer in range(engine.pool.layout.num_layers):
         for ours, theirs in zip(engine.pool.layer(layer), (cache.layers[layer].keys, cache.layers[layer].values)):
-            got = ours.flatten(0, 1)[slots].float()            # [n, kv_heads, head_dim]
-            want = theirs[0].transpose(0, 1)                    # [n, kv_heads, head_dim]
-            equal.append(int((got == want).sum()))
-            total += got.numel()
+            got = ours.flatten(0, 1)[slots]                                      # [n, kv_heads, head_dim]
+            want = theirs[0].transpose(0, 1).to(torch.float8_e4m3fn)  # exact: HF's values are rounded
+            steps = _e4m3_steps(got, want)
+            first_chunk.append(float((steps[:32] == 0).float().mean()))
+            equal.append(int((steps == 0).sum()))
+            near += int((steps <= 1).sum())
+            total += steps.numel()
     # Layer 0's K/V follow from the embeddings alone: equal but for a boundary case or two.
     assert min(equal[:2]) >= 0.999 * total / len(equal), equal[:2]
-    # Deeper layers see attention over rounded values: still nearly all the same numbers
-    # (measured 98.5%; a float32 pool matches none of them).
-    assert sum(equal) >= 0.95 * total, sum(equal) / total
+    # The first chunk is one forward in both, its attention over its own rounded K/V: the same
+    # numbers in every layer (a float32 pool matches none of them).
+    assert min(first_chunk) >= 0.999, first_chunk
+    # Later chunks and decodes attend over the pool in another order of float32 sums than HF's
+    # one forward does, and a value on a rounding boundary rounds the other way, more often in
+    # deeper layers: 98.5% equal on one CPU, 92% on another (AVX2 only), and there 97% within
+    # one e4m3 step.
+    assert near >= 0.9 * total, near / total
     engine.abort(seq.request_id)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -74,12 +89,19 @@ def test_the_pool_holds_four_times_the_float32_tokens(make_engine):
 
 
 def test_speculation_over_fp8_caches_keeps_greedy_output(make_engine, tokenizer):
-    """The draft's pool is FP8 too; a draft equal to the target proposes what it decodes."""
+    """The draft's pool is FP8 too; a draft equal to the target proposes what it decodes.
+
+    Speculation emits what its verification passes compute, and a pass over K + 1 rows does
+    its float32 arithmetic in another order than a one-row step does: a value on an e4m3
+    rounding boundary may round the other way and a token change (on one CPU it did at token
+    19 of 32, on another it never did). So the outputs agree up to the first token where
+    plain decoding's own choice was a near tie, and there the speculative one took the
+    runner-up."""
     engine = make_engine(max_num_batched_tokens=64, kv_cache_dtype="fp8")
     prompts = [engine.apply_chat_template([{"role": "user", "content": "Name three uses of a paperclip."}]),
                prompt_ids(tokenizer, 90, variant=2)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    want = [o.token_ids for o in engine.generate(prompts, params)]
+    plain = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2))
     engine.set_speculator(build_speculator(engine, SpecConfig(method="draft_model", draft_model="default",
                                                               num_speculative_tokens=4)))
     try:
@@ -88,6 +110,13 @@ def test_speculation_over_fp8_caches_keeps_greedy_output(make_engine, tokenizer)
         metrics = engine.speculator.metrics
     finally:
         engine.set_speculator(None)
-    assert got == want
+    for want, tokens in zip(plain, got):
+        first = next((i for i, (a, b) in enumerate(zip(want.token_ids, tokens)) if a != b), None)
+        if first is None:
+            assert tokens == list(want.token_ids)
+            continue
+        top = want.logprobs[first]
+        assert tokens[first] == top.top_token_ids[1], (first, tokens[first], top)
+        assert top.top_logprobs[0] - top.top_logprobs[1] < 0.05, (first, top)
     assert metrics.num_proposed > 0 and metrics.num_accepted >= 0.9 * metrics.num_proposed
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
