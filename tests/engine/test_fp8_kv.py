@@ -10,6 +10,8 @@ last bits), and the step it then changes grows, as it does between any two fp8 e
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -45,7 +47,8 @@ def _e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def test_the_pool_holds_what_hf_computes_with_its_kv_rounded(make_engine, hf_model, tokenizer):
     # Chunked prefill (70 tokens in steps of 32), then decodes; one sequence, no overlap, so
     # that the positions written are exactly the ones computed.
-    engine = make_engine(num_blocks=64, max_num_batched_tokens=32, enable_prefix_caching=False,
+    chunk = 32
+    engine = make_engine(num_blocks=64, max_num_batched_tokens=chunk, enable_prefix_caching=False,
                          async_scheduling=False, kv_cache_dtype="fp8")
     assert engine.pool.kv.dtype == torch.float8_e4m3fn
     engine.add_request(prompt_ids(tokenizer, 70), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
@@ -64,7 +67,7 @@ def test_the_pool_holds_what_hf_computes_with_its_kv_rounded(make_engine, hf_mod
             got = ours.flatten(0, 1)[slots]                                      # [n, kv_heads, head_dim]
             want = theirs[0].transpose(0, 1).to(torch.float8_e4m3fn)  # exact: HF's values are rounded
             steps = _e4m3_steps(got, want)
-            first_chunk.append(float((steps[:32] == 0).float().mean()))
+            first_chunk.append(float((steps[:chunk] == 0).float().mean()))
             equal.append(int((steps == 0).sum()))
             near += int((steps <= 1).sum())
             total += steps.numel()
@@ -101,7 +104,7 @@ def test_speculation_over_fp8_caches_keeps_greedy_output(make_engine, tokenizer)
     prompts = [engine.apply_chat_template([{"role": "user", "content": "Name three uses of a paperclip."}]),
                prompt_ids(tokenizer, 90, variant=2)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    plain = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2))
+    plain = engine.generate(prompts, dataclasses.replace(params, logprobs=2))
     engine.set_speculator(build_speculator(engine, SpecConfig(method="draft_model", draft_model="default",
                                                               num_speculative_tokens=4)))
     try:
