@@ -7,8 +7,9 @@ pool and attends.
 As in vLLM, each layer's residual add is fused into the next norm: a layer takes and
 returns (x, residual), x being the output of its last block not yet added. On CUDA the
 norms (with that add), the rotary embedding with the KV cache write, and SwiGLU's
-activation are one Triton kernel each, working in place where they can, and a one-row
-linear layer (a batch-1 decode step) is `kernels.gemv`; on the CPU they keep
+activation are one Triton kernel each, working in place where they can, a one-row
+linear layer (a batch-1 decode step) is `kernels.gemv` and one of 2-8 rows
+`kernels.skinny_gemm` (Gluon, on the tensor cores); on the CPU they keep
 transformers' torch arithmetic, which the HF parity tests compare greedy tokens against.
 
 Under tensor parallelism (`engine.parallel`) each rank builds the layers of its shard:
@@ -32,6 +33,7 @@ from pdserve.engine.parallel import Collectives, ShardPlan, TensorParallel
 from pdserve.kernels.activation import silu_and_mul
 from pdserve.kernels.gemv import gemv
 from pdserve.kernels.rms_norm import rms_norm
+from pdserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_supported
 
 
 class AttentionStep(Protocol):
@@ -71,12 +73,16 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose one-row products on CUDA (a batch-1 decode step) run `kernels.gemv`,
-    which reads the weights faster than cuBLAS does at that shape."""
+    """nn.Linear whose few-row products on CUDA read the weights faster than cuBLAS does at
+    those shapes: one row (a batch-1 decode step) runs `kernels.gemv`, 2-8 rows (a batch-1
+    verification, a draft's catch-up, a small batch's decode step) `kernels.skinny_gemm`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.shape[0] == 1:
-            return gemv(x, self.weight, self.bias, read_ahead=True)  # a model's weights are final
+        if x.is_cuda:  # a model's weights are final: both read ahead
+            if x.shape[0] == 1:
+                return gemv(x, self.weight, self.bias, read_ahead=True)
+            if skinny_gemm_supported(x, self.weight):
+                return skinny_gemm(x, self.weight, self.bias, read_ahead=True)
         return super().forward(x)
 
 
