@@ -10,6 +10,7 @@ beats the pick belongs in `_TUNED`. The limit is the copy bandwidth, ~4.3 TB/s.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import triton
@@ -22,18 +23,15 @@ CONFIGS = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
 COLD_BYTES = 400e6  # weights cycled per replay: well over the 50 MB L2, as a model's layers are
 
 
-def time_us(n: int, k: int, block_n: int, block_k: int, num_warps: int) -> float:
-    """Microseconds per call of one configuration, each call on a different (cold) weight."""
+def cold_us(n: int, k: int, call: Callable[[torch.Tensor], None]) -> float:
+    """Microseconds per `call(weight)`, each call on a different (cold) [n, k] bf16 weight:
+    the calls captured in one CUDA graph, the median of 7 replays."""
     copies = max(2, int(COLD_BYTES // (n * k * 2)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
-    even = n % block_n == 0 and k % block_k == 0
 
     def calls() -> None:
         for w in weights:
-            _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, y, y, n, w.stride(0), k, HAS_BIAS=False, EVEN=even,
-                                                     BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+            call(w)
 
     calls()
     torch.cuda.synchronize()
@@ -50,6 +48,16 @@ def time_us(n: int, k: int, block_n: int, block_k: int, num_warps: int) -> float
         end.synchronize()
         times.append(begin.elapsed_time(end) * 1e3 / copies)
     return sorted(times)[3]
+
+
+def time_us(n: int, k: int, block_n: int, block_k: int, num_warps: int) -> float:
+    """Microseconds per call of one configuration."""
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    even = n % block_n == 0 and k % block_k == 0
+    return cold_us(n, k, lambda w: _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, w, y, y, n, w.stride(0), k, HAS_BIAS=False, EVEN=even, BLOCK_N=block_n, BLOCK_K=block_k,
+        PDL=False, READ_AHEAD=False, num_warps=num_warps))
 
 
 def main() -> None:
