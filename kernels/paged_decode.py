@@ -259,16 +259,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
-    """Split count the launcher picks when given none (host-only arithmetic, no sync).
-
-    One split when the batch alone gives two programs per multiprocessor. Otherwise about
-    four programs per multiprocessor, or two when that still leaves splits longer than
-    _LONG_SPLIT_TOKENS; never splits shorter than _MIN_TOKENS_PER_SPLIT tokens. Fitted to
-    the H200 sweeps in benchmarks/RESULTS.md.
-    """
+    """Split count the launcher picks when given none (host-only arithmetic, no sync): one
+    when the batch alone gives a program per multiprocessor; else about four programs per
+    multiprocessor, or two where that leaves splits longer than _LONG_SPLIT_TOKENS; never
+    splits shorter than _MIN_TOKENS_PER_SPLIT. Fitted to the H200 (benchmarks/RESULTS.md)."""
     num_sms = _num_sms(device)
     programs = batch * num_kv_heads
-    if programs >= 2 * num_sms:
+    if programs >= num_sms:
         return 1
     want = triton.cdiv(4 * num_sms, programs)
     if max_context_len // want > _LONG_SPLIT_TOKENS:
@@ -301,18 +298,20 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 16, got {head_dim}"
 
 
-def _default_tiling(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
-    """(tokens per K/V tile, tiles a program keeps in flight). fp32 tiles are twice the bytes,
-    halved to stay inside shared memory; FP8 tiles half, doubled (H200, 256 x 1.5k: 0.316 ms
-    at 128 against 0.339 at 64). Two 16-bit tiles in flight, not three: less shared memory a
-    program, more programs a multiprocessor (H200, 8B decode step graphs: 64 x 4k 15.2 ->
-    12.7 ms, 256 x 1.5k 19.9 -> 18.7; benchmarks/RESULTS.md, "Two K/V tiles in flight");
-    FP8 keeps three (two measured 0.2-1.6% slower), and so does fp32 (not measured)."""
+def _default_tiling(q: torch.Tensor, k_cache: torch.Tensor, programs: int) -> tuple[int, int]:
+    """(tokens per K/V tile, tiles a program keeps in flight) for a launch of `programs`
+    programs, fitted on the H200 (benchmarks/RESULTS.md, "Two K/V tiles in flight", "Mid
+    batches: one split of 128-key tiles"). fp32 tiles are twice the bytes, halved; FP8 ones
+    half, doubled. 16-bit: two 64-key tiles in flight (more programs a multiprocessor: 8B
+    step 64 x 4k 15.2 -> 12.7 ms), or three of 128 keys where the launch is one or two
+    programs a multiprocessor (8B verification 32 x 4k 11.1 -> 10.1 ms)."""
     if not q.is_cuda:
         return 16, 3
     if k_cache.element_size() == 1:
         return 128, 3
-    return (64, 2) if q.element_size() <= 2 else (32, 3)
+    if q.element_size() > 2:
+        return 32, 3
+    return (128, 3) if programs < 2 * _num_sms(q.device) else (64, 2)
 
 
 def _workspace_args(workspace: torch.Tensor | None, out: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -366,8 +365,9 @@ def paged_decode(
             to make the launch allocation-free and CUDA-graph-safe.
         num_splits: split count when no workspace is given; default `decode_num_splits`
             over the context block_tables can hold.
-        block_n, num_warps, num_stages: tuning (tokens per K/V tile: default 64, 32 for fp32,
-            16 on CPU; see `_default_tiling`).
+        block_n, num_warps, num_stages: tuning (tokens per K/V tile: default 64, or 128
+            where the launch is one or two programs a multiprocessor, 128 for FP8, 32 for
+            fp32, 16 on CPU; see `_default_tiling`).
         read_ahead: the lengths, block tables and the KV before each sequence's new tokens
             were final before the kernel preceding this one started (the engine's step):
             read them, and the first K/V tile, before waiting for it (`kernels._pdl`).
@@ -393,7 +393,7 @@ def paged_decode(
         workspace = decode_workspace(batch, num_q_heads, head_dim, num_splits, q.device)
     if batch == 0:
         return out
-    default_block_n, default_stages = _default_tiling(q, k_cache)
+    default_block_n, default_stages = _default_tiling(q, k_cache, batch * num_kv_heads * num_splits)
     block_n, num_stages = block_n or default_block_n, num_stages or default_stages
     queries_per_kv = num_q_heads // num_kv_heads
     ws, ws_strides = _workspace_args(workspace, out)
@@ -483,7 +483,7 @@ def paged_verify(
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, q.device)
     workspace = decode_workspace(num_tokens, num_q_heads, head_dim, num_splits, q.device) if num_splits > 1 else None
-    default_block_n, default_stages = _default_tiling(q, k_cache)
+    default_block_n, default_stages = _default_tiling(q, k_cache, batch * num_kv_heads * num_splits)
     block_n, num_stages = block_n or default_block_n, num_stages or default_stages
     ws, ws_strides = _workspace_args(workspace, out)
     pdl = _pdl.pdl(q)

@@ -117,6 +117,16 @@ def test_decode_gpu_tunings(num_splits, block_n, num_warps, num_stages):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_gpu_mid_batch_defaults(dtype):
+    """24 sequences x 8 KV heads: a program or two a multiprocessor, so the launcher's
+    defaults are one split of 128-key tiles (`_default_tiling`); ragged lengths."""
+    lens = [1 + (i * 397) % 3000 for i in range(24)]
+    assert decode_num_splits(len(lens), 8, 4096, torch.device(DEVICE)) == 1
+    _check_decode(lens, 32, 8, 128, 16, dtype)
+
+
+@pytest.mark.gpu
 def test_decode_cuda_graph_replay():
     """Given out and workspace, a launch allocates nothing and never syncs: capture it once,
     then replay on new queries and lengths."""

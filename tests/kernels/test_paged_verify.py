@@ -102,6 +102,12 @@ def test_verify_gpu_fp8_cache(chunks, dtype):
 
 
 @pytest.mark.gpu
+def test_verify_gpu_mid_batch_defaults():
+    """24 sequences x 8 KV heads, 1-5 new tokens each: one split of 128-key tiles by default."""
+    _check_verify([(1 + i % 5, (i * 397) % 3000) for i in range(24)], 32, 8, 128, 16, torch.bfloat16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 7, 64])
 @pytest.mark.parametrize("block_n,num_warps,num_stages", [(32, 4, 2), (64, 4, 3)])
 def test_verify_gpu_tunings(num_splits, block_n, num_warps, num_stages):
