@@ -293,7 +293,7 @@ def decode(batch: int, context: int, sweep: bool) -> list[Row]:
     ref = sdpa(*sets[0][:3]).reshape_as(out)
     ms = _bench_graph([lambda s=s: sdpa(*s[:3]) for s in sets])
     rows = [Row("decode", case, "sdpa contiguous", ms, nbytes / ms / 1e9)]
-    default_splits = decode_num_splits(batch, NUM_KV_HEADS, context, out.device)
+    default_splits = decode_num_splits(batch, NUM_KV_HEADS, HEAD_DIM, context, out.device)
     configs = [(None, 64, 4, 3)]
     if sweep and (batch, context) in DECODE_SWEEP_CASES:
         splits = sorted({max(1, default_splits // 2), default_splits, default_splits * 2})

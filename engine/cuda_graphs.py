@@ -68,14 +68,15 @@ class StepGraphs:
         # A bucket of q tokens per sequence needs bucket * q input rows.
         self.buckets = {q: [b for b in buckets if b * q <= inputs.max_tokens
                             and (q == 1 or b <= (max_multi_batch or max_batch))] for q in self.tokens_per_seq}
-        block_size, kv_heads = pool.layout.block_size, pool.layout.num_kv_heads
+        block_size, kv_heads, head_dim = pool.layout.block_size, pool.layout.num_kv_heads, pool.layout.head_dim
         widths = sorted({-(-t // block_size) for t in TIER_TOKENS if t < inputs.max_blocks * block_size}
                         | {inputs.max_blocks})
         # Per bucket, the tiers (block-table widths) whose attention splits differ: the
         # widest width of each split count.
         self.tiers: dict[int, list[int]] = {}
         for bucket in buckets:
-            by_splits = {decode_num_splits(bucket, kv_heads, w * block_size, pool.kv.device): w for w in widths}
+            by_splits = {decode_num_splits(bucket, kv_heads, head_dim, w * block_size, pool.kv.device): w
+                         for w in widths}
             self.tiers[bucket] = sorted(by_splits.values())
         self._graphs: dict[GraphKey, _Graph] = {}
         self.replay_ms: dict[tuple[int, int], float] = {}  # (bucket, q) -> a replay's GPU time, widest tier

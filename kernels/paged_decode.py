@@ -25,6 +25,7 @@ _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 128
 # Past this many tokens per split, fewer and longer splits did better (8 x 32k on the H200).
 _LONG_SPLIT_TOKENS = 2048
+_MID_BATCH_HEAD_DIM = 128  # one split of 128-key tiles at mid batches: measured at this head dim
 
 
 @triton.jit
@@ -133,8 +134,7 @@ def _write_rows(out_rows, ws_rows, m_i, l_i, acc, mask, HEAD_DIM: tl.constexpr, 
         tl.store(ws_rows + HEAD_DIM + 1, l_i, mask=mask)
 
 
-# stride_bt (blocks per row of this batch's table) changes from step to step in eager
-# mode: not specialized on, so that it never triggers a compile while serving.
+# stride_bt (a table row's blocks) changes between eager steps: unspecialized, no compiles.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr,              # [batch, num_q_heads, head_dim]
@@ -258,14 +258,15 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
-    """Split count the launcher picks when given none (host-only arithmetic, no sync): one
-    when the batch alone gives a program per multiprocessor; else about four programs per
-    multiprocessor, or two where that leaves splits longer than _LONG_SPLIT_TOKENS; never
+def decode_num_splits(batch: int, num_kv_heads: int, head_dim: int, max_context_len: int,
+                      device: torch.device) -> int:
+    """Split count the launchers pick when given none (host arithmetic, no sync): one when the
+    batch alone gives a program per multiprocessor (two below head dim 128); else about four
+    programs per multiprocessor, or two where splits would pass _LONG_SPLIT_TOKENS; never
     splits shorter than _MIN_TOKENS_PER_SPLIT. Fitted to the H200 (benchmarks/RESULTS.md)."""
     num_sms = _num_sms(device)
     programs = batch * num_kv_heads
-    if programs >= num_sms:
+    if programs >= (num_sms if head_dim >= _MID_BATCH_HEAD_DIM else 2 * num_sms):
         return 1
     want = triton.cdiv(4 * num_sms, programs)
     if max_context_len // want > _LONG_SPLIT_TOKENS:
@@ -273,9 +274,8 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, devic
     return max(1, min(want, max_context_len // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS))
 
 
-def decode_workspace(
-    batch: int, num_q_heads: int, head_dim: int, num_splits: int, device: torch.device | str
-) -> torch.Tensor:
+def decode_workspace(batch: int, num_q_heads: int, head_dim: int, num_splits: int,
+                     device: torch.device | str) -> torch.Tensor:
     """Preallocated split-K workspace for `paged_decode` (allocate once, outside CUDA graphs).
 
     Returns float32 [batch, num_q_heads, num_splits, head_dim + 2]; its shape[2] sets the
@@ -301,17 +301,18 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def _default_tiling(q: torch.Tensor, k_cache: torch.Tensor, programs: int) -> tuple[int, int]:
     """(tokens per K/V tile, tiles a program keeps in flight) for a launch of `programs`
     programs, fitted on the H200 (benchmarks/RESULTS.md, "Two K/V tiles in flight", "Mid
-    batches: one split of 128-key tiles"). fp32 tiles are twice the bytes, halved; FP8 ones
-    half, doubled. 16-bit: two 64-key tiles in flight (more programs a multiprocessor: 8B
-    step 64 x 4k 15.2 -> 12.7 ms), or three of 128 keys where the launch is one or two
-    programs a multiprocessor (8B verification 32 x 4k 11.1 -> 10.1 ms)."""
+    batches"). fp32 tiles are twice the bytes, halved; FP8 ones half, doubled. 16-bit: two
+    64-key tiles in flight (8B step 64 x 4k 15.2 -> 12.7 ms), or at head dim 128 three of
+    128 keys where the launch is one or two programs a multiprocessor (8B verification 32 x
+    4k 11.1 -> 10.1 ms)."""
     if not q.is_cuda:
         return 16, 3
     if k_cache.element_size() == 1:
         return 128, 3
     if q.element_size() > 2:
         return 32, 3
-    return (128, 3) if programs < 2 * _num_sms(q.device) else (64, 2)
+    mid_batch = programs < 2 * _num_sms(q.device) and q.shape[-1] >= _MID_BATCH_HEAD_DIM
+    return (128, 3) if mid_batch else (64, 2)
 
 
 def _workspace_args(workspace: torch.Tensor | None, out: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -365,9 +366,8 @@ def paged_decode(
             to make the launch allocation-free and CUDA-graph-safe.
         num_splits: split count when no workspace is given; default `decode_num_splits`
             over the context block_tables can hold.
-        block_n, num_warps, num_stages: tuning (tokens per K/V tile: default 64, or 128
-            where the launch is one or two programs a multiprocessor, 128 for FP8, 32 for
-            fp32, 16 on CPU; see `_default_tiling`).
+        block_n, num_warps, num_stages: tuning (tokens per K/V tile, warps, tiles in
+            flight; the defaults: `_default_tiling`).
         read_ahead: the lengths, block tables and the KV before each sequence's new tokens
             were final before the kernel preceding this one started (the engine's step):
             read them, and the first K/V tile, before waiting for it (`kernels._pdl`).
@@ -388,7 +388,7 @@ def paged_decode(
         assert workspace.dtype == torch.float32 and workspace.stride(-1) == 1
         assert workspace.shape[0] >= batch and workspace.shape[1:] == (num_q_heads, num_splits, head_dim + 2)
     elif num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, q.device)
+        num_splits = decode_num_splits(batch, num_kv_heads, head_dim, block_tables.shape[1] * page_size, q.device)
     if num_splits > 1 and workspace is None:
         workspace = decode_workspace(batch, num_q_heads, head_dim, num_splits, q.device)
     if batch == 0:
@@ -481,7 +481,7 @@ def paged_verify(
     if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
         return out
     if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, q.device)
+        num_splits = decode_num_splits(batch, num_kv_heads, head_dim, block_tables.shape[1] * page_size, q.device)
     workspace = decode_workspace(num_tokens, num_q_heads, head_dim, num_splits, q.device) if num_splits > 1 else None
     default_block_n, default_stages = _default_tiling(q, k_cache, batch * num_kv_heads * num_splits)
     block_n, num_stages = block_n or default_block_n, num_stages or default_stages

@@ -83,10 +83,10 @@ def test_decode_padded_rows_give_zeros(num_splits):
 
 def test_decode_num_splits_bounds():
     cpu = torch.device("cpu")
-    assert decode_num_splits(1, 8, 100, cpu) == 1          # too short to split
-    assert decode_num_splits(256, 8, 32768, cpu) == 1      # batch fills the GPU alone
+    assert decode_num_splits(1, 8, 128, 100, cpu) == 1          # too short to split
+    assert decode_num_splits(256, 8, 128, 32768, cpu) == 1      # batch fills the GPU alone
     if torch.cuda.is_available():
-        assert decode_num_splits(1, 8, 32768, torch.device("cuda")) > 8
+        assert decode_num_splits(1, 8, 128, 32768, torch.device("cuda")) > 8
 
 
 @pytest.mark.gpu
@@ -122,7 +122,7 @@ def test_decode_gpu_mid_batch_defaults(dtype):
     """24 sequences x 8 KV heads: a program or two a multiprocessor, so the launcher's
     defaults are one split of 128-key tiles (`_default_tiling`); ragged lengths."""
     lens = [1 + (i * 397) % 3000 for i in range(24)]
-    assert decode_num_splits(len(lens), 8, 4096, torch.device(DEVICE)) == 1
+    assert decode_num_splits(len(lens), 8, 128, 4096, torch.device(DEVICE)) == 1
     _check_decode(lens, 32, 8, 128, 16, dtype)
 
 
