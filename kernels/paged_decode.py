@@ -20,8 +20,7 @@ import triton.language as tl
 from pdserve.kernels import _pdl, fp8
 
 LOG2E = 1.4426950408889634
-# A split shorter than this many tokens costs more in launch and merge than it gains.
-_MIN_TOKENS_PER_SPLIT = 128
+_MIN_TOKENS_PER_SPLIT = 128  # a shorter split costs more in launch and merge than it gains
 _MAX_SPLITS = 128
 # Past this many tokens per split, fewer and longer splits did better (8 x 32k on the H200).
 _LONG_SPLIT_TOKENS = 2048
@@ -298,20 +297,21 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 16, got {head_dim}"
 
 
-def _default_tiling(q: torch.Tensor, k_cache: torch.Tensor, programs: int) -> tuple[int, int]:
-    """(tokens per K/V tile, tiles a program keeps in flight) for a launch of `programs`
-    programs, fitted on the H200 (benchmarks/RESULTS.md, "Two K/V tiles in flight", "Mid
-    batches"). fp32 tiles are twice the bytes, halved; FP8 ones half, doubled. 16-bit: two
-    64-key tiles in flight (8B step 64 x 4k 15.2 -> 12.7 ms), or at head dim 128 three of
-    128 keys where the launch is one or two programs a multiprocessor (8B verification 32 x
-    4k 11.1 -> 10.1 ms)."""
+def _default_tiling(q: torch.Tensor, k_cache: torch.Tensor, programs: int, num_splits: int) -> tuple[int, int]:
+    """(tokens per K/V tile, tiles in flight) for `programs` (sequence, KV head) pairs in
+    `num_splits` splits, fitted on the H200 (benchmarks/RESULTS.md, "Two K/V tiles in
+    flight", "Mid batches"). fp32 tiles are twice the bytes, halved; FP8 ones half, doubled.
+    16-bit: two 64-key tiles in flight (8B step 64 x 4k 15.2 -> 12.7 ms), or at head dim 128
+    three of 128 keys where one split is one or two programs a multiprocessor (8B
+    verification 32 x 4k 11.1 -> 10.1 ms)."""
     if not q.is_cuda:
         return 16, 3
     if k_cache.element_size() == 1:
         return 128, 3
     if q.element_size() > 2:
         return 32, 3
-    mid_batch = programs < 2 * _num_sms(q.device) and q.shape[-1] >= _MID_BATCH_HEAD_DIM
+    sms = _num_sms(q.device)
+    mid_batch = num_splits == 1 and sms <= programs < 2 * sms and q.shape[-1] >= _MID_BATCH_HEAD_DIM
     return (128, 3) if mid_batch else (64, 2)
 
 
@@ -393,7 +393,7 @@ def paged_decode(
         workspace = decode_workspace(batch, num_q_heads, head_dim, num_splits, q.device)
     if batch == 0:
         return out
-    default_block_n, default_stages = _default_tiling(q, k_cache, batch * num_kv_heads * num_splits)
+    default_block_n, default_stages = _default_tiling(q, k_cache, batch * num_kv_heads, num_splits)
     block_n, num_stages = block_n or default_block_n, num_stages or default_stages
     queries_per_kv = num_q_heads // num_kv_heads
     ws, ws_strides = _workspace_args(workspace, out)
@@ -483,7 +483,7 @@ def paged_verify(
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, head_dim, block_tables.shape[1] * page_size, q.device)
     workspace = decode_workspace(num_tokens, num_q_heads, head_dim, num_splits, q.device) if num_splits > 1 else None
-    default_block_n, default_stages = _default_tiling(q, k_cache, batch * num_kv_heads * num_splits)
+    default_block_n, default_stages = _default_tiling(q, k_cache, batch * num_kv_heads, num_splits)
     block_n, num_stages = block_n or default_block_n, num_stages or default_stages
     ws, ws_strides = _workspace_args(workspace, out)
     pdl = _pdl.pdl(q)
