@@ -8,11 +8,13 @@ one of its GEMMs breaks the step's chain of early launches. The Gluon kernel
 (`_gluon_skinny_gemm`) multiplies on the tensor cores with the weights loaded straight
 into the MMA's registers, splits K over each program's warps and sums them once, and
 launches with PDL. On the H200, dummy Llama-3.1-8B, 1k context, the batch-1 verification
-of 5 tokens fell from 4.58 to 4.19 ms a pass (benchmarks/RESULTS.md).
+of 5 tokens fell from 4.66 to 4.11 ms a pass, the decode step at batch 2-8 by 10%
+(benchmarks/RESULTS.md, "A skinny GEMM on the tensor cores").
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -57,15 +59,20 @@ def _config(n: int, k: int) -> tuple[int, int, int, int] | None:
     return _ROW_TILE, block_k, splits, 1
 
 
+@functools.cache
+def _has_mma(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def skinny_gemm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether skinny_gemm runs this product: an NVIDIA GPU with mma.sync for 16-bit floats
     (compute capability 8.0 or later), x and weight of one dtype (bf16 or fp16), 1 to
     MAX_ROWS rows, N a multiple of 16, K a multiple of 64, contiguous columns, and a Triton
-    with the Gluon API."""
-    return (_gluon is not None and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 8
-            and x.dtype in _DTYPES and weight.dtype == x.dtype and x.dim() == 2 and weight.dim() == 2
-            and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1] and weight.shape[0] % _ROW_TILE == 0
-            and x.stride(1) == 1 and weight.stride(1) == 1 and _config(*weight.shape) is not None)
+    with the Gluon API. Cheap: the engine asks it for every linear layer it runs eagerly."""
+    return (_gluon is not None and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
+            and weight.dim() == 2 and weight.dtype == x.dtype and x.shape[1] == weight.shape[1]
+            and weight.shape[0] % _ROW_TILE == 0 and x.stride(1) == 1 and weight.stride(1) == 1
+            and _has_mma(x.device) and _config(*weight.shape) is not None)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
