@@ -66,6 +66,7 @@ def _skinny_gemm_kernel(
     b_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_layout)))
     b_m = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_layout)))
     x_ptrs = x_ptr + (b_s * SEGMENT)[:, None, None] + b_k[None, :, None] + b_m[None, None, :] * stride_xm
+    # rows >= M read as zero; the other two terms are always true and broadcast the mask to the tile
     x_mask = (b_s[:, None, None] < S) & (b_k[None, :, None] < BLOCK_K) & (b_m[None, None, :] < M)
 
     if READ_AHEAD:  # the weights are final: the first tile is read while the kernel before finishes
@@ -91,6 +92,7 @@ def _skinny_gemm_kernel(
     if HAS_BIAS:
         y += gl.load(b_ptr + o_n).to(gl.float32)[:, None]
     y_ptrs = y_ptr + o_m[None, :] * stride_ym + o_n[:, None]
+    # rows >= M not stored (o_n >= 0, always true, broadcasts the mask to the tile)
     gl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(o_n[:, None] >= 0) & (o_m[None, :] < M))
 
 

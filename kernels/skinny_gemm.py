@@ -44,6 +44,7 @@ _TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {
 }
 
 
+@functools.cache
 def _config(n: int, k: int) -> tuple[int, int, int, int] | None:
     """(BLOCK_N, BLOCK_K, S, WN): the sweep's choice for a shape it timed, else 16 rows of W a
     program, 128-column tiles (64 where K needs them), K split over 4 warps (8 from K = 8192
