@@ -40,16 +40,9 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from pdserve.kernels import (
-    decode_num_splits,
-    decode_workspace,
-    flash_prefill,
-    flash_prefill_ws,
-    flash_prefill_ws_paged,
-    flash_prefill_ws_supported,
-    paged_decode,
-    paged_verify,
-)
+from pdserve.kernels.flash_prefill import flash_prefill
+from pdserve.kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
+from pdserve.kernels.paged_decode import decode_num_splits, decode_workspace, paged_decode, paged_verify
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

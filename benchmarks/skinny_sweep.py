@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gemv_sweep import SHAPES, cold_us
-from pdserve.kernels import _gluon_skinny_gemm, gemv
+from pdserve.kernels import _gluon_skinny_gemm
+from pdserve.kernels.gemv import gemv
 from pdserve.kernels.skinny_gemm import MAX_ROWS, _config
 
 Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, S, WN)

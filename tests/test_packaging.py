@@ -16,8 +16,11 @@ FOLDERS = ("cluster", "decode_node", "engine", "kernels", "kv_transport", "prefi
 
 def test_pyproject_lists_every_package_folder():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {"pdserve." + ".".join(init.parent.relative_to(ROOT).parts)
-             for folder in FOLDERS for init in (ROOT / folder).rglob("__init__.py")}
+    # A package is a folder of modules, with or without __init__.py: kernels/ and proto/ have
+    # none (namespace portions: a checkout's root on sys.path cannot shadow the installed
+    # `kernels` and `proto`, see tests/engine/test_namespaces.py).
+    found = {"pdserve." + ".".join(module.parent.relative_to(ROOT).parts)
+             for folder in FOLDERS for module in (ROOT / folder).rglob("*.py") if "__pycache__" not in module.parts}
     assert listed == found
 
 

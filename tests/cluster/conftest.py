@@ -19,7 +19,9 @@ from pdserve.cluster.server import Server, start_server
 def ray_cluster() -> Iterator[None]:
     import ray
 
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=16, logging_level="WARNING")
+    from pdserve.cluster.ray_driver import init_ray
+
+    init_ray(None, "127.0.0.1", num_cpus=16)  # as `pdserve serve` starts its local cluster
     yield
     ray.shutdown()
 

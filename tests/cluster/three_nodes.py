@@ -25,10 +25,10 @@ async def main() -> dict:
     cluster = Cluster(initialize_head=True, head_node_args={**LOCAL, "num_cpus": 1})
     prefill_node = cluster.add_node(**LOCAL, num_cpus=2, resources={"prefill": 4})
     decode_node = cluster.add_node(**LOCAL, num_cpus=2, resources={"decode": 4})
-    ray.init(address=cluster.address, _node_ip_address="127.0.0.1", logging_level="WARNING")
-    config = config_from_dict({
+    config = config_from_dict({  # joins the cluster as `pdserve serve --address` does
         "engine": {"model": {"device": "cpu", "dtype": "float32"}, "cache": {"cpu_kv_cache_gib": 0.25}},
         "server": {"port": 0, "metrics_port": 0},
+        "ray": {"address": cluster.address},
         "pools": {"gpus_per_worker": 0, "prefill_resource": "prefill", "decode_resource": "decode"},
     })
     server = await start_server(config)

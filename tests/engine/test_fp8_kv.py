@@ -18,7 +18,7 @@ import torch
 from pdserve.decode_node.spec import build_speculator
 from pdserve.engine.config import SpecConfig
 from pdserve.engine.sampling import SamplingParams
-from pdserve.kernels import quantize
+from pdserve.kernels.fp8 import quantize
 from tests.engine.prompts import prompt_ids
 
 pytestmark = pytest.mark.slow

@@ -34,7 +34,9 @@ def _sources(folder: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("name", FOLDERS)
 def test_pdserve_packages_are_the_checkouts_folders(name):
     package = importlib.import_module(f"pdserve.{name}")
-    (folder,) = {Path(p).resolve() for p in package.__path__}
+    # kernels/ and proto/ are namespace packages: an editable install adds its finder's
+    # placeholder, which is no folder, to their __path__.
+    (folder,) = {Path(p).resolve() for p in package.__path__ if Path(p).is_dir()}
     # An editable install maps pdserve.<name> to the checkout; a wheel install (the newest
     # environment's) holds a copy of it under site-packages/pdserve.
     assert folder == ROOT / name or (folder.parent.name == "pdserve" and _sources(folder) == _sources(ROOT / name)), \

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import silu_and_mul
+from pdserve.kernels.activation import silu_and_mul
 from tests.kernels.reference import ref_silu_and_mul, rounding_tolerance
 
 COVERS = ("silu_and_mul",)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import copy_blocks
+from pdserve.kernels.block_copy import copy_blocks
 from pdserve.kv_transport.staging import blocks_view
 
 COVERS = ("copy_blocks",)

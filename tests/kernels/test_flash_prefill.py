@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from pdserve.kernels import flash_prefill
+from pdserve.kernels.flash_prefill import flash_prefill
 from pdserve.kernels.fp8 import KV_FP8
 from tests.kernels.reference import PagedKV, make_paged_kv, ref_paged_attention, rel_error, slot_mapping, tolerance
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
+from pdserve.kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
 from tests.kernels.reference import make_paged_kv, ref_paged_attention, rel_error, tolerance
 
 COVERS = ("flash_prefill_ws", "flash_prefill_ws_paged", "flash_prefill_ws_supported")

@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels import check_cache_dtype, fp8, quantize
+from pdserve.kernels import fp8
+from pdserve.kernels.fp8 import check_cache_dtype, quantize
 
 COVERS = ("check_cache_dtype", "quantize")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

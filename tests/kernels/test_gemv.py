@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import gemv
-from pdserve.kernels.gemv import _TUNED
+from pdserve.kernels.gemv import _TUNED, gemv
 
 COVERS = ("gemv",)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

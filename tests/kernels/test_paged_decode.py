@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from pdserve.kernels import decode_num_splits, decode_workspace, paged_decode
 from pdserve.kernels.fp8 import KV_FP8
+from pdserve.kernels.paged_decode import decode_num_splits, decode_workspace, paged_decode
 from tests.kernels.reference import make_paged_kv, ref_paged_attention, rel_error, tolerance
 
 COVERS = ("paged_decode", "decode_workspace", "decode_num_splits")

@@ -11,8 +11,8 @@ import itertools
 import pytest
 import torch
 
-from pdserve.kernels import paged_verify, paged_verify_fits
 from pdserve.kernels.fp8 import KV_FP8
+from pdserve.kernels.paged_decode import paged_verify, paged_verify_fits
 from tests.kernels.reference import make_paged_kv, ref_paged_attention, rel_error, tolerance
 
 COVERS = ("paged_verify", "paged_verify_fits")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import rms_norm
+from pdserve.kernels.rms_norm import rms_norm
 from tests.kernels.reference import ref_rms_norm, rounding_tolerance
 
 COVERS = ("rms_norm",)

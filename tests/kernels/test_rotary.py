@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import rotary_cache_write
 from pdserve.kernels.fp8 import KV_FP8
+from pdserve.kernels.rotary import rotary_cache_write
 from tests.kernels.reference import ref_cache_write, ref_rotary, rope_tables, rounding_tolerance
 
 COVERS = ("rotary_cache_write",)

@@ -10,8 +10,7 @@ import math
 import pytest
 import torch
 
-from pdserve.kernels import gumbel_argmax
-from pdserve.kernels.sampling import BLOCK
+from pdserve.kernels.sampling import BLOCK, gumbel_argmax
 from tests.decode_node.stats import chi_square_pvalue
 
 COVERS = ("gumbel_argmax",)

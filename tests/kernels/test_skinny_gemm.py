@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import skinny_gemm, skinny_gemm_supported
-from pdserve.kernels.skinny_gemm import _TUNED, MAX_ROWS, _config
+from pdserve.kernels.skinny_gemm import _TUNED, MAX_ROWS, _config, skinny_gemm, skinny_gemm_supported
 
 COVERS = ("skinny_gemm", "skinny_gemm_supported")
 gpu = pytest.mark.gpu

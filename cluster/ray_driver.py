@@ -1,0 +1,89 @@
+"""Starting or joining Ray from pdserve's driver, so that what Ray starts is private and
+does not depend on the folder the driver was started in."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from pdserve.engine.config import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+
+def init_ray(address: str | None, node_ip_address: str, **options: Any) -> None:
+    """Join (`address`: "auto" or host:port) or start Ray, unless this process already has.
+
+    A local cluster on a loopback node IP (the default) is private: its GCS, raylets, agents
+    and workers listen on loopback only, and it runs no dashboard. Joining a cluster binds
+    to the interface Ray finds for this node. `options` go to `ray.init` as they are.
+
+    Either way the driver connects from an empty working directory of pdserve's own: Ray
+    puts the driver's working directory first on every worker's `sys.path`, and from a
+    checkout's root that would let the checkout's folders (`kernels/`, `proto/`, `engine/`
+    ...) shadow installed packages of the same names in every actor and in the
+    tensor-parallel ranks the actors spawn (they inherit the path). A local cluster's Ray
+    processes also start there, so nothing they do reads or writes the user's folder.
+    """
+    if ray.is_initialized():
+        return
+    options = {"_node_ip_address": node_ip_address, "include_dashboard": False,
+               "logging_level": logging.WARNING, **options}
+    with _working_directory(neutral_directory()):
+        if address:
+            ray.init(address=address, **options)
+            return
+        with _keep_loopback_node_ip(node_ip_address):
+            ray.init(**options)
+
+
+def neutral_directory() -> Path:
+    """An empty folder that only pdserve uses, private to this user: the working directory
+    Ray's processes and workers get (under $PDSERVE_CACHE_DIR or ~/.cache/pdserve)."""
+    folder = default_cache_dir() / "ray-cwd"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if any(folder.iterdir()):
+        raise RuntimeError(f"{folder} must be empty: Ray's workers would import from it")
+    return folder
+
+
+@contextlib.contextmanager
+def _working_directory(folder: Path) -> Iterator[None]:
+    saved = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(saved)
+
+
+@contextlib.contextmanager
+def _keep_loopback_node_ip(node_ip: str) -> Iterator[None]:
+    """ray.init rewrites a loopback node IP to the address it probes for this host
+    (`services.resolve_ip_for_localhost`), so that a local cluster would bind and advertise
+    every interface, unless Ray believes multi-node clusters are off (as it does on macOS
+    and Windows). That flag is read at call time: turn it off for the start of a local,
+    loopback-only cluster and back on at once. Ray's processes get the node IP on their
+    command lines and bind it; nothing else of Ray's reads the flag later."""
+    try:
+        loopback = ipaddress.ip_address(node_ip).is_loopback
+    except ValueError:  # a host name: Ray resolves it
+        loopback = False
+    if not loopback:
+        yield
+        return
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved

@@ -1,1 +1,0 @@
-"""The public gRPC API (pdserve.v1) and its generated stubs. Built by the cluster issue."""
