@@ -71,7 +71,8 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
     vocab = arch.vocab_size
     rng = random.Random(0)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    out: dict[str, float] = {"weight_bytes": float(weight_bytes), "num_params": float(arch.num_params)}
+    num_params = sum(p.numel() for p in engine.model.parameters())
+    out: dict[str, float] = {"weight_bytes": float(weight_bytes), "num_params": float(num_params)}
 
     def run_alone(prompt: list[int], params: SamplingParams) -> list[float]:
         """Times (s, from submission) of each delta of one request run alone."""

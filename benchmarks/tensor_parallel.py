@@ -30,6 +30,7 @@ import torch
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.models.arch import DUMMY_SHAPES
+from pdserve.engine.models.registry import param_counts
 from pdserve.engine.parallel import ShardPlan
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transport.shards import PoolShards
@@ -137,7 +138,7 @@ def main() -> None:
     ap.add_argument("--offline-len", type=int, default=1024)
     args = ap.parse_args()
     arch = DUMMY_SHAPES[args.model.removeprefix("dummy:")]
-    weight_bytes = arch.num_params * (2 if args.device.startswith("cuda") else 4)
+    weight_bytes = param_counts(arch).total * (2 if args.device.startswith("cuda") else 4)
     rows = []
     for size in args.sizes:
         config = EngineConfig(model=ModelConfig(source=args.model, device=args.device),

@@ -91,7 +91,8 @@ async def start_server(config: ServeConfig) -> Server:
     auth = client_auth(config.server)  # bad paths fail before anything starts
     files = resolve_model(config.engine.model)  # converts a GGUF once, before the workers need it
     for role in ("decode",) if config.pools.mode == "colocated" else ("prefill", "decode"):
-        check_splits(files.arch, config.pools.tp(role, config.engine))  # before any worker starts
+        check_splits(files.arch, config.pools.tp(role, config.engine),  # before any worker starts
+                     config.engine.parallel.enable_expert_parallel)
     init_ray(config.ray.address, config.ray.node_ip_address)
     tokenizer = load_tokenizer(files)  # None for dummy weights: token ids in and out, no text
     transport = None

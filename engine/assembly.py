@@ -20,7 +20,7 @@ from pdserve.engine.kv_budget import blocks_that_fit, draft_memory
 from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.arch import ModelArch
-from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.parallel import ShardPlan, TensorParallel, check_splits
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.step_inputs import StepInputBuilder
@@ -39,7 +39,7 @@ class EngineParts:
     dtype: torch.dtype
     tokenizer: Any | None  # transformers' tokenizer; None for a model without one (dummy weights)
     ranks: TensorParallelRanks | None  # ranks 1..N-1 of a tensor-parallel engine (None: one rank)
-    model: LlamaForCausalLM
+    model: CausalLM
     pool: KVPool
     kv_shards: list[tuple[torch.Tensor, int]]  # every rank's pool and its first KV head
     kv_wire_layout: KVLayout  # the KV of every head as one rank lays it out: what moves between workers
@@ -62,9 +62,10 @@ def assemble(config: EngineConfig) -> EngineParts:
         raise ValueError(f"max_model_len {limit} exceeds the model's context ({arch.max_position_embeddings})")
     ranks, tp = None, None
     if config.parallel.tensor_parallel_size > 1:
-        check_splits(arch, config.parallel.tensor_parallel_size)
+        expert_parallel = config.parallel.enable_expert_parallel
+        check_splits(arch, config.parallel.tensor_parallel_size, expert_parallel)
         ranks = TensorParallelRanks(config, limit)
-        tp = TensorParallel(ShardPlan.of(arch, 0, ranks.size), ranks.comm)
+        tp = TensorParallel(ShardPlan.of(arch, 0, ranks.size, expert_parallel), ranks.comm)
     try:
         return _assemble(config, files, tokenizer, limit, ranks, tp, device, dtype)
     except BaseException:
@@ -79,14 +80,13 @@ def _assemble(config: EngineConfig, files: ModelFiles, tokenizer: Any | None, li
     arch = files.arch
     model = load_model(files, limit, device, dtype, config.model.seed, tp)
     kv_dtype = config.cache.kv_dtype(dtype)
-    layout = kv_layout(files.name, kv_dtype, model.tp.plan, arch.num_layers, arch.head_dim, config.cache.block_size)
+    layout = kv_layout(files, kv_dtype, model.tp.plan, config.cache.block_size)
     num_blocks = config.cache.num_blocks or blocks_that_fit(config, layout, device, draft_memory(config, arch))
     pool = KVPool(layout, num_blocks, device)
     kv_shards = [(pool.kv, layout.kv_head_start)]
     if ranks is not None:
         kv_shards += ranks.open_pools(num_blocks)
-    wire_layout = kv_layout(files.name, kv_dtype, ShardPlan.of(arch), arch.num_layers, arch.head_dim,
-                            config.cache.block_size)
+    wire_layout = kv_layout(files, kv_dtype, ShardPlan.of(arch), config.cache.block_size)
     capacity = num_blocks * layout.block_size
     if config.model.max_model_len is not None and capacity < limit:
         raise ValueError(f"max_model_len {limit} needs {limit} KV slots; the pool has {capacity}")

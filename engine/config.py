@@ -267,11 +267,16 @@ class ParallelConfig:
     startup_timeout_s: bound on the other ranks' start (their model load included).
     collective_timeout_s: bound on one collective (an all-reduce waits for the slowest rank,
         which computes the same step: only a dead or hung rank makes it this long).
+    enable_expert_parallel: a Mixture-of-Experts model's experts are split over the ranks
+        (expert-parallel size = tensor_parallel_size: each rank holds num_experts / N whole
+        experts) instead of every rank holding a slice of every expert; attention stays
+        tensor-parallel (vLLM's flag of the same name).
     """
 
     tensor_parallel_size: int = 1
     startup_timeout_s: float = 600.0
     collective_timeout_s: float = 300.0
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -25,7 +25,7 @@ import torch
 
 from pdserve.engine.attention import AttentionBackend
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.step_inputs import StepInputBuilder, StepInputs
 from pdserve.kernels.paged_decode import decode_num_splits
@@ -53,7 +53,7 @@ class StepGraphs:
         (speculation does not pay at large batches, so their graphs stop earlier).
     """
 
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend, inputs: StepInputBuilder,
+    def __init__(self, model: CausalLM, pool: KVPool, backend: AttentionBackend, inputs: StepInputBuilder,
                  scale: float, max_batch: int, tokens_per_seq: tuple[int, ...] = (1,),
                  max_multi_batch: int | None = None) -> None:
         self.model = model

@@ -10,6 +10,7 @@ import torch
 from pdserve.engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from pdserve.engine.kv_pool import KVLayout
 from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.models.registry import param_counts
 from pdserve.engine.weights import resolve_model
 
 
@@ -34,7 +35,7 @@ def draft_memory(config: EngineConfig, target: ModelArch) -> DraftMemory:
     else:
         assert spec.draft_model is not None
         arch = resolve_model(dataclasses.replace(config.model, source=spec.draft_model)).arch
-        weight_bytes, num_layers = arch.num_params * dtype.itemsize, arch.num_layers
+        weight_bytes, num_layers = param_counts(arch).total * dtype.itemsize, arch.num_layers
     # A head of listed rows is a copy (of at most the vocabulary's rows when the file sets N); the first N are a view.
     if spec.draft_vocab_file is not None:
         weight_bytes += (spec.draft_vocab_size or arch.vocab_size) * arch.hidden_size * dtype.itemsize

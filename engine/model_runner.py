@@ -9,7 +9,7 @@ import torch
 from pdserve.engine.attention import AttentionBackend
 from pdserve.engine.cuda_graphs import StepGraphs
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.sampler import PendingSample, Sampler, TokenLogprobs
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
@@ -60,7 +60,7 @@ class StepLogits(Mapping[Sequence, torch.Tensor]):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend, sampler: Sampler,
+    def __init__(self, model: CausalLM, pool: KVPool, backend: AttentionBackend, sampler: Sampler,
                  inputs: StepInputBuilder, graphs: StepGraphs | None = None,
                  ranks: TensorParallelRanks | None = None) -> None:
         self.model = model

@@ -36,20 +36,40 @@ class ShardPlan:
     intermediate_size: int  # this rank's slice of the MLP
     vocab_per_rank: int  # embedding / LM-head rows per rank (the vocabulary padded up to size x this)
     vocab_size: int  # the model's
+    # Mixture of Experts (zeros for a dense model): the experts this rank holds, first_expert
+    # onwards (every expert under tensor parallelism, num_experts / size under expert
+    # parallelism), the slice of each one's intermediate dimension it holds (all of it under
+    # expert parallelism), and its slice of the shared expert's.
+    num_local_experts: int = 0
+    first_expert: int = 0
+    expert_intermediate_size: int = 0
+    shared_intermediate_size: int = 0
+    expert_parallel: bool = False
 
     @classmethod
-    def of(cls, arch: ModelArch, rank: int = 0, size: int = 1) -> ShardPlan:
+    def of(cls, arch: ModelArch, rank: int = 0, size: int = 1, expert_parallel: bool = False) -> ShardPlan:
         """Rank `rank`'s share of `arch`; ValueError naming the dimension that does not split."""
-        check_splits(arch, size)
+        check_splits(arch, size, expert_parallel)
         if not 0 <= rank < size:
             raise ValueError(f"tensor-parallel rank {rank} is outside [0, {size})")
         if arch.num_kv_heads >= size:
             kv_heads, kv_start = arch.num_kv_heads // size, rank * (arch.num_kv_heads // size)
         else:
             kv_heads, kv_start = 1, rank // (size // arch.num_kv_heads)
+        experts: dict[str, int | bool] = {}
+        if arch.moe is not None:
+            moe = arch.moe
+            if expert_parallel:
+                per_rank = moe.num_experts // size
+                experts = dict(num_local_experts=per_rank, first_expert=rank * per_rank,
+                               expert_intermediate_size=moe.intermediate_size, expert_parallel=True)
+            else:
+                experts = dict(num_local_experts=moe.num_experts,
+                               expert_intermediate_size=moe.intermediate_size // size)
+            experts["shared_intermediate_size"] = moe.shared_intermediate_size // size
         return cls(rank=rank, size=size, num_heads=arch.num_heads // size, num_kv_heads=kv_heads,
                    kv_head_start=kv_start, intermediate_size=arch.intermediate_size // size,
-                   vocab_per_rank=-(-arch.vocab_size // size), vocab_size=arch.vocab_size)
+                   vocab_per_rank=-(-arch.vocab_size // size), vocab_size=arch.vocab_size, **experts)
 
     @property
     def vocab_start(self) -> int:
@@ -61,8 +81,9 @@ class ShardPlan:
         return max(0, min(self.vocab_per_rank, self.vocab_size - self.vocab_start))
 
 
-def check_splits(arch: ModelArch, size: int) -> None:
-    """ValueError unless `arch` splits over `size` ranks."""
+def check_splits(arch: ModelArch, size: int, expert_parallel: bool = False) -> None:
+    """ValueError unless `arch` splits over `size` ranks (its experts whole, one share of
+    them per rank, under `expert_parallel`)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if arch.num_heads % size:
@@ -72,6 +93,20 @@ def check_splits(arch: ModelArch, size: int) -> None:
                          f"nor is a multiple of them")
     if arch.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the MLP's {arch.intermediate_size}")
+    moe = arch.moe
+    if moe is None:
+        if expert_parallel and size > 1:
+            raise ValueError("enable_expert_parallel needs a Mixture-of-Experts model; this one is dense")
+        return
+    if expert_parallel and moe.num_experts % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {moe.num_experts} experts "
+                         f"(expert parallelism gives each rank an equal share)")
+    if not expert_parallel and moe.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the experts' intermediate size "
+                         f"{moe.intermediate_size}")
+    if moe.shared_intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the shared expert's "
+                         f"{moe.shared_intermediate_size}")
 
 
 class Collectives(Protocol):

@@ -34,7 +34,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.engine.parallel import ProcessGroupCollectives, ShardPlan, TensorParallel
 from pdserve.engine.step_inputs import StepInputs
-from pdserve.engine.weights import load_model, resolve_model
+from pdserve.engine.weights import ModelFiles, load_model, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +47,12 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def kv_layout(model_name: str, dtype: torch.dtype, plan: ShardPlan, num_layers: int, head_dim: int,
-              block_size: int) -> KVLayout:
-    """The layout of one rank's KV pool: its KV heads only."""
-    return KVLayout(model_name, dtype, num_layers, plan.num_kv_heads, head_dim, block_size,
-                    tp_size=plan.size, kv_head_start=plan.kv_head_start)
+def kv_layout(files: ModelFiles, dtype: torch.dtype, plan: ShardPlan, block_size: int) -> KVLayout:
+    """The layout of one rank's KV pool: its KV heads only. It names the model by its name,
+    family and a digest of its shape (two folders of one name but other models differ)."""
+    arch = files.arch
+    return KVLayout(f"{files.name} ({arch.model_type} {arch.digest})", dtype, arch.num_layers, plan.num_kv_heads,
+                    arch.head_dim, block_size, tp_size=plan.size, kv_head_start=plan.kv_head_start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,11 +211,10 @@ class _Follower:
         arch = files.arch
         self.comm = comm
         self.conn = conn
-        plan = ShardPlan.of(arch, rank, size)
+        plan = ShardPlan.of(arch, rank, size, config.parallel.enable_expert_parallel)
         dtype = config.model.torch_dtype()
         self.model = load_model(files, max_positions, device, dtype, config.model.seed, TensorParallel(plan, comm))
-        self.layout = kv_layout(files.name, config.cache.kv_dtype(dtype), plan, arch.num_layers, arch.head_dim,
-                                config.cache.block_size)
+        self.layout = kv_layout(files, config.cache.kv_dtype(dtype), plan, config.cache.block_size)
         self.backend = backend_for(device, dtype)
         self.scale = arch.head_dim ** -0.5
         self.pool: KVPool | None = None

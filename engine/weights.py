@@ -21,7 +21,8 @@ import torch
 
 from pdserve.engine.config import DEFAULT_MODEL, ModelConfig
 from pdserve.engine.models.arch import DUMMY_SHAPES, ModelArch
-from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.models.registry import arch_of, checkpoint_tensors, model_class
 from pdserve.engine.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -65,11 +66,11 @@ def resolve_model(config: ModelConfig) -> ModelFiles:
 
 
 def load_model(files: ModelFiles, max_positions: int, device: torch.device, dtype: torch.dtype,
-               seed: int, tp: TensorParallel | None = None) -> LlamaForCausalLM:
+               seed: int, tp: TensorParallel | None = None) -> CausalLM:
     """Build the model (`tp`: this rank's shard of it) on the meta device (no init cost),
     then fill it from `files`."""
     with torch.device("meta"), _default_dtype(dtype):
-        model = LlamaForCausalLM(files.arch, max_positions, device, tp)
+        model = model_class(files.arch)(files.arch, max_positions, device, tp)
     model.to_empty(device=device)
     model.tie_weights()
     model.load_weights(iter_weights(files, files.arch, seed, device, dtype))
@@ -126,7 +127,7 @@ def _read_arch(folder: Path) -> ModelArch:
         hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{str(folder)!r} has no readable config.json: {e}") from e
-    return ModelArch.from_hf_config(hf_config)
+    return arch_of(hf_config)
 
 
 def _converted_gguf(gguf_path: Path, cache_dir: Path) -> Path:
@@ -162,29 +163,11 @@ def _converted_gguf(gguf_path: Path, cache_dir: Path) -> Path:
 
 def _dummy_weights(arch: ModelArch, seed: int, device: torch.device,
                    dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Random weights of the right shapes (as vLLM's --load-format dummy)."""
+    """Random weights of the right shapes (as vLLM's --load-format dummy), named as a
+    checkpoint of the model's class names them: norms ones, the rest N(0, 0.02)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    h, d = arch.hidden_size, arch.head_dim
-
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, 0.02, generator=gen)
-
-    yield "model.embed_tokens.weight", normal(arch.vocab_size, h)
-    if not arch.tie_word_embeddings:
-        yield "lm_head.weight", normal(arch.vocab_size, h)
-    yield "model.norm.weight", torch.ones(h, device=device, dtype=dtype)
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", torch.ones(h, device=device, dtype=dtype)
-        yield p + "post_attention_layernorm.weight", torch.ones(h, device=device, dtype=dtype)
-        for proj, rows in (("q_proj", arch.num_heads * d), ("k_proj", arch.num_kv_heads * d),
-                           ("v_proj", arch.num_kv_heads * d)):
-            yield p + f"self_attn.{proj}.weight", normal(rows, h)
-            if arch.qkv_bias:
-                yield p + f"self_attn.{proj}.bias", normal(rows)
-        yield p + "self_attn.o_proj.weight", normal(h, arch.num_heads * d)
-        if arch.o_bias:
-            yield p + "self_attn.o_proj.bias", normal(h)
-        yield p + "mlp.gate_proj.weight", normal(arch.intermediate_size, h)
-        yield p + "mlp.up_proj.weight", normal(arch.intermediate_size, h)
-        yield p + "mlp.down_proj.weight", normal(h, arch.intermediate_size)
+    for name, shape in checkpoint_tensors(arch):
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(shape, device=device, dtype=dtype)
+        else:
+            yield name, torch.empty(shape, device=device, dtype=dtype).normal_(0.0, 0.02, generator=gen)

@@ -4,6 +4,7 @@ default model (SmolLM2-135M-Instruct, fp32, CPU)."""
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,17 @@ import torch
 # This must be set before any module decorates a @triton.jit function.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The randomized tests' seed (the fuzzer's): a new one each run, so that their coverage
+# accumulates over runs, the same in every xdist worker (they inherit the environment set
+# here), printed in the header so that a failure reproduces with PDSERVE_TEST_SEED=<seed>.
+SEED_VARIABLE = "PDSERVE_TEST_SEED"
+os.environ.setdefault(SEED_VARIABLE, str(secrets.randbelow(2**32)))
+
+
+def pytest_report_header(config) -> str:
+    return f"randomized tests' seed: {os.environ[SEED_VARIABLE]} (set {SEED_VARIABLE} to repeat it)"
+
 
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402

@@ -33,7 +33,9 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.engine.model_runner import ModelRunner, StepLogits
 from pdserve.engine.models.arch import ModelArch
-from pdserve.engine.models.llama import Linear, LlamaForCausalLM
+from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.models.layers import Linear
+from pdserve.engine.models.registry import param_counts
 from pdserve.engine.sampler import Sampler, on_device
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
@@ -57,7 +59,7 @@ class _CaughtUp:
 
 
 class ModelDrafter:
-    def __init__(self, model: LlamaForCausalLM, target: Engine, name: str,
+    def __init__(self, model: CausalLM, target: Engine, name: str,
                  head_ids: torch.Tensor | None = None) -> None:
         """head_ids: the token ids the draft's head keeps (`draft_head_ids`; None: all)."""
         if head_ids is not None:
@@ -345,7 +347,7 @@ class ModelDrafter:
 
 
 
-def self_draft_model(target: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
+def self_draft_model(target: CausalLM, num_layers: int) -> CausalLM:
     """The target cut after `num_layers` layers: same embedding, final norm and
     head, no weights of its own (an untrained early exit)."""
     if not 1 <= num_layers <= target.arch.num_layers:
@@ -354,11 +356,11 @@ def self_draft_model(target: LlamaForCausalLM, num_layers: int) -> LlamaForCausa
     return _sharing(target, nn.ModuleList(list(target.layers)[:num_layers]), target.lm_head)
 
 
-def _sharing(model: LlamaForCausalLM, layers: nn.ModuleList, lm_head: nn.Module) -> LlamaForCausalLM:
+def _sharing(model: CausalLM, layers: nn.ModuleList, lm_head: nn.Module) -> CausalLM:
     """A model of `layers` and `lm_head` around `model`'s embedding, final norm and rotary
     tables: no weights of its own, `model` left as it is."""
     with torch.device("meta"):
-        shell = LlamaForCausalLM(replace(model.arch, num_layers=0), 1, torch.device("meta"))
+        shell = type(model)(replace(model.arch, num_layers=0), 1, torch.device("meta"))
     shell.arch = replace(model.arch, num_layers=len(layers))
     shell.embed_tokens, shell.layers, shell.norm, shell.rotary = model.embed_tokens, layers, model.norm, model.rotary
     shell.lm_head = lm_head
@@ -405,7 +407,7 @@ def load_token_ranking(path: str, vocab_size: int) -> list[int]:
     return ids
 
 
-def trim_head(model: LlamaForCausalLM, ids: torch.Tensor) -> LlamaForCausalLM:
+def trim_head(model: CausalLM, ids: torch.Tensor) -> CausalLM:
     """`model` with a head that scores only token ids `ids` (sorted; see `draft_head_ids`):
     a new model around the same embedding, layers and norm (the one passed in is left
     as it is). Its logits are [N, len(ids)], column j for token ids[j]. When ids are the
@@ -424,7 +426,7 @@ def _first_ids(ids: torch.Tensor) -> bool:
     return int(ids[-1]) == len(ids) - 1
 
 
-def load_draft_model(source: str, target: Engine) -> LlamaForCausalLM:
+def load_draft_model(source: str, target: Engine) -> CausalLM:
     """Load the draft named by `source` on the target's device and dtype, after
     checking (ValueError) that it can draft for the target at all."""
     config = replace(target.config.model, source=source, max_model_len=None)
@@ -442,8 +444,9 @@ def check_draft(draft: ModelArch, draft_tokenizer: Any | None, target: ModelArch
         raise ValueError("draft and target must both have a tokenizer or both have none")
     if draft_tokenizer is not None and draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
         raise ValueError("draft tokenizer differs from the target's (token ids would not mean the same text)")
-    if draft.num_params > target.num_params:
-        raise ValueError(f"draft model ({draft.num_params / 1e6:.1f}M parameters) is larger than the target "
-                         f"({target.num_params / 1e6:.1f}M): it would slow decoding down")
+    draft_params, target_params = param_counts(draft).active, param_counts(target).active
+    if draft_params > target_params:
+        raise ValueError(f"draft model ({draft_params / 1e6:.1f}M parameters a token reads) is larger than the "
+                         f"target ({target_params / 1e6:.1f}M): it would slow decoding down")
     if draft.max_position_embeddings < max_model_len:
         raise ValueError(f"draft context {draft.max_position_embeddings} is shorter than max_model_len {max_model_len}")

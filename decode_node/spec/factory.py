@@ -9,6 +9,7 @@ from pdserve.decode_node.spec.ngram import NgramDrafter
 from pdserve.decode_node.spec.speculator import SpecDecoder
 from pdserve.engine.config import EngineConfig, SpecConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.models.registry import param_counts
 
 
 def build_speculator(engine: Engine, config: SpecConfig | None = None) -> SpecDecoder | None:
@@ -30,7 +31,8 @@ def build_speculator(engine: Engine, config: SpecConfig | None = None) -> SpecDe
         else:
             assert config.draft_model is not None  # SpecConfig checks it
             model = load_draft_model(config.draft_model, engine)
-            name, cost_ratio = config.draft_model, model.arch.num_params / engine.arch.num_params
+            name = config.draft_model
+            cost_ratio = param_counts(model.arch).active / param_counts(engine.arch).active
         model_drafter = ModelDrafter(model, engine, name, draft_head_ids(config, engine.arch.vocab_size))
         drafter, draft_graphs = model_drafter, model_drafter.runner.graphs
     adaptive = None

@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.models.llama import AttentionStep
+from pdserve.engine.models.layers import AttentionStep
 
 
 @dataclass(slots=True)

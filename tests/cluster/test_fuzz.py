@@ -6,16 +6,20 @@ A request that passes validation is cancelled after its first response: that it 
 is what the status says, and its blocks must come back all the same.
 
 Each example is a volley of `VOLLEY` requests sent at once (gRPC starts every call before
-the first is read), so ~10k requests fit CI's time: the valid ones share the engine's
-steps, and concurrent arrivals are fuzzed too.
+the first is read): the valid ones share the engine's steps, and concurrent arrivals are
+fuzzed too. A run draws 2,500 requests from a seed of its own (tests/conftest.py prints it;
+PDSERVE_TEST_SEED repeats it), so that runs cover new requests until a failure, which its
+seed reproduces.
 """
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from pdserve.proto.v1 import generation_pb2 as pb
@@ -24,7 +28,8 @@ from tests.cluster.streams import pools_are_full, wait_until
 pytestmark = pytest.mark.slow
 
 VOLLEY = 25  # requests per example, in flight together
-EXAMPLES = 320  # volleys of generated requests (and a quarter as many of raw bytes): 10,000 requests
+EXAMPLES = 80  # volleys of generated requests (and a quarter as many of raw bytes): 2,500 requests
+SEED = int(os.environ["PDSERVE_TEST_SEED"])  # set by tests/conftest.py: a new one each run
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
 
 int32 = st.integers(-(2**31), 2**31 - 1)
@@ -94,6 +99,7 @@ def _assert_allowed(codes: list[grpc.StatusCode], payloads: list) -> None:
     assert not bad, bad[:3]
 
 
+@seed(SEED)
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(reqs=st.lists(requests(), min_size=VOLLEY, max_size=VOLLEY))
 def test_random_requests_are_ok_or_invalid_argument(channel, reqs):
@@ -103,6 +109,7 @@ def test_random_requests_are_ok_or_invalid_argument(channel, reqs):
     _assert_allowed(_statuses(generate, reqs), reqs)
 
 
+@seed(SEED)
 @settings(max_examples=EXAMPLES // 4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(payloads=st.lists(st.binary(max_size=64), min_size=VOLLEY, max_size=VOLLEY))
 def test_bytes_that_are_no_request_are_ok_or_invalid_argument(channel, payloads):

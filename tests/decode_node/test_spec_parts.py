@@ -20,6 +20,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.kv_budget import draft_memory
 from pdserve.engine.models.arch import DUMMY_SHAPES
+from pdserve.engine.models.registry import param_counts
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
@@ -215,7 +216,7 @@ def test_the_draft_is_counted_at_its_weights_dtype_and_with_a_copied_head(kv_cac
 
     kv_itemsize = 1 if kv_cache_dtype == "fp8" else 2
     plain = memory()
-    assert plain.weight_bytes == draft.num_params * 2
+    assert plain.weight_bytes == param_counts(draft).total * 2
     assert plain.kv_bytes_per_block == 2 * draft.num_layers * 16 * draft.num_kv_heads * draft.head_dim * kv_itemsize
     assert memory(draft_vocab_size=32768) == plain
     listed = memory(draft_vocab_size=32768, draft_vocab_file="freq_32768.pt")

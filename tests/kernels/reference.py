@@ -152,3 +152,20 @@ def ref_rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def ref_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  first_expert: int = 0) -> torch.Tensor:
+    """float64: sum over k of weights[t, k] * down(silu(gate(x[t])) * up(x[t])) of expert
+    ids[t, k], for the experts held (first_expert .. first_expert + len(w13) - 1)."""
+    x, w13, w2, weights = x.double().cpu(), w13.double().cpu(), w2.double().cpu(), weights.double().cpu()
+    inter = w13.shape[1] // 2
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            e = int(ids[t, slot]) - first_expert
+            if not 0 <= e < w13.shape[0]:
+                continue
+            h = w13[e] @ x[t]
+            out[t] += weights[t, slot] * (w2[e] @ (torch.nn.functional.silu(h[:inter]) * h[inter:]))
+    return out

@@ -1,0 +1,197 @@
+"""The layers every model file is built from: norms, (parallel) linear layers, the
+vocabulary-parallel embedding, GQA attention over the step's attention callable, the
+SwiGLU MLP, and the pre-norm decoder layer around an attention and an MLP.
+
+As in vLLM, each layer's residual add is fused into the next norm: a decoder layer takes
+and returns (x, residual), x being the output of its last block not yet added. On CUDA
+the norms (with that add), the rotary embedding with the KV cache write, and SwiGLU's
+activation are one Triton kernel each, working in place where they can, a one-row linear
+layer (a batch-1 decode step) is `kernels.gemv` and one of 2-8 rows `kernels.skinny_gemm`
+(Gluon, on the tensor cores); on the CPU they keep transformers' torch arithmetic, which
+the HF parity tests compare greedy tokens against.
+
+Under tensor parallelism (`engine.parallel`) each rank builds the layers of its shard:
+its heads, its slice of the MLP and of the vocabulary; o_proj, down_proj and the
+embedding end in an all-reduce. With one rank these are nn.Linear's own arithmetic, bit
+for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.models.rope import Rope
+from pdserve.engine.parallel import Collectives, TensorParallel
+from pdserve.kernels.activation import silu_and_mul
+from pdserve.kernels.gemv import gemv
+from pdserve.kernels.rms_norm import rms_norm
+from pdserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_supported
+
+
+class AttentionStep(Protocol):
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 rope: Rope) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens, q and k not yet rotated
+        -> [T, Hq, D]. It rotates q and k by `rope` (in place or not), writes k, v into the
+        layer's cache and attends."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., dim] -> a new normalized [..., dim]."""
+        if x.is_cuda and x.dim() == 2:
+            return rms_norm(x, self.weight, self.eps)
+        return self._torch_norm(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x). On CUDA one kernel that overwrites residual
+        with the sum and x with its norm."""
+        if x.is_cuda:
+            return rms_norm(x, self.weight, self.eps, residual), residual
+        residual = residual + x
+        return self._torch_norm(residual), residual
+
+    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Accumulate in fp32 whatever the model dtype, as transformers does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose few-row products on CUDA read the weights faster than cuBLAS does at
+    those shapes: one row (a batch-1 decode step) runs `kernels.gemv`, 2-8 rows (a batch-1
+    verification, a draft's catch-up, a small batch's decode step) `kernels.skinny_gemm`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # a model's weights are final: both read ahead
+            if x.shape[0] == 1:
+                return gemv(x, self.weight, self.bias, read_ahead=True)
+            if skinny_gemm_supported(x, self.weight):
+                return skinny_gemm(x, self.weight, self.bias, read_ahead=True)
+        return super().forward(x)
+
+
+class RowParallelLinear(Linear):
+    """A linear layer whose input dimension is split over the ranks: each multiplies its
+    slice, the partial sums are all-reduced (unless `reduce` is off: the caller sums them
+    with others first), the bias is added once (by rank 0)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
+                 reduce: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.comm: Collectives = tp.comm
+        self.adds_bias = tp.plan.rank == 0
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.comm.size == 1:
+            return super().forward(x)
+        partial = nn.functional.linear(x, self.weight, self.bias if self.adds_bias else None)
+        return self.comm.all_reduce(partial) if self.reduce else partial
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """An embedding of this rank's slice of the vocabulary: ids outside it look up zeros,
+    and the all-reduce puts every row together."""
+
+    def __init__(self, tp: TensorParallel, hidden_size: int) -> None:
+        super().__init__(tp.plan.vocab_per_rank, hidden_size)
+        self.comm: Collectives = tp.comm
+        self.start = tp.plan.vocab_start
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.comm.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+
+
+class Attention(nn.Module):
+    """GQA attention of this rank's heads: fused q/k/v projection, the step's attention
+    callable (rotary, KV cache write, attention), row-parallel output projection."""
+
+    def __init__(self, arch: ModelArch, layer_idx: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = tp.plan.num_heads
+        self.num_kv_heads = tp.plan.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = self.num_heads * arch.head_dim
+        self.kv_size = self.num_kv_heads * arch.head_dim
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, arch.hidden_size, arch.o_bias, tp)
+
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionStep) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.project_heads(q, k)
+        out = attn(self.layer_idx, q, k, v, rope)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def project_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] before the rotary embedding: as they are here; a
+        family that normalizes each head first (Qwen3) overrides this."""
+        return q, k
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up [T, I]: one kernel on CUDA."""
+    if gate_up.is_cuda:
+        return silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
+class MLP(nn.Module):
+    """SwiGLU of this rank's slice of `intermediate_size` (already divided by the ranks)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallel,
+                 reduce: bool = True) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp, reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)), the adds fused into
+    the norms (see the module's docstring)."""
+
+    def __init__(self, arch: ModelArch, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                attn: AttentionStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp output, residual), the mlp output not yet added to it.
+
+        The first layer gets the embedding as x and no residual: the embedding becomes it.
+        """
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, rope, attn)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual

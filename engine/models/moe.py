@@ -1,0 +1,106 @@
+"""The Mixture-of-Experts block (Mixtral, Qwen3-MoE, Qwen2-MoE): a router picks each
+token's top-k experts, each a SwiGLU MLP, whose outputs are summed with the router's
+weights; Qwen2-MoE adds a shared expert every token goes through, scaled by a sigmoid gate.
+
+Experts are held as two stacked tensors, `w13` [experts, 2 x intermediate, hidden] (gate
+rows, then up rows: Hugging Face's fused `gate_up_proj` layout) and `w2` [experts, hidden,
+intermediate]. Under tensor parallelism every rank holds every expert's slice of the
+intermediate dimension (as the dense MLP); with expert parallelism (ParallelConfig.
+enable_expert_parallel) each rank holds whole experts, `num_experts / ranks` of them.
+Attention stays tensor-parallel either way, so every rank has every token: each computes
+its experts' (or slices') contributions for the tokens routed to them and one all-reduce
+sums them, the shared expert's partial sums included.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.engine.models.arch import ModelArch, MoEArch
+from pdserve.engine.models.layers import MLP, Linear
+from pdserve.engine.parallel import Collectives, TensorParallel
+from pdserve.kernels.fused_moe import fused_moe
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, experts] logits -> (weights [T, k] float32, expert ids [T, k] int64): softmax over
+    every expert in float32, the k largest, renormalized to sum to 1 when asked."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) for the experts this rank holds
+    (ids first_expert .. first_expert + len(w13) - 1; others contribute nothing).
+
+    x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; weights: [T, k] (cast to x's dtype, as
+    transformers does); ids: [T, k]. Returns [T, H] in x's dtype. The experts run in
+    ascending order, each over the tokens routed to it (transformers' loop, the CPU path
+    and the fused kernel's reference)."""
+    out = torch.zeros_like(x)
+    weights = weights.to(x.dtype)
+    local = ids - first_expert
+    for e in torch.unique(local).tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue
+        token_idx, slot = torch.where(local == e)
+        h = nn.functional.linear(x[token_idx], w13[e])
+        gate, up = h.chunk(2, dim=-1)
+        y = nn.functional.linear(nn.functional.silu(gate) * up, w2[e])
+        out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
+    return out
+
+
+class FusedExperts(nn.Module):
+    """This rank's experts (or slices of every expert) as two stacked weight tensors."""
+
+    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, first_expert: int) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size))
+        self.first_expert = first_expert
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # the fused Triton kernel: no host sync, a CUDA graph can hold it
+            return fused_moe(x, self.w13, self.w2, weights, ids, self.first_expert)
+        return experts_reference(x, self.w13, self.w2, weights, ids, self.first_expert)
+
+
+class SparseMoE(nn.Module):
+    """Router, experts and the optional shared expert of one layer; [T, H] -> [T, H]."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallel) -> None:
+        super().__init__()
+        moe = arch.moe
+        assert moe is not None
+        plan = tp.plan
+        self.moe: MoEArch = moe
+        self.comm: Collectives = tp.comm
+        self.gate = Linear(arch.hidden_size, moe.num_experts, bias=False)  # the router, whole on every rank
+        self.experts = FusedExperts(plan.num_local_experts, arch.hidden_size, plan.expert_intermediate_size,
+                                    plan.first_expert)
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = MLP(arch.hidden_size, plan.shared_intermediate_size, False, tp, reduce=False)
+            self.shared_expert_gate = Linear(arch.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.moe.top_k, self.moe.norm_topk_prob)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.comm.all_reduce(out) if self.comm.size > 1 else out
+
+
+def mlp_of_layer(arch: ModelArch, layer_idx: int, tp: TensorParallel) -> nn.Module:
+    """Layer `layer_idx`'s MLP: the MoE block where `arch.moe` says so, else the dense one."""
+    if arch.moe is not None and arch.moe.is_moe_layer(layer_idx):
+        return SparseMoE(arch, tp)
+    return MLP(arch.hidden_size, tp.plan.intermediate_size, arch.mlp_bias, tp)

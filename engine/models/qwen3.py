@@ -1,0 +1,29 @@
+"""Qwen3 (dense): Llama's layer with each query and key head RMS-normalized before the
+rotary embedding (`q_norm`, `k_norm`, one weight of head_dim each, shared by the heads)."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.models.layers import MLP, Attention, DecoderLayer, RMSNorm
+from pdserve.engine.parallel import TensorParallel
+
+
+class Qwen3Attention(Attention):
+    def __init__(self, arch: ModelArch, layer_idx: int, tp: TensorParallel) -> None:
+        super().__init__(arch, layer_idx, tp)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+
+    def project_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.head_dim
+        return self.q_norm(q.reshape(-1, d)).view(q.shape), self.k_norm(k.reshape(-1, d)).view(k.shape)
+
+
+class Qwen3ForCausalLM(CausalLM):
+    @staticmethod
+    def make_layer(arch: ModelArch, layer_idx: int, tp: TensorParallel) -> DecoderLayer:
+        mlp = MLP(arch.hidden_size, tp.plan.intermediate_size, arch.mlp_bias, tp)
+        return DecoderLayer(arch, Qwen3Attention(arch, layer_idx, tp), mlp)
