@@ -118,6 +118,8 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, object]] | None = None
+    # Keyword arguments for the model's chat template (vLLM's field), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, object] | None = None
 
     def unsupported(self) -> str | None:
         if self.tools:
@@ -181,6 +183,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    reasoning_content: str | None = None  # a reasoning model's thinking (engine/reasoning.py)
 
 
 class ChatChoice(BaseModel):
@@ -202,6 +205,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -10,6 +10,7 @@ from typing import Any
 
 from pdserve.cluster import openai_models as m
 from pdserve.engine.outputs import RequestOutput, TextDelta
+from pdserve.engine.reasoning import ReasoningSplitter
 from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling import SamplingParams
@@ -50,7 +51,8 @@ def chat_choices(req: m.ChatCompletionRequest, processor: RequestProcessor) -> l
                            else None)
     except ValueError as e:
         raise ValueError(str(e).replace("max_tokens", max_field, 1).replace("logprobs", "top_logprobs", 1)) from e
-    processed = processor.process(messages=[_message(i, msg) for i, msg in enumerate(req.messages)], params=params)
+    processed = processor.process(messages=[_message(i, msg) for i, msg in enumerate(req.messages)], params=params,
+                                  chat_template_kwargs=req.chat_template_kwargs)
     if max_tokens is None:
         rest = processor.max_model_len - len(processed.prompt_token_ids)
         processed = dataclasses.replace(processed, params=dataclasses.replace(processed.params, max_tokens=rest))
@@ -162,14 +164,22 @@ class ChatRenderer:
     def __init__(self, processor: RequestProcessor, response_id: str, created: int, model: str) -> None:
         self.processor = processor
         self.head = {"id": response_id, "created": created, "model": model}
-        self._started: set[int] = set()
+        self._splitters: dict[int, ReasoningSplitter | None] = {}
 
     def chunk(self, choice: Choice, delta: TextDelta) -> m.ChatCompletionChunk:
-        """`delta`, already added to `choice.output`, as a stream chunk."""
-        first = choice.index not in self._started
-        self._started.add(choice.index)
+        """`delta`, already added to `choice.output`, as a stream chunk; a reasoning model's
+        thinking goes to `reasoning_content`."""
+        first = choice.index not in self._splitters
+        if first:
+            self._splitters[choice.index] = self.processor.reasoning_splitter(choice.request.prompt_token_ids)
+        splitter = self._splitters[choice.index]
+        content, reasoning = delta.text, None
+        if splitter is not None:
+            part = splitter.add(delta.text, final=delta.finish_reason is not None)
+            content, reasoning = part.content, part.reasoning or None
         return m.ChatCompletionChunk(**self.head, choices=[m.ChatChunkChoice(
-            index=choice.index, delta=m.ChatDelta(role="assistant" if first else None, content=delta.text),
+            index=choice.index, delta=m.ChatDelta(role="assistant" if first else None, content=content,
+                                                  reasoning_content=reasoning),
             logprobs=self._logprobs(choice, delta.logprobs), finish_reason=_finish(delta))])
 
     def usage_chunk(self, choices: list[Choice]) -> m.ChatCompletionChunk:
@@ -177,8 +187,15 @@ class ChatRenderer:
 
     def response(self, choices: list[Choice]) -> m.ChatCompletionResponse:
         return m.ChatCompletionResponse(**self.head, usage=usage(choices), choices=[m.ChatChoice(
-            index=c.index, message=m.AssistantMessage(content=c.output.text),
-            logprobs=self._logprobs(c, c.output.logprobs), finish_reason=_finish(c.output)) for c in choices])
+            index=c.index, message=self._message(c), logprobs=self._logprobs(c, c.output.logprobs),
+            finish_reason=_finish(c.output)) for c in choices])
+
+    def _message(self, choice: Choice) -> m.AssistantMessage:
+        splitter = self.processor.reasoning_splitter(choice.request.prompt_token_ids)
+        if splitter is None:
+            return m.AssistantMessage(content=choice.output.text)
+        part = splitter.add(choice.output.text, final=True)
+        return m.AssistantMessage(content=part.content, reasoning_content=part.reasoning or None)
 
     def _logprobs(self, choice: Choice, logprobs: list[TokenLogprobs] | tuple[TokenLogprobs, ...]
                   ) -> m.ChatLogprobs | None:

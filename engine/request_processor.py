@@ -9,16 +9,21 @@ and hands back token ids only; workers never detokenize.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.outputs import TextDelta, TokenDelta
+from pdserve.engine.reasoning import ReasoningSplitter, opens_thinking, thinks
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import FinishReason
 
 CHAT_ROLES = ("system", "user", "assistant")
+# apply_chat_template's own arguments: chat_template_kwargs may set the template's variables only.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "add_generation_prompt", "tokenize", "tokenizer",
+                                       "chat_template", "return_dict", "return_tensors", "padding", "truncation",
+                                       "max_length", "continue_final_message"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +48,13 @@ class RequestProcessor:
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.thinks = thinks(tokenizer)  # a reasoning model: its answers split (engine/reasoning.py)
 
     def process(self, prompt: str | Sequence[int] | None = None, messages: list[dict[str, str]] | None = None,
-                params: SamplingParams | None = None, *, token_ids_field: str = "prompt") -> ProcessedRequest:
-        """Validate and tokenize one request: a `prompt` (text or token ids) or chat `messages`.
+                params: SamplingParams | None = None, *, token_ids_field: str = "prompt",
+                chat_template_kwargs: Mapping[str, Any] | None = None) -> ProcessedRequest:
+        """Validate and tokenize one request: a `prompt` (text or token ids) or chat `messages`
+        (with `chat_template_kwargs` for the template, e.g. {"enable_thinking": False}).
 
         token_ids_field: what errors call a prompt given as token ids (gRPC: prompt_token_ids).
         """
@@ -54,7 +62,7 @@ class RequestProcessor:
         if (prompt is None) == (messages is None):
             raise ValueError("give one of prompt or messages")
         if messages is not None:
-            field, token_ids = "messages", self.apply_chat_template(messages)
+            field, token_ids = "messages", self.apply_chat_template(messages, chat_template_kwargs)
         elif isinstance(prompt, str):
             field, token_ids = "prompt", self.encode(prompt)
         else:
@@ -90,8 +98,11 @@ class RequestProcessor:
             raise ValueError("prompt is empty")
         return tokenizer.encode(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """The token ids of `messages` in the model's chat template, ready for the assistant's turn."""
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """The token ids of `messages` in the model's chat template, ready for the assistant's
+        turn; `template_kwargs` are the template's own variables (ValueError for one that
+        would change how it is applied)."""
         if not messages:
             raise ValueError("messages is empty")
         roles = {m.get("role", "") for m in messages} - set(CHAT_ROLES)
@@ -100,8 +111,19 @@ class RequestProcessor:
         tokenizer = self._tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"model {self.model_name!r} has no chat template")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved}: the server applies the template")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         return tokenizer.encode(text, add_special_tokens=False)
+
+    def reasoning_splitter(self, prompt_token_ids: Sequence[int]) -> ReasoningSplitter | None:
+        """A splitter of one answer into reasoning and content, for a reasoning model (None:
+        all content); it starts inside the reasoning when the prompt leaves a <think> open."""
+        if not self.thinks:
+            return None
+        return ReasoningSplitter(opens_thinking(self.tokenizer.decode(list(prompt_token_ids[-16:]))))
 
     def token_text(self, token_id: int) -> str:
         """One token's own text (as logprobs show it); without a tokenizer, "token_id:<id>"."""

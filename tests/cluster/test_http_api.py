@@ -101,6 +101,12 @@ def test_chat_matches_grpc_and_the_engine_greedy(srv, client, model, tokenizer, 
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
+    # The template's own variables pass through (SmolLM2's ignores this one: the same answer),
+    # and a model that does not think answers in content only.
+    kept = client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0,
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert kept.choices[0].message.content == want
+    assert kept.choices[0].message.model_extra.get("reasoning_content") is None
 
 
 def seeded(seed: int, max_tokens: int, ignore_eos: bool = False) -> SamplingParams:
@@ -171,6 +177,8 @@ def post(srv, path: str, content: bytes | str, content_type: str = "application/
      "max_completion_tokens", ">= 1"),
     ("/v1/completions", '{"prompt": "hi", "presence_penalty": 0.5}', "application/json", 400, "presence_penalty",
      "not supported"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": '
+     '{"tokenize": true}}', "application/json", 400, "chat_template_kwargs", "may not set"),
     ("/v1/embeddings", '{"input": "hi"}', "application/json", 404, None, "Not Found"),
 ])
 def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(srv, client, model, path, body,
