@@ -176,3 +176,25 @@ def test_tensor_and_expert_parallel_give_one_ranks_tokens(make_config, tmp_path)
         finally:
             engine.close()
         assert got == want, f"expert_parallel={expert_parallel}"
+
+
+def test_speculation_on_an_moe_target_keeps_greedy_output(tmp_path):
+    """The self-draft (the MoE target's first layer) and a dense Qwen3 draft of the same
+    vocabulary: greedy tokens as without speculation."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from pdserve.engine.config import SpecConfig
+
+    target = tmp_path / "target"
+    _saved(qwen3_moe, target)
+    draft = tmp_path / "draft"
+    torch.manual_seed(1)
+    small = dict(TINY, num_hidden_layers=1, intermediate_size=16)
+    AutoModelForCausalLM.from_config(Qwen3Config(**small, head_dim=16), dtype=torch.float32).save_pretrained(str(draft))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = _prompts()
+    want = [o.token_ids for o in _engine(target).generate(prompts, params)]
+    for spec in (SpecConfig(method="self_draft", num_draft_layers=1, num_speculative_tokens=3),
+                 SpecConfig(method="draft_model", draft_model=str(draft), num_speculative_tokens=3)):
+        got = [o.token_ids for o in _engine(target, spec=spec).generate(prompts, params)]
+        assert got == want, spec.method
