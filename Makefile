@@ -6,11 +6,18 @@ PIP := $(PY) -m pip install -q -c constraints.txt
 PROMPT ?= Explain in two sentences why the sky is blue.
 
 # A second environment with the newest releases pyproject's ranges allow (no
-# constraints file), where a fast subset runs: the kernels under Triton's
-# interpreter, the engine's parity with Hugging Face, the packaging and the import names
-# (which the newest kernels, proto-plus and transformers must not take for ours).
+# constraints file), where a subset runs: kernels under Triton's interpreter (one of each
+# kind of construct: elementwise, reductions, tl.dot over a grouped GEMM, the coverage walk;
+# the whole suite runs in `make test`), the engine's parity with Hugging Face and its new
+# families, the packaging and the import names (which the newest kernels, proto-plus and
+# transformers must not take for ours), and `pdserve serve` started from the checkout's root
+# with Ray workers of both roles, streaming over gRPC and HTTP.
 NEWEST ?= .venv-newest
-NEWEST_TESTS ?= tests/kernels tests/engine/test_hf_parity.py tests/test_packaging.py tests/engine/test_namespaces.py
+NEWEST_TESTS ?= tests/kernels/test_coverage.py tests/kernels/test_activation.py tests/kernels/test_rms_norm.py \
+	tests/kernels/test_fused_moe.py tests/engine/test_hf_parity.py tests/engine/test_new_families.py \
+	tests/test_packaging.py tests/engine/test_namespaces.py tests/cluster/test_from_checkout.py
+# Two workers on CI's two cores, each module's tests on one of them (they share its servers).
+XDIST ?= -n 2 --dist loadfile
 
 .PHONY: install serve generate test test-newest test-ray-up lint proto
 
@@ -41,7 +48,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest -q -rs --durations=25  # skips with their reasons; the slowest tests, for whoever trims CI's time next
+	$(PY) -m pytest -q -rs $(XDIST) --durations=25  # skips with their reasons; the slowest tests, for whoever trims CI's time next
 
 # deploy/ray/cluster-local.yaml through the real `ray up` / `ray down` on this machine (part of `make test` too).
 test-ray-up: install
@@ -55,8 +62,7 @@ $(NEWEST)/.installed: pyproject.toml
 	$(NEWEST)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|triton|transformers|numpy|protobuf) '
 	touch $@
 
-# -P and --import-mode=append: the checkout's root goes last on sys.path, not first, so its
-# `kernels/` folder never shadows Hugging Face's `kernels`, which transformers (5.25 on)
-# requires and imports.
+# Run as any tool is run in the checkout, its root first on sys.path: kernels/ and proto/
+# are namespace portions there, which Hugging Face's `kernels` and proto-plus's `proto` win over.
 test-newest: $(NEWEST)/.installed
-	$(NEWEST)/bin/python -P -m pytest -q --import-mode=append $(NEWEST_TESTS)
+	$(NEWEST)/bin/python -m pytest -q -rs $(XDIST) --durations=15 $(NEWEST_TESTS)

@@ -72,7 +72,9 @@ def start(ray_cluster) -> Iterator[StartServer]:
         thread = threading.Thread(target=loop.run_forever, daemon=True)
         thread.start()
         started: Future = asyncio.run_coroutine_threadsafe(start_server(config), loop)
-        srv = RunningServer(started.result(300), loop, config)
+        # Bounded generously: on 2 cores shared with another test worker, a tensor-parallel
+        # worker's ranks load the model slowly, and a start is work, not a hang.
+        srv = RunningServer(started.result(600), loop, config)
         running.append(srv)
         return srv
 

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from pathlib import Path
 
 import pytest
+from ray import cloudpickle
 from ray.exceptions import ActorDiedError
 
 from pdserve.cluster.config import HealthConfig
 from pdserve.cluster.pools import ActorSpec, Pool
+
+# Ray's workers cannot import tests/ (they start in pdserve's empty folder, not the
+# checkout: cluster/ray_driver.py), so this module's actor class travels by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class _Worker:
