@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import socket
+import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from pdserve.cluster.client import Client
 from pdserve.engine.sampling import SamplingParams
@@ -65,3 +70,32 @@ def scrape(port: int) -> dict[str, float]:
     """The samples of a server's /metrics (Prometheus text), by name with labels."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
+
+
+@contextlib.contextmanager
+def serve_process(command: list[str], cwd: Path | None = None,
+                  start_timeout_s: float = 300.0) -> Iterator[subprocess.Popen[str]]:
+    """`pdserve serve ...` as a process of its own (a session of its own: its Ray goes with
+    it), once it says it is serving; SIGTERM at the end, SIGKILL to the group past 60 s."""
+    import pytest
+
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if line.startswith("pdserve: serving"):
+                break
+            if not line and proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"pdserve serve did not start (exit {proc.poll()}):\n{''.join(lines[-60:])}")
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pdserve.engine.sampling import SamplingParams
-from tests.cluster.streams import collect
+from tests.cluster.streams import collect, free_port, serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -63,12 +60,6 @@ def test_a_checkout_folder_does_not_shadow_an_installed_package():
         assert origin and origin.endswith(f"{name}/__init__.py") and _outside_checkout([origin]), origins
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(model_folder, tmp_path_factory) -> Iterator[tuple[int, int]]:
     """`pdserve serve` (the installed command) started in the checkout's root, disaggregated
@@ -77,30 +68,12 @@ def served(model_folder, tmp_path_factory) -> Iterator[tuple[int, int]]:
     config = tmp_path_factory.mktemp("from-checkout") / "serve.yaml"
     config.write_text("engine:\n  model: {device: cpu, dtype: float32}\n  cache: {cpu_kv_cache_gib: 0.25}\n"
                       "pools: {gpus_per_worker: 0}\n")
-    port, http_port = _free_port(), _free_port()
+    port, http_port = free_port(), free_port()
     command = [str(Path(sys.executable).parent / "pdserve"), "serve", "--config", os.path.relpath(config, ROOT),
                "--model", os.path.relpath(model_folder, ROOT), "--port", str(port), "--http-port", str(http_port),
-               "--metrics-port", str(_free_port())]
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    lines: list[str] = []
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if line.startswith("pdserve: serving"):
-                break
-            if not line and proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"pdserve serve did not start (exit {proc.poll()}):\n{''.join(lines[-60:])}")
+               "--metrics-port", str(free_port())]
+    with serve_process(command, cwd=ROOT):
         yield port, http_port
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def test_serves_grpc_and_http_streams_from_the_checkouts_root(served, hf_model, tokenizer):

@@ -4,19 +4,15 @@ beyond loopback (gRPC, /metrics, Ray's GCS, raylets, agents, workers)."""
 from __future__ import annotations
 
 import ipaddress
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
 from pdserve.engine.sampling import SamplingParams
-from tests.cluster.streams import collect
+from tests.cluster.streams import collect, free_port, serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -39,37 +35,14 @@ class Listener:
         return ipaddress.ip_address(self.ip.removeprefix("::ffff:")).is_loopback
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[tuple[subprocess.Popen[str], int]]:
     config = tmp_path_factory.mktemp("private") / "serve.yaml"
     config.write_text(CONFIG)
-    port, metrics_port = _free_port(), _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--config", str(config), "--port", str(port),
-         "--metrics-port", str(metrics_port), "--http-port", str(_free_port())],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            line = proc.stdout.readline()
-            if line.startswith("pdserve: serving"):
-                break
-            if not line and proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"pdserve serve did not start (exit {proc.poll()})")
+    port = free_port()
+    with serve_process([sys.executable, "-m", "pdserve.cluster.cli", "serve", "--config", str(config), "--port",
+                        str(port), "--metrics-port", str(free_port()), "--http-port", str(free_port())]) as proc:
         yield proc, port
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def _listeners(pid: int) -> list[Listener]:
