@@ -19,9 +19,10 @@ THINK_START, THINK_END = "<think>", "</think>"
 
 def thinks(tokenizer: Any | None) -> bool:
     """Whether the model's vocabulary has the two markers as tokens of their own."""
-    if tokenizer is None:
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
         return False
-    vocab = tokenizer.get_vocab()
+    vocab = get_vocab()
     return THINK_START in vocab and THINK_END in vocab
 
 
