@@ -78,7 +78,6 @@ class ModelArch:
     mlp_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
-    qk_norm: bool = False  # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
     moe: MoEArch | None = None
 
     def __post_init__(self) -> None:
@@ -125,7 +124,6 @@ class ModelArch:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             eos_token_ids=eos_ids,
             model_type=str(model_type),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             moe=_moe_from_hf(config, model_type),
         )
 
@@ -175,12 +173,12 @@ DUMMY_SHAPES: dict[str, ModelArch] = {
     "qwen3-8b": ModelArch(
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
         num_kv_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
-        rope=RopeConfig(theta=1000000.0), eos_token_ids=(151645, 151643), model_type="qwen3", qk_norm=True,
+        rope=RopeConfig(theta=1000000.0), eos_token_ids=(151645, 151643), model_type="qwen3",
     ),
     "qwen3-30b-a3b": ModelArch(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
         num_kv_heads=4, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
-        rope=RopeConfig(theta=1000000.0), eos_token_ids=(151645, 151643), model_type="qwen3_moe", qk_norm=True,
+        rope=RopeConfig(theta=1000000.0), eos_token_ids=(151645, 151643), model_type="qwen3_moe",
         moe=MoEArch(num_experts=128, top_k=8, intermediate_size=768, norm_topk_prob=True),
     ),
     "mixtral-8x7b": ModelArch(
@@ -192,7 +190,7 @@ DUMMY_SHAPES: dict[str, ModelArch] = {
     "tiny-moe": ModelArch(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, max_position_embeddings=2048, rope=RopeConfig(theta=10000.0),
-        tie_word_embeddings=True, eos_token_ids=(0,), model_type="qwen3_moe", qk_norm=True,
+        tie_word_embeddings=True, eos_token_ids=(0,), model_type="qwen3_moe",
         moe=MoEArch(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True),
     ),
     "tiny": ModelArch(

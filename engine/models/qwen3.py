@@ -1,5 +1,7 @@
-"""Qwen3 (dense): Llama's layer with each query and key head RMS-normalized before the
-rotary embedding (`q_norm`, `k_norm`, one weight of head_dim each, shared by the heads)."""
+"""Qwen3 and Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Llama's layer with each query and key
+head RMS-normalized before the rotary embedding (`q_norm`, `k_norm`, one weight of head_dim
+each, shared by the heads); Qwen3-MoE's Mixture-of-Experts block in the layers
+`decoder_sparse_step` and `mlp_only_layers` select (moe.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import torch
 
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.decoder import CausalLM
-from pdserve.engine.models.layers import MLP, Attention, DecoderLayer, RMSNorm
+from pdserve.engine.models.layers import Attention, DecoderLayer, RMSNorm
+from pdserve.engine.models.moe import mlp_of_layer
 from pdserve.engine.parallel import TensorParallel
 
 
@@ -25,5 +28,4 @@ class Qwen3Attention(Attention):
 class Qwen3ForCausalLM(CausalLM):
     @staticmethod
     def make_layer(arch: ModelArch, layer_idx: int, tp: TensorParallel) -> DecoderLayer:
-        mlp = MLP(arch.hidden_size, tp.plan.intermediate_size, arch.mlp_bias, tp)
-        return DecoderLayer(arch, Qwen3Attention(arch, layer_idx, tp), mlp)
+        return DecoderLayer(arch, Qwen3Attention(arch, layer_idx, tp), mlp_of_layer(arch, layer_idx, tp))

@@ -1,10 +1,11 @@
 """Which class runs which model: Hugging Face's `model_type` -> a CausalLM subclass, and
 what is known of a model from its class alone (parameter counts, checkpoint tensors).
 
-To add a family: one file under engine/models/ with a CausalLM subclass whose
-`make_layer` builds its decoder layer from layers.py (and moe.py), a line in MODELS, a
-dummy shape in arch.py if benchmarks want one, and what its config adds read in
-`ModelArch.from_hf_config` (refusing what the file does not implement).
+To add a family: a line in MODELS when a class here builds its layer (the MoE families
+differ from their dense ones only in ModelArch.moe), else one file under engine/models/
+with a CausalLM subclass whose `make_layer` builds its layer from layers.py and moe.py, and
+its line; what its config adds read in `ModelArch.from_hf_config` (refusing what no file
+implements); a dummy shape in arch.py if benchmarks want one.
 """
 
 from __future__ import annotations
@@ -20,19 +21,16 @@ from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.loading import checkpoint_names
-from pdserve.engine.models.mixtral import MixtralForCausalLM
-from pdserve.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from pdserve.engine.models.qwen3 import Qwen3ForCausalLM
-from pdserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
-    "mixtral": MixtralForCausalLM,
-    "qwen3_moe": Qwen3MoeForCausalLM,
-    "qwen2_moe": Qwen2MoeForCausalLM,
+    "mixtral": LlamaForCausalLM,  # its MoE layers are ModelArch.moe's (moe.py)
+    "qwen2_moe": LlamaForCausalLM,
+    "qwen3_moe": Qwen3ForCausalLM,
 }
 
 
