@@ -1,13 +1,24 @@
 """Fused Mixture-of-Experts: each token's top-k experts' SwiGLU MLPs, summed with the
-router's weights, as two grouped GEMMs (vLLM's and SGLang's fused_moe, simpler).
+router's weights (vLLM's and SGLang's fused_moe, simpler), and the router's top-k itself.
 
-The (token, slot) pairs are sorted by expert and each expert's run padded to a multiple
-of BLOCK_M (`_align`, plain torch without a host sync: every size is fixed by the token
-count, so a CUDA graph can hold it). A program of the first kernel takes BLOCK_M pairs of
-one expert and BLOCK_N columns of its gate and of its up projection, accumulates both
-over the hidden dimension and stores silu(gate) * up: the gate/up GEMM and SwiGLU's
-activation in one kernel. The second multiplies that by the expert's down projection and
-the pair's routing weight; the k slots of a token are summed last.
+Two paths, picked by the number of (token, slot) pairs:
+- Few pairs (a decode step of a small batch): every pair's experts are (nearly) all
+  different, so the layer is a weight read. A program of `_pair_gate_up_kernel` takes one
+  pair and BLOCK_N columns of its expert's gate and up projections, GEMV-style (elementwise
+  products in float32, one reduction at the end), and stores silu(gate) * up; a program of
+  `_token_down_kernel` takes one token and BLOCK_N rows of the down projection and sums its
+  k experts' rows, weighted: no sorting, no padding, no partial sums, two launches.
+- Many pairs (prefill, large batches): grouped GEMMs. The pairs are sorted by expert and
+  each expert's run padded to a multiple of BLOCK_M (`_align`, plain torch without a host
+  sync: every size is fixed by the token count, so a CUDA graph can hold it). A program of
+  `_gate_up_silu_kernel` takes BLOCK_M pairs of one expert and BLOCK_N columns of its gate
+  and up projections (tl.dot over the hidden dimension) and stores silu(gate) * up; then
+  `_down_kernel` multiplies that by the expert's down projection and the pair's routing
+  weight; the k slots of a token are summed last.
+
+Tile sizes and the path come from `_config`: a table swept on the H200
+(`benchmarks/moe_sweep.py`, results in benchmarks/RESULTS.md) for the shapes it timed,
+rules elsewhere.
 
 Experts outside this rank's (expert parallelism: ids first_expert .. first_expert + E - 1
 are here) contribute nothing; blocks past the padded runs exit at once.
@@ -15,12 +26,135 @@ are here) contribute nothing; blocks past the padded runs exit at once.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import _pdl
+
 
 @triton.jit
+def _topk_route_kernel(
+    logits_ptr,       # [T, E]: the router's logits
+    weights_ptr,      # [T, K] float32: the k largest softmax probabilities, renormalized if asked
+    ids_ptr,          # [T, K] int64: their experts, largest first
+    num_experts, stride_lt,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    token = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    ok = cols < num_experts
+    _pdl.wait(PDL)
+    logits = tl.load(logits_ptr + token * stride_lt + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, 0))
+    probs = tl.where(ok, probs / tl.sum(probs, 0), -1.0)
+    slots = tl.arange(0, BLOCK_K)
+    chosen = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    chosen_ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(probs, 0)
+        best_id = tl.min(tl.where(probs == best, cols, BLOCK_E), 0)  # the lowest id among equals, as torch.topk
+        chosen = tl.where(slots == slot, best, chosen)
+        chosen_ids = tl.where(slots == slot, best_id.to(tl.int64), chosen_ids)
+        probs = tl.where(cols == best_id, -1.0, probs)
+    if RENORMALIZE:
+        chosen = chosen / tl.sum(tl.where(slots < TOP_K, chosen, 0.0), 0)
+    tl.store(weights_ptr + token * TOP_K + slots, chosen, mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
+
+
+def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> (weights [T, k] float32, expert ids [T, k] int64): softmax over every
+    expert in float32, the k largest (the lowest id first among equal ones), renormalized to
+    sum to 1 when asked. One launch per step, no host sync (the router of a decode step is
+    otherwise five small kernels)."""
+    num_tokens, num_experts = router_logits.shape
+    if router_logits.stride(-1) != 1:
+        raise ValueError(f"topk_route: the logits' last dim must be contiguous, got strides {router_logits.stride()}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"topk_route: top_k must be in 1..{num_experts}, got {top_k}")
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=router_logits.device)
+    if num_tokens:
+        pdl = _pdl.pdl(router_logits)
+        _topk_route_kernel[(num_tokens,)](
+            router_logits, weights, ids, num_experts, router_logits.stride(0),
+            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_K=triton.next_power_of_2(top_k), PDL=pdl, launch_pdl=pdl)
+    return weights, ids
+
+
+@triton.jit
+def _pair_gate_up_kernel(
+    x_ptr,            # [T, H]
+    w13_ptr,          # [E, 2I, H]
+    out_ptr,          # [T * k, I]: silu(gate) * up of every pair of this rank's experts
+    ids_ptr,          # [T * k]: each pair's expert (the model's id)
+    first_expert, num_local, top_k, hidden, inter,
+    stride_xt, stride_we, stride_wn, stride_ot,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < inter
+    _pdl.wait(PDL)
+    expert = tl.load(ids_ptr + pair) - first_expert
+    if (expert < 0) | (expert >= num_local):
+        return
+    x = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
+    gate = w13_ptr + expert.to(tl.int64) * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+    up = gate + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        xk = tl.load(x + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = row_ok[:, None] & k_ok[None, :]
+        acc_gate += tl.load(gate + ks[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * xk
+        acc_up += tl.load(up + ks[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * xk
+    g = tl.sum(acc_gate, axis=1)
+    act = g / (1.0 + tl.exp(-g)) * tl.sum(acc_up, axis=1)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_ot + rows, act.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _token_down_kernel(
+    act_ptr,          # [T * k, I]
+    w2_ptr,           # [E, H, I]
+    weights_ptr,      # [T * k] float32
+    ids_ptr,          # [T * k]
+    out_ptr,          # [T, H]: the token's weighted sum over its k experts
+    first_expert, num_local, top_k, hidden, inter,
+    stride_at, stride_we, stride_wn, stride_ot,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    token = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < hidden
+    _pdl.wait(PDL)
+    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in range(0, top_k):
+        pair = token * top_k + slot
+        expert = tl.load(ids_ptr + pair) - first_expert
+        if (expert >= 0) & (expert < num_local):
+            w = w2_ptr + expert.to(tl.int64) * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+            a = act_ptr + pair.to(tl.int64) * stride_at
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in tl.range(0, inter, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < inter
+                ak = tl.load(a + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                acc += tl.load(w + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                               eviction_policy="evict_first").to(tl.float32) * ak
+            y += tl.load(weights_ptr + pair) * tl.sum(acc, axis=1)
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])  # it changes with every step's tokens
 def _gate_up_silu_kernel(
     x_ptr,            # [T, H]: the tokens
     w13_ptr,          # [E, 2I, H]: each expert's gate rows, then its up rows
@@ -29,7 +163,7 @@ def _gate_up_silu_kernel(
     block_expert_ptr,  # [M_max / BLOCK_M] int32: the expert of each block of pairs, -1 past the last
     num_pairs, top_k, hidden, inter,
     stride_xt, stride_we, stride_wn, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -51,14 +185,14 @@ def _gate_up_silu_kernel(
         wmask = k_ok[:, None] & col_ok[None, :]
         gate = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=wmask, other=0.0)  # [BK, BN]
         up = tl.load(w + (inter + cols[None, :]) * stride_wn + ks[:, None], mask=wmask, other=0.0)
-        acc_gate = tl.dot(a, gate, acc_gate)
-        acc_up = tl.dot(a, up, acc_up)
+        acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :]
     tl.store(out, act.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     act_ptr,          # [T * k, I]
     w2_ptr,           # [E, H, I]
@@ -67,7 +201,7 @@ def _down_kernel(
     pair_ids_ptr, block_expert_ptr,
     num_pairs, hidden, inter,
     stride_at, stride_we, stride_wn, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -86,7 +220,7 @@ def _down_kernel(
         a = tl.load(act_ptr + rows[:, None] * stride_at + ks[None, :], mask=pair_ok[:, None] & k_ok[None, :],
                     other=0.0)
         b = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     weight = tl.load(weights_ptr + rows, mask=pair_ok, other=0.0)
     out = out_ptr + rows[:, None] * stride_ot + cols[None, :]
     tl.store(out, (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
@@ -98,7 +232,8 @@ def _align(ids: torch.Tensor, num_experts: int, first_expert: int, block_m: int)
     num_pairs = ids.numel()
     local = ids.flatten() - first_expert
     local = torch.where((local >= 0) & (local < num_experts), local, num_experts)  # others: a bucket of their own
-    counts = torch.bincount(local, minlength=num_experts + 1)[:num_experts]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts = counts.scatter_add_(0, local, torch.ones_like(local))[:num_experts]  # bincount syncs with the host
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
@@ -118,8 +253,57 @@ def _align(ids: torch.Tensor, num_experts: int, first_expert: int, block_m: int)
     return pair_ids[:max_pairs], block_expert
 
 
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """One kernel's launch: BLOCK_N output columns (and BLOCK_M pairs on the grouped path)
+    per program, BLOCK_K of the reduction per iteration."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    block_m: int = 16
+    num_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one fused_moe call runs: per pair and token (`grouped=False`, few pairs) or as
+    grouped GEMMs over pairs sorted by expert; the tiles of its two kernels."""
+
+    grouped: bool
+    gate_up: Tile
+    down: Tile
+
+    def __post_init__(self) -> None:
+        for name, tile in (("gate_up", self.gate_up), ("down", self.down)):
+            blocks = {"block_n": tile.block_n, "block_k": tile.block_k}
+            if self.grouped:
+                blocks["block_m"] = tile.block_m
+            for block, size in blocks.items():
+                low = 16 if self.grouped else 1
+                if size < low or size & (size - 1):
+                    raise ValueError(f"fused_moe: {name}.{block} must be a power of two >= {low}, got {size}")
+
+
+PAIRS = Plan(False, Tile(8, 256), Tile(8, 256))
+GROUPED = Plan(True, Tile(64, 64), Tile(64, 64))
+
+# (experts, hidden, intermediate, top_k) -> ((most tokens, plan), ...), ascending: the plan of
+# the first entry whose bound is >= the call's tokens, else the last. Swept on the H200
+# (benchmarks/moe_sweep.py; benchmarks/RESULTS.md, "Fused MoE on the H200").
+_TUNED: dict[tuple[int, int, int, int], tuple[tuple[int, Plan], ...]] = {}
+
+
+def plan_for(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int) -> Plan:
+    """The sweep's plan for a shape it timed, else per pair up to 64 pairs and grouped above."""
+    table = _TUNED.get((num_experts, hidden, inter, top_k))
+    if table:
+        return next((plan for most, plan in table if num_tokens <= most), table[-1][1])
+    return PAIRS if num_tokens * top_k <= 64 else GROUPED
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              first_expert: int = 0, block_m: int = 16, block_n: int = 64, block_k: int = 32) -> torch.Tensor:
+              first_expert: int = 0, plan: Plan | None = None) -> torch.Tensor:
     """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]), an expert being the SwiGLU MLP
     down(silu(gate(x)) * up(x)), over the experts this rank holds.
 
@@ -131,7 +315,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         ids: [T, k] int: each token's experts; those outside first_expert .. first_expert + E - 1
             (another rank's, under expert parallelism) contribute nothing.
         first_expert: the model's id of w13[0].
-        block_m, block_n, block_k: the tile (powers of two, >= 16).
+        plan: the path and tiles; `plan_for` the call's shape when None.
 
     Returns:
         A new [T, H] in x's dtype.
@@ -152,25 +336,61 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != num_tokens:
         raise ValueError(f"fused_moe: ids and weights must both be [{num_tokens}, k], got {tuple(ids.shape)} "
                          f"and {tuple(weights.shape)}")
-    for name, block in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        if block < 16 or block & (block - 1):
-            raise ValueError(f"fused_moe: {name} must be a power of two >= 16, got {block}")
     top_k = ids.shape[1]
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros((num_tokens, hidden), dtype=x.dtype, device=x.device)
-    pair_ids, block_expert = _align(ids, num_experts, first_expert, block_m)
+    plan = plan or plan_for(num_tokens, num_experts, hidden, inter, top_k)
+    weights = weights.reshape(-1).to(torch.float32)
+    ids = ids.reshape(-1)
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    num_blocks = block_expert.shape[0]
-    _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+    if not plan.grouped:
+        return _per_pair(x, w13, w2, weights, ids, act, first_expert, top_k, plan)
+    return _grouped(x, w13, w2, weights, ids, act, first_expert, top_k, plan)
+
+
+def _per_pair(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+              act: torch.Tensor, first_expert: int, top_k: int, plan: Plan) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], act.shape[1]
+    out = torch.empty_like(x)
+    pdl = _pdl.pdl(x)
+    up, down = plan.gate_up, plan.down
+    _pair_gate_up_kernel[(act.shape[0], triton.cdiv(inter, up.block_n))](
+        x, w13, act, ids, first_expert, num_experts, top_k, hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        BLOCK_N=up.block_n, BLOCK_K=up.block_k, PDL=pdl, num_warps=up.num_warps, num_stages=up.num_stages,
+        launch_pdl=pdl)
+    _token_down_kernel[(num_tokens, triton.cdiv(hidden, down.block_n))](
+        act, w2, weights, ids, out, first_expert, num_experts, top_k, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_N=down.block_n, BLOCK_K=down.block_k, PDL=pdl, num_warps=down.num_warps, num_stages=down.num_stages,
+        launch_pdl=pdl)
+    return out
+
+
+def _grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+             act: torch.Tensor, first_expert: int, top_k: int, plan: Plan) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], act.shape[1]
+    num_pairs = act.shape[0]
+    up, down = plan.gate_up, plan.down
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 exact, as torch without TF32
+    pair_ids, block_expert = _align(ids, num_experts, first_expert, up.block_m)
+    _gate_up_silu_kernel[(block_expert.shape[0], triton.cdiv(inter, up.block_n))](
         x, w13, act, pair_ids, block_expert, num_pairs, top_k, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=up.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, DOT_PRECISION=precision, num_warps=up.num_warps,
+        num_stages=up.num_stages,
     )
+    if down.block_m != up.block_m:
+        pair_ids, block_expert = _align(ids, num_experts, first_expert, down.block_m)
     per_pair = torch.zeros((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        act, w2, weights.reshape(-1).to(torch.float32), per_pair, pair_ids, block_expert, num_pairs, hidden, inter,
+    _down_kernel[(block_expert.shape[0], triton.cdiv(hidden, down.block_n))](
+        act, w2, weights, per_pair, pair_ids, block_expert, num_pairs, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=down.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k, DOT_PRECISION=precision,
+        num_warps=down.num_warps,
+        num_stages=down.num_stages,
     )
     return torch.sum(per_pair.view(num_tokens, top_k, hidden), dim=1)

@@ -20,12 +20,15 @@ from torch import nn
 from pdserve.engine.models.arch import ModelArch, MoEArch
 from pdserve.engine.models.layers import MLP, Linear
 from pdserve.engine.parallel import Collectives, TensorParallel
-from pdserve.kernels.fused_moe import fused_moe
+from pdserve.kernels.fused_moe import fused_moe, topk_route
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, experts] logits -> (weights [T, k] float32, expert ids [T, k] int64): softmax over
-    every expert in float32, the k largest, renormalized to sum to 1 when asked."""
+    every expert in float32, the k largest, renormalized to sum to 1 when asked. On a GPU
+    one Triton launch (`topk_route`) does it all."""
+    if router_logits.is_cuda:
+        return topk_route(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

@@ -209,3 +209,33 @@ def test_speculation_under_cuda_graphs_keeps_greedy_output(tmp_path, method, ada
     assert outputs[False, "none"] == want
     assert outputs[True, method] == want
     assert outputs[False, method] == want
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
+def test_the_new_families_on_cuda_match_hf_and_graphs_replay_the_eager_tokens(tmp_path, family):
+    """Qwen3 and the MoE families on the GPU (the fused MoE kernel and its Triton router,
+    both paths: a decode step's few pairs and a prefill's many) against HF on the same GPU,
+    float32, where decode steps replayed from CUDA graphs also give exactly the tokens of
+    eager ones."""
+    from tests.engine import test_new_families as families
+
+    make_config = getattr(families, family)
+    hf = families._saved(make_config, tmp_path).cuda()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = families._prompts() + [list(range(1, 200))]  # a prompt past 64 pairs: the grouped path
+    params = SamplingParams(temperature=0.0, max_tokens=families.NEW_TOKENS, ignore_eos=True)
+    engine = Engine(EngineConfig(model=ModelConfig(source=str(tmp_path), device="cuda", dtype="float32"),
+                                 cache=CacheConfig(num_blocks=256)))
+    for prompt, out in zip(prompts, engine.generate(prompts, params)):
+        want, logits = hf_greedy(hf, prompt, families.NEW_TOKENS)
+        assert_matches_reference(out.token_ids, want, logits.cpu(), f"{family}, prompt of {len(prompt)}")
+    assert engine.runner.graphs is not None
+    tokens = {}
+    for eager in (True, False):
+        engine = Engine(EngineConfig(
+            model=ModelConfig(source=str(tmp_path), device="cuda", dtype="float32", enforce_eager=eager),
+            cache=CacheConfig(num_blocks=256)))
+        tokens[eager] = [o.token_ids for o in engine.generate(prompts, params)]
+        if not eager:
+            assert sum(engine.runner.graphs.num_replays.values()) > 0
+    assert tokens[True] == tokens[False]

@@ -1,6 +1,7 @@
-"""fused_moe against the float64 reference: 1 to 512 tokens, 4 to 64 experts, top-k 1 to 8,
-experts that receive no token, every token on one expert, another rank's experts (expert
-parallelism), and the engine's CPU path (moe.experts_reference) on the same inputs."""
+"""fused_moe against the float64 reference, on both its paths (per pair and grouped): 1 to
+512 tokens, 4 to 64 experts, top-k 1 to 8, experts that receive no token, every token on one
+expert, another rank's experts (expert parallelism), and the engine's CPU path
+(moe.experts_reference) on the same inputs; topk_route against torch's softmax and topk."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import pytest
 import torch
 
 from pdserve.engine.models.moe import experts_reference, route
-from pdserve.kernels.fused_moe import fused_moe
+from pdserve.kernels.fused_moe import Plan, Tile, fused_moe, plan_for, topk_route
 from tests.kernels.reference import ref_fused_moe, rel_error, tolerance
 
-COVERS = ("fused_moe",)
+COVERS = ("fused_moe", "plan_for", "topk_route")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -26,6 +27,11 @@ def _inputs(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: i
     return x, w13, w2, weights, ids
 
 
+# Tiles smaller than the test sizes, so every kernel crosses tile edges.
+PER_PAIR = Plan(False, Tile(8, 16), Tile(16, 16))
+GROUPED = Plan(True, Tile(32, 32), Tile(32, 32))
+PLANS = {"per_pair": PER_PAIR, "grouped": GROUPED}
+
 # (tokens, hidden, intermediate, experts, top_k): sizes across the tiles, and the edges.
 CASES = [
     (1, 32, 32, 4, 1),
@@ -37,29 +43,35 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("path", PLANS)
 @pytest.mark.parametrize(("num_tokens", "hidden", "inter", "num_experts", "top_k"), CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_moe_matches_the_reference(num_tokens, hidden, inter, num_experts, top_k, dtype):
+def test_fused_moe_matches_the_reference(num_tokens, hidden, inter, num_experts, top_k, dtype, path):
+    if path == "per_pair" and num_tokens * top_k > 64:
+        num_tokens = 32 // top_k  # the per-pair path's domain (and the interpreter's patience)
     x, w13, w2, weights, ids = _inputs(num_tokens, hidden, inter, num_experts, top_k, dtype)
-    out = fused_moe(x, w13, w2, weights, ids, block_n=32)
+    out = fused_moe(x, w13, w2, weights, ids, plan=PLANS[path])
     assert out.shape == (num_tokens, hidden) and out.dtype == dtype
     assert rel_error(out, ref_fused_moe(x, w13, w2, weights, ids)) < tolerance(dtype)
 
 
-def test_every_token_on_one_expert_and_experts_with_none():
-    x, w13, w2, weights, _ = _inputs(40, 32, 16, 8, 2, torch.float32)
-    ids = torch.tensor([[3, 5]] * 40, device=DEVICE)  # experts 3 and 5 get all 40, the other six none
-    out = fused_moe(x, w13, w2, weights, ids)
+@pytest.mark.parametrize("path", PLANS)
+def test_every_token_on_one_expert_and_experts_with_none(path):
+    x, w13, w2, weights, _ = _inputs(20, 32, 16, 8, 2, torch.float32)
+    ids = torch.tensor([[3, 5]] * 20, device=DEVICE)  # experts 3 and 5 get all 20, the other six none
+    out = fused_moe(x, w13, w2, weights, ids, plan=PLANS[path])
     assert rel_error(out, ref_fused_moe(x, w13, w2, weights, ids)) < tolerance(torch.float32)
 
 
-def test_another_ranks_experts_contribute_nothing():
+@pytest.mark.parametrize("path", PLANS)
+def test_another_ranks_experts_contribute_nothing(path):
     """Expert parallelism: this rank holds experts 4..7 of 8; tokens routed elsewhere get
     only their local experts' share (zero when none is local)."""
     x, w13, w2, weights, ids = _inputs(24, 32, 16, 8, 2, torch.float32, seed=3)
     ids[0] = torch.tensor([0, 1])  # nothing here for token 0
     local = slice(4, 8)
-    out = fused_moe(x, w13[local].contiguous(), w2[local].contiguous(), weights, ids, first_expert=4)
+    out = fused_moe(x, w13[local].contiguous(), w2[local].contiguous(), weights, ids, first_expert=4,
+                    plan=PLANS[path])
     ref = ref_fused_moe(x, w13[local], w2[local], weights, ids, first_expert=4)
     assert rel_error(out, ref) < tolerance(torch.float32)
     assert (out[0] == 0).all()
@@ -82,7 +94,6 @@ def test_no_tokens():
     (lambda a: {**a, "w2": a["w2"].transpose(1, 2)}, "w2 must be a contiguous"),
     (lambda a: {**a, "w13": a["w13"].half()}, "x's dtype"),
     (lambda a: {**a, "ids": a["ids"][:, :1]}, "ids and weights"),
-    (lambda a: {**a, "block_m": 24}, "block_m must be a power of two"),
 ])
 def test_bad_input_is_refused_by_name(change, match):
     x, w13, w2, weights, ids = _inputs(4, 32, 16, 4, 2, torch.float32)
@@ -91,13 +102,75 @@ def test_bad_input_is_refused_by_name(change, match):
         fused_moe(**args)
 
 
+def test_a_bad_tile_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"gate_up.block_m must be a power of two >= 16"):
+        Plan(True, Tile(32, 32, block_m=24), Tile(32, 32))
+    with pytest.raises(ValueError, match=r"down.block_n must be a power of two >= 1"):
+        Plan(False, Tile(8, 16), Tile(6, 16))
+
+
+def test_few_pairs_run_per_pair_and_many_grouped_where_no_sweep_says():
+    assert not plan_for(1, 64, 32, 16, 8).grouped and plan_for(512, 64, 32, 16, 8).grouped
+
+
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "renormalize"), [
+    (1, 4, 1, False), (7, 8, 2, True), (3, 60, 4, False), (5, 128, 8, True), (2, 6, 6, True),
+])
+def test_topk_route_is_softmax_then_topk(num_tokens, num_experts, top_k, renormalize):
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_experts)).to(DEVICE)
+    weights, ids = topk_route(logits.half(), top_k, renormalize)
+    probs = torch.softmax(logits.half().double(), dim=-1)
+    want, want_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        want = want / want.sum(dim=-1, keepdim=True)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids.cpu(), want_ids.cpu())
+    torch.testing.assert_close(weights.double().cpu(), want.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_topk_route_takes_the_lowest_id_among_equal_experts():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0]], device=DEVICE)
+    _, ids = topk_route(logits, 3, renormalize=False)
+    assert ids.tolist() == [[1, 3, 4]]
+
+
+def test_topk_route_refuses_a_top_k_past_the_experts():
+    with pytest.raises(ValueError, match="top_k must be in 1..4"):
+        topk_route(torch.zeros(2, 4, device=DEVICE), 5, renormalize=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("num_tokens", "hidden", "inter", "num_experts", "top_k"), [
     (1, 2048, 768, 128, 8), (64, 2048, 768, 128, 8), (256, 2048, 768, 128, 8),  # Qwen3-30B-A3B
     (1, 4096, 14336, 8, 2), (128, 4096, 14336, 8, 2),  # Mixtral-8x7B
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_moe_gpu_real_sizes(num_tokens, hidden, inter, num_experts, top_k, dtype):
+@pytest.mark.parametrize("path", ["tuned", *PLANS])
+def test_fused_moe_gpu_real_sizes(num_tokens, hidden, inter, num_experts, top_k, dtype, path):
     x, w13, w2, weights, ids = _inputs(num_tokens, hidden, inter, num_experts, top_k, dtype)
-    out = fused_moe(x, w13, w2, weights, ids)
+    out = fused_moe(x, w13, w2, weights, ids, plan=PLANS.get(path))
     assert rel_error(out, ref_fused_moe(x, w13, w2, weights, ids)) < tolerance(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 64, 256])
+def test_fused_moe_under_a_cuda_graph_is_the_eager_result(num_tokens):
+    """Routing and experts captured in one graph (as a decode step is) replay the eager result
+    on new inputs written into the captured buffers: no host sync, no size read back."""
+    x, w13, w2, _, _ = _inputs(num_tokens, 2048, 768, 128, 8, torch.bfloat16)
+    logits = torch.randn(num_tokens, 128, device=DEVICE, dtype=torch.bfloat16)
+
+    def step() -> torch.Tensor:
+        weights, ids = route(logits, 8, renormalize=True)
+        return fused_moe(x, w13, w2, weights, ids)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    x.copy_(torch.randn_like(x))
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, step())
