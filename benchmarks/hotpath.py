@@ -19,8 +19,9 @@ default). Figures, random token ids throughout:
   decode step plus that chunk alone.
 - offline: N requests of 1k random ids, 1k output tokens each (ignore_eos, temperature 1),
   `Engine.generate`: output tokens/s.
-Limits printed beside them: the weight-read bound for decode (bytes / 4.3 TB/s), the
-compute bound for prefill (~700 TFLOP/s).
+Limits printed beside them: the weight-read bound for decode (bytes / 4.3 TB/s; a Mixture of
+Experts counts the experts a token uses, top-k of them), the compute bound for prefill (~700
+TFLOP/s, the active parameters). A tree that fails leaves its column empty.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     num_params = sum(p.numel() for p in engine.model.parameters())
     out: dict[str, float] = {"weight_bytes": float(weight_bytes), "num_params": float(num_params)}
+    if getattr(arch, "moe", None) is not None:  # a token reads only its experts' weights
+        active = importlib.import_module(f"{package}.models.registry").param_counts(arch).active
+        out["weight_bytes"] = float(weight_bytes * active / num_params)
+        out["num_params"] = float(active)
 
     def run_alone(prompt: list[int], params: SamplingParams) -> list[float]:
         """Times (s, from submission) of each delta of one request run alone."""
@@ -196,7 +201,9 @@ def _run_tree(tree: Path, args: argparse.Namespace, kv_cache_dtype: str) -> dict
         argv += ["--profile"] if args.profile else []
         # Run by path without its folder on sys.path (benchmarks/kernels.py would shadow `kernels`).
         code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
-        subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True)
+        if subprocess.run([sys.executable, "-c", code], cwd=tree, env=env).returncode:
+            print(f"{tree}: failed (above); its column stays empty", flush=True)
+            return {}
         return json.loads(Path(f.name).read_text())
 
 
@@ -250,7 +257,8 @@ def main() -> None:
         args.json.write_text(json.dumps(results, indent=1))
     names = list(results)
     limits = _limits(results[names[-1]])
-    print(f"\n{args.model}, one GPU; limits from weights {results[names[-1]]['weight_bytes'] / 1e9:.1f} GB")
+    print(f"\n{args.model}, one GPU; limits from the weights a token reads, "
+          f"{results[names[-1]]['weight_bytes'] / 1e9:.1f} GB")
     print("| figure | " + " | ".join(names) + (" | change" if len(names) >= 2 else "") + " | limit |")
     print("|---|" + "---:|" * (len(names) + (1 if len(names) >= 2 else 0)) + "---:|")
     for key, label, _ in ROWS:
@@ -261,6 +269,8 @@ def main() -> None:
             change = f" | {vals[-1] / vals[0]:.2f}x" if vals[0] and vals[-1] else " | -"
         print(f"| {label} | " + " | ".join(cells) + change + f" | {limits.get(key, '')} |")
     for n in names:
+        if not results[n]:
+            continue
         print(f"{n}: offline {results[n]['offline_s']:.1f} s, {results[n]['num_preemptions']:.0f} preemptions")
 
 

@@ -16,6 +16,7 @@ import torch
 from pdserve.engine.attention import backend_for
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import StepGraphs
+from pdserve.engine.executor import Executor, kv_layout, load_shard
 from pdserve.engine.kv_budget import blocks_that_fit, draft_memory
 from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.engine.model_runner import ModelRunner
@@ -24,8 +25,8 @@ from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.parallel import ShardPlan, TensorParallel, check_splits
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.step_inputs import StepInputBuilder
-from pdserve.engine.tensor_parallel import TensorParallelRanks, kv_layout
-from pdserve.engine.weights import ModelFiles, load_model, load_tokenizer, resolve_model
+from pdserve.engine.tensor_parallel import TensorParallelRanks
+from pdserve.engine.weights import ModelFiles, load_tokenizer, resolve_model
 from pdserve.kernels.paged_decode import paged_verify_fits
 
 logger = logging.getLogger(__name__)
@@ -78,9 +79,8 @@ def _assemble(config: EngineConfig, files: ModelFiles, tokenizer: Any | None, li
               ranks: TensorParallelRanks | None, tp: TensorParallel | None, device: torch.device,
               dtype: torch.dtype) -> EngineParts:
     arch = files.arch
-    model = load_model(files, limit, device, dtype, config.model.seed, tp)
-    kv_dtype = config.cache.kv_dtype(dtype)
-    layout = kv_layout(files, kv_dtype, model.tp.plan, config.cache.block_size)
+    model, layout = load_shard(config, files, limit, device, tp)
+    kv_dtype = layout.dtype
     num_blocks = config.cache.num_blocks or blocks_that_fit(config, layout, device, draft_memory(config, arch))
     pool = KVPool(layout, num_blocks, device)
     kv_shards = [(pool.kv, layout.kv_head_start)]
@@ -92,7 +92,7 @@ def _assemble(config: EngineConfig, files: ModelFiles, tokenizer: Any | None, li
         raise ValueError(f"max_model_len {limit} needs {limit} KV slots; the pool has {capacity}")
     max_model_len = min(limit, capacity)
     sampler = Sampler(config.model.seed, device)
-    backend = backend_for(device, dtype)
+    executor = Executor(model, pool, backend_for(device, dtype))
     sched = config.scheduler
     inputs = StepInputBuilder(layout.block_size, -(-max_model_len // layout.block_size),
                               max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs, device)
@@ -105,10 +105,9 @@ def _assemble(config: EngineConfig, files: ModelFiles, tokenizer: Any | None, li
         group = arch.num_heads // arch.num_kv_heads
         verify = tuple(k + 1 for k in range(1, spec.num_speculative_tokens + 1)
                        if spec.enabled and paged_verify_fits(k + 1, group))
-        graphs = StepGraphs(model, pool, backend, inputs, arch.head_dim ** -0.5, sched.max_num_seqs, (1, *verify),
-                            spec.max_graph_batch)
+        graphs = StepGraphs(executor, inputs, sched.max_num_seqs, (1, *verify), spec.max_graph_batch)
         graphs.capture()
-    runner = ModelRunner(model, pool, backend, sampler, inputs, graphs, ranks)
+    runner = ModelRunner(executor, sampler, inputs, graphs, ranks)
     logger.info("engine ready: %s on %s (%s, tensor parallel %d), %d KV blocks of %d tokens (%s), max_model_len %d",
                 files.name, device, dtype, config.parallel.tensor_parallel_size, num_blocks, layout.block_size,
                 kv_dtype, max_model_len)

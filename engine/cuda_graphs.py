@@ -23,11 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.attention import AttentionBackend
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.executor import Executor
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.engine.step_inputs import StepInputBuilder, StepInputs
+from pdserve.engine.step_inputs import StepInputBuilder
 from pdserve.kernels.paged_decode import decode_num_splits
 
 logger = logging.getLogger(__name__)
@@ -53,14 +51,10 @@ class StepGraphs:
         (speculation does not pay at large batches, so their graphs stop earlier).
     """
 
-    def __init__(self, model: CausalLM, pool: KVPool, backend: AttentionBackend, inputs: StepInputBuilder,
-                 scale: float, max_batch: int, tokens_per_seq: tuple[int, ...] = (1,),
-                 max_multi_batch: int | None = None) -> None:
-        self.model = model
-        self.pool = pool
-        self.backend = backend
+    def __init__(self, executor: Executor, inputs: StepInputBuilder, max_batch: int,
+                 tokens_per_seq: tuple[int, ...] = (1,), max_multi_batch: int | None = None) -> None:
+        self.executor = executor
         self.inputs = inputs
-        self.scale = scale
         self.tokens_per_seq = tuple(sorted(set(tokens_per_seq)))
         buckets = [b for b in BUCKETS if b <= max_batch] or [1]
         if buckets[-1] < max_batch:
@@ -68,6 +62,7 @@ class StepGraphs:
         # A bucket of q tokens per sequence needs bucket * q input rows.
         self.buckets = {q: [b for b in buckets if b * q <= inputs.max_tokens
                             and (q == 1 or b <= (max_multi_batch or max_batch))] for q in self.tokens_per_seq}
+        pool = executor.pool
         block_size, kv_heads, head_dim = pool.layout.block_size, pool.layout.num_kv_heads, pool.layout.head_dim
         widths = sorted({-(-t // block_size) for t in TIER_TOKENS if t < inputs.max_blocks * block_size}
                         | {inputs.max_blocks})
@@ -110,11 +105,12 @@ class StepGraphs:
         keys = [(b, q, w) for q, bs in self.buckets.items() for b in bs for w in self.tiers[b]]
         for bucket, q, width in sorted(keys, key=lambda k: (k[0] * k[1], k[2]), reverse=True):
             step_inputs = self.inputs.graph_inputs(bucket, width, q)
-            self._forward(step_inputs)  # warm up: Triton compiles outside the capture
+            self.executor.forward(step_inputs, every_row=True)  # warm up: Triton compiles outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool_handle):
-                logits = self._forward(step_inputs)
+                logits = self.executor.forward(step_inputs, every_row=True)
+            assert logits is not None
             self._graphs[bucket, q, width] = _Graph(graph, logits)
         torch.cuda.synchronize()
         for q, bs in self.buckets.items():
@@ -145,8 +141,3 @@ class StepGraphs:
         end.record()
         end.synchronize()
         return begin.elapsed_time(end) / iters
-
-    def _forward(self, step_inputs: StepInputs) -> torch.Tensor:
-        step = self.backend.begin_step(step_inputs.meta, self.pool, self.scale)
-        hidden = self.model(step_inputs.input_ids, step_inputs.positions, step)
-        return self.model.compute_logits(hidden)

@@ -6,10 +6,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from pdserve.engine.attention import AttentionBackend
 from pdserve.engine.cuda_graphs import StepGraphs
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.executor import Executor
 from pdserve.engine.sampler import PendingSample, Sampler, TokenLogprobs
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
@@ -60,18 +58,15 @@ class StepLogits(Mapping[Sequence, torch.Tensor]):
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, backend: AttentionBackend, sampler: Sampler,
-                 inputs: StepInputBuilder, graphs: StepGraphs | None = None,
-                 ranks: TensorParallelRanks | None = None) -> None:
-        self.model = model
+    def __init__(self, executor: Executor, sampler: Sampler, inputs: StepInputBuilder,
+                 graphs: StepGraphs | None = None, ranks: TensorParallelRanks | None = None) -> None:
+        self.executor = executor  # runs each eager step (the graphs were captured through it)
+        self.model = executor.model
         self.ranks = ranks  # the other tensor-parallel ranks: each eager step is sent to them first
         self.inputs = inputs  # the one builder of step inputs (shared with the graphs)
         self.graphs = graphs  # uniform steps (decodes, verifications) replay these (CUDA)
-        self.pool = pool
-        self.backend = backend
         self.sampler = sampler
-        self.device = pool.kv.device
-        self.scale = model.arch.head_dim ** -0.5
+        self.device = executor.device
         self.num_eager_steps = 0  # forwards that no graph served
 
     @torch.inference_mode()
@@ -102,11 +97,9 @@ class ModelRunner:
                                        in_flight)
             if self.ranks is not None:
                 self.ranks.run_step(inputs)
-            step = self.backend.begin_step(inputs.meta, self.pool, self.scale)
-            hidden = self.model(inputs.input_ids, inputs.positions, step)  # writes the KV, sampled or not
-            if not inputs.spans:  # mid-prompt chunks only
+            logits = self.executor.forward(inputs)  # writes the KV, sampled or not
+            if logits is None:  # mid-prompt chunks only
                 return StepLogits(torch.empty(0), {})
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         return StepLogits(logits, {seq: (first, count) for seq, first, count in inputs.spans})
 
     def sample(self, logits: StepLogits) -> dict[Sequence, tuple[int, TokenLogprobs | None]]:

@@ -31,10 +31,11 @@ import torch
 
 from pdserve.engine.attention import AttentionMetadata, backend_for
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_pool import KVLayout, KVPool
+from pdserve.engine.executor import Executor, load_shard
+from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.parallel import ProcessGroupCollectives, ShardPlan, TensorParallel
 from pdserve.engine.step_inputs import StepInputs
-from pdserve.engine.weights import ModelFiles, load_model, resolve_model
+from pdserve.engine.weights import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +46,6 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     if device.type != "cuda":
         return device
     return torch.device("cuda", (device.index or 0) + rank)
-
-
-def kv_layout(files: ModelFiles, dtype: torch.dtype, plan: ShardPlan, block_size: int) -> KVLayout:
-    """The layout of one rank's KV pool: its KV heads only. It names the model by its name,
-    family and a digest of its shape (two folders of one name but other models differ)."""
-    arch = files.arch
-    return KVLayout(f"{files.name} ({arch.model_type} {arch.digest})", dtype, arch.num_layers, plan.num_kv_heads,
-                    arch.head_dim, block_size, tp_size=plan.size, kv_head_start=plan.kv_head_start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,16 +201,12 @@ class _Follower:
             torch.cuda.set_device(device)
         comm = ProcessGroupCollectives.connect(store, rank, size, device, config.parallel.collective_timeout_s)
         files = resolve_model(config.model)
-        arch = files.arch
         self.comm = comm
         self.conn = conn
-        plan = ShardPlan.of(arch, rank, size, config.parallel.enable_expert_parallel)
-        dtype = config.model.torch_dtype()
-        self.model = load_model(files, max_positions, device, dtype, config.model.seed, TensorParallel(plan, comm))
-        self.layout = kv_layout(files, config.cache.kv_dtype(dtype), plan, config.cache.block_size)
-        self.backend = backend_for(device, dtype)
-        self.scale = arch.head_dim ** -0.5
-        self.pool: KVPool | None = None
+        plan = ShardPlan.of(files.arch, rank, size, config.parallel.enable_expert_parallel)
+        self.model, self.layout = load_shard(config, files, max_positions, device, TensorParallel(plan, comm))
+        self.backend = backend_for(device, config.model.torch_dtype())
+        self.executor: Executor | None = None  # once rank 0 has sized the pool
 
     def serve(self) -> None:
         while True:
@@ -225,16 +214,18 @@ class _Follower:
             if message[0] == "stop":
                 return
             if message[0] == "pool":
-                self.pool = KVPool(self.layout, message[1], self.device)
+                pool = KVPool(self.layout, message[1], self.device)
                 if self.device.type == "cpu":
-                    self.pool.kv.share_memory_()  # rank 0's KV transport reads and writes it
-                self.conn.send(("ready", self.pool.kv, self.layout.kv_head_start))
+                    pool.kv.share_memory_()  # rank 0's KV transport reads and writes it
+                self.executor = Executor(self.model, pool, self.backend)
+                self.conn.send(("ready", pool.kv, self.layout.kv_head_start))
             else:
                 self._step(message[1])
 
     @torch.inference_mode()
     def _step(self, shape: _StepShape) -> None:
-        assert self.pool is not None, "a step before the pool"
+        """Rank 0's step, rebuilt from its shape and broadcasts, through this rank's executor."""
+        assert self.executor is not None, "a step before the pool"
         t, nd, np_ = shape.num_tokens, shape.num_decodes, shape.num_prefills
         i64 = self.comm.broadcast(torch.empty(shape.num64, dtype=torch.int64, device=self.device))
         i32 = self.comm.broadcast(torch.empty(shape.num32, dtype=torch.int32, device=self.device))
@@ -249,6 +240,4 @@ class _Follower:
             prefill_max_seqlen_q=shape.prefill_max_seqlen_q,
             decode_seq_lens_host=shape.decode_seq_lens_host, prefill_q_lens_host=shape.prefill_q_lens_host,
             prefill_seq_lens_host=shape.prefill_seq_lens_host)
-        hidden = self.model(ids, positions, self.backend.begin_step(meta, self.pool, self.scale))
-        if shape.num_logits:
-            self.model.compute_logits(hidden.index_select(0, logits_rows))  # its part of the all-gather
+        self.executor.forward(StepInputs(ids, positions, meta, logits_rows, spans=[]))

@@ -128,29 +128,31 @@ def _token_down_kernel(
     weights_ptr,      # [T * k] float32
     ids_ptr,          # [T * k]
     out_ptr,          # [T, H]: the token's weighted sum over its k experts
-    first_expert, num_local, top_k, hidden, inter,
+    first_expert, num_local, hidden, inter,
     stride_at, stride_we, stride_wn, stride_ot,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < hidden
     _pdl.wait(PDL)
     y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in range(0, top_k):
-        pair = token * top_k + slot
+    # The k experts unrolled, another rank's masked rather than branched around: the loads of
+    # every expert can be in flight at once.
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
         expert = tl.load(ids_ptr + pair) - first_expert
-        if (expert >= 0) & (expert < num_local):
-            w = w2_ptr + expert.to(tl.int64) * stride_we + rows.to(tl.int64)[:, None] * stride_wn
-            a = act_ptr + pair.to(tl.int64) * stride_at
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in tl.range(0, inter, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < inter
-                ak = tl.load(a + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-                acc += tl.load(w + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                               eviction_policy="evict_first").to(tl.float32) * ak
-            y += tl.load(weights_ptr + pair) * tl.sum(acc, axis=1)
+        local = (expert >= 0) & (expert < num_local)
+        w = w2_ptr + tl.where(local, expert, 0).to(tl.int64) * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+        a = act_ptr + pair.to(tl.int64) * stride_at
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, inter, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = (ks < inter) & local
+            ak = tl.load(a + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(w + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                           eviction_policy="evict_first").to(tl.float32) * ak
+        y += tl.where(local, tl.load(weights_ptr + pair), 0.0) * tl.sum(acc, axis=1)
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -291,7 +293,17 @@ GROUPED = Plan(True, Tile(64, 64), Tile(64, 64))
 # (experts, hidden, intermediate, top_k) -> ((most tokens, plan), ...), ascending: the plan of
 # the first entry whose bound is >= the call's tokens, else the last. Swept on the H200
 # (benchmarks/moe_sweep.py; benchmarks/RESULTS.md, "Fused MoE on the H200").
-_TUNED: dict[tuple[int, int, int, int], tuple[tuple[int, Plan], ...]] = {}
+_TUNED: dict[tuple[int, int, int, int], tuple[tuple[int, Plan], ...]] = {
+    (128, 2048, 768, 8): (  # Qwen3-30B-A3B
+        (1, Plan(False, Tile(8, 128, 8), Tile(4, 512, 4))),
+        (2, Plan(False, Tile(16, 512, 4), Tile(4, 512, 4))),
+        (4, Plan(False, Tile(8, 128, 8), Tile(4, 256, 4))),
+        (16, Plan(False, Tile(8, 128, 8), Tile(16, 128, 8))),
+        (256, Plan(True, Tile(128, 128, 4, 16, 4), Tile(128, 128, 4, 16, 3))),
+        (512, Plan(True, Tile(128, 64, 4, 16, 3), Tile(128, 64, 4, 16, 3))),
+        (2048, Plan(True, Tile(64, 64, 4, 64, 3), Tile(128, 64, 8, 64, 3))),
+    ),
+}
 
 
 def plan_for(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int) -> Plan:
@@ -362,10 +374,10 @@ def _per_pair(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         BLOCK_N=up.block_n, BLOCK_K=up.block_k, PDL=pdl, num_warps=up.num_warps, num_stages=up.num_stages,
         launch_pdl=pdl)
     _token_down_kernel[(num_tokens, triton.cdiv(hidden, down.block_n))](
-        act, w2, weights, ids, out, first_expert, num_experts, top_k, hidden, inter,
+        act, w2, weights, ids, out, first_expert, num_experts, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_N=down.block_n, BLOCK_K=down.block_k, PDL=pdl, num_warps=down.num_warps, num_stages=down.num_stages,
-        launch_pdl=pdl)
+        TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=down.block_k, PDL=pdl, num_warps=down.num_warps,
+        num_stages=down.num_stages, launch_pdl=pdl)
     return out
 
 

@@ -30,6 +30,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import MAX_SPECULATIVE_TOKENS, SpecConfig
 from pdserve.engine.cuda_graphs import StepGraphs
 from pdserve.engine.engine import Engine
+from pdserve.engine.executor import Executor
 from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.engine.model_runner import ModelRunner, StepLogits
 from pdserve.engine.models.arch import ModelArch
@@ -91,17 +92,16 @@ class ModelDrafter:
         self.max_step_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs * 2)
         inputs = StepInputBuilder(bs, -(-target.max_model_len // bs) + 1, self.max_step_tokens,
                                   sched.max_num_seqs, target.device)
-        backend = backend_for(target.device, target.dtype)
+        executor = Executor(model, self.pool, backend_for(target.device, target.dtype))
         graphs = None
         if target.device.type == "cuda" and not target.config.model.enforce_eager:
             # Decodes, the steady catch-up of two tokens, and each verification's catch-up
             # (K + 1 positions, for every K adaptive K may pick).
             group = arch.num_heads // arch.num_kv_heads
             catch_ups = [k + 1 for k in range(1, spec.num_speculative_tokens + 1) if paged_verify_fits(k + 1, group)]
-            graphs = StepGraphs(model, self.pool, backend, inputs, arch.head_dim ** -0.5,
-                                min(sched.max_num_seqs, spec.max_graph_batch), (1, 2, *catch_ups))
+            graphs = StepGraphs(executor, inputs, min(sched.max_num_seqs, spec.max_graph_batch), (1, 2, *catch_ups))
             graphs.capture()
-        self.runner = ModelRunner(model, self.pool, backend, target.sampler, inputs, graphs)
+        self.runner = ModelRunner(executor, target.sampler, inputs, graphs)
         self._shadows: dict[Sequence, Sequence] = {}
         # The last proposal's tokens, still on the device: [(shadow, its row, tokens drafted)].
         self._drafted: tuple[torch.Tensor, list[tuple[Sequence, int, int]]] | None = None

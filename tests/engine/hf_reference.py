@@ -25,3 +25,26 @@ def assert_matches_reference(got: list[int], want: list[int], logits: torch.Tens
                 f"{what}: token {step} is {g}, HF chose {w} with a top-2 gap of {gap:.2e} (not a near-tie)")
             return  # past a tie the continuations legitimately differ
     assert len(got) == len(want), f"{what}: {len(got)} tokens, HF produced {len(want)}"
+
+
+def hf_fp8_cache(hf_model):
+    """A cache for HF's forward that rounds K/V to e4m3 as they enter it (as an FP8 pool does)."""
+    from transformers import DynamicCache
+
+    from pdserve.kernels.fp8 import quantize
+
+    class RoundedCache(DynamicCache):
+        """K/V rounded to e4m3 (and back to float32) as they are stored."""
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(quantize(key_states).float(), quantize(value_states).float(), layer_idx,
+                                  *args, **kwargs)
+
+    return RoundedCache(config=hf_model.config)
+
+
+def e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable e4m3 values apart a and b are, element by element."""
+    a, b = a.view(torch.uint8).int(), b.view(torch.uint8).int()
+    same_sign = (a & 0x80) == (b & 0x80)
+    return torch.where(same_sign, (a & 0x7F) - (b & 0x7F), (a & 0x7F) + (b & 0x7F)).abs()

@@ -18,30 +18,10 @@ import torch
 from pdserve.decode_node.spec import build_speculator
 from pdserve.engine.config import SpecConfig
 from pdserve.engine.sampling import SamplingParams
-from pdserve.kernels.fp8 import quantize
+from tests.engine.hf_reference import e4m3_steps, hf_fp8_cache
 from tests.engine.prompts import prompt_ids
 
 pytestmark = pytest.mark.slow
-
-
-def _hf_fp8_cache(hf_model):
-    from transformers import DynamicCache
-
-    class RoundedCache(DynamicCache):
-        """K/V rounded to e4m3 (and back to float32) as they are stored."""
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            return super().update(quantize(key_states).float(), quantize(value_states).float(), layer_idx,
-                                  *args, **kwargs)
-
-    return RoundedCache(config=hf_model.config)
-
-
-def _e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many representable e4m3 values apart a and b are, element by element."""
-    a, b = a.view(torch.uint8).int(), b.view(torch.uint8).int()
-    same_sign = (a & 0x80) == (b & 0x80)
-    return torch.where(same_sign, (a & 0x7F) - (b & 0x7F), (a & 0x7F) + (b & 0x7F)).abs()
 
 
 def test_the_pool_holds_what_hf_computes_with_its_kv_rounded(make_engine, hf_model, tokenizer):
@@ -56,7 +36,7 @@ def test_the_pool_holds_what_hf_computes_with_its_kv_rounded(make_engine, hf_mod
         engine.step()
     seq = engine.scheduler.running[0]
     n = seq.num_computed_tokens
-    cache = _hf_fp8_cache(hf_model)
+    cache = hf_fp8_cache(hf_model)
     with torch.no_grad():
         hf_model(torch.tensor([seq.token_ids[:n]]), past_key_values=cache, use_cache=True)
     bs = engine.pool.layout.block_size
@@ -66,7 +46,7 @@ def test_the_pool_holds_what_hf_computes_with_its_kv_rounded(make_engine, hf_mod
         for ours, theirs in zip(engine.pool.layer(layer), (cache.layers[layer].keys, cache.layers[layer].values)):
             got = ours.flatten(0, 1)[slots]                                      # [n, kv_heads, head_dim]
             want = theirs[0].transpose(0, 1).to(torch.float8_e4m3fn)  # exact: HF's values are rounded
-            steps = _e4m3_steps(got, want)
+            steps = e4m3_steps(got, want)
             first_chunk.append(float((steps[:chunk] == 0).float().mean()))
             equal.append(int((steps == 0).sum()))
             near += int((steps <= 1).sum())

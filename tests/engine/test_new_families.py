@@ -6,8 +6,9 @@ Each family runs as a continuous batch with chunked prefill, a shared prefix (ca
 and a pool too small for every request at once (preemption): greedy tokens identical to HF
 `generate`, each token's log-probability within float32 tolerance of HF's. Then: a
 checkpoint with the fused 3-D expert layout loads the same model, dummy weights of an MoE
-shape run, what pdserve does not implement is refused by name, and tensor parallelism
-(2 ranks, gloo) and expert parallelism (2 ranks) give one rank's tokens.
+shape run, an FP8 KV pool holds HF's K/V rounded, what pdserve does not implement is refused
+by name, and tensor parallelism (2 ranks, gloo) and expert parallelism (2 ranks) give one
+rank's tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, Parall
 from pdserve.engine.engine import Engine
 from pdserve.engine.models.registry import param_counts
 from pdserve.engine.sampling import SamplingParams
-from tests.engine.hf_reference import assert_matches_reference, hf_greedy
+from tests.engine.hf_reference import assert_matches_reference, e4m3_steps, hf_fp8_cache, hf_greedy
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, eos_token_id=None)
@@ -102,6 +103,37 @@ def test_greedy_and_logprobs_match_hf_with_chunks_prefix_hits_and_preemption(mak
         assert_matches_reference(tokens[rid], want, logits, what)
         hf_logprobs = torch.log_softmax(logits, dim=-1)[torch.arange(len(want)), torch.tensor(want)]
         torch.testing.assert_close(torch.tensor(logprobs[rid]), hf_logprobs, atol=1e-4, rtol=1e-4, msg=what)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("make_config", [qwen3_moe, mixtral])
+def test_an_fp8_kv_cache_holds_what_hf_computes_with_its_kv_rounded(make_config, tmp_path):
+    """An MoE model over an FP8 KV pool (chunked prefill, then decodes): the pool holds the
+    K/V HF computes with its cache rounded to e4m3 as they enter it. The first chunk is one
+    forward in both: equal; after it the float32 sums run in another order and a value on a
+    rounding boundary may round the other way (tests/engine/test_fp8_kv.py): within one
+    e4m3 step."""
+    hf = _saved(make_config, tmp_path)
+    chunk = 32
+    engine = _engine(tmp_path, cache=CacheConfig(num_blocks=16, enable_prefix_caching=False, kv_cache_dtype="fp8"),
+                     scheduler=SchedulerConfig(max_num_batched_tokens=chunk, async_scheduling=False))
+    assert engine.pool.kv.dtype == torch.float8_e4m3fn
+    engine.add_request(_prompts()[2], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    while not engine.scheduler.running or engine.scheduler.running[0].num_output_tokens < NEW_TOKENS // 2:
+        engine.step()
+    seq = engine.scheduler.running[0]
+    n = seq.num_computed_tokens
+    cache = hf_fp8_cache(hf)
+    with torch.no_grad():
+        hf(torch.tensor([seq.token_ids[:n]]), past_key_values=cache, use_cache=True)
+    bs = engine.pool.layout.block_size
+    slots = torch.tensor([seq.block_ids[p // bs] * bs + p % bs for p in range(n)])
+    for layer in range(engine.pool.layout.num_layers):
+        for ours, theirs in zip(engine.pool.layer(layer), (cache.layers[layer].keys, cache.layers[layer].values)):
+            steps = e4m3_steps(ours.flatten(0, 1)[slots], theirs[0].transpose(0, 1).to(torch.float8_e4m3fn))
+            assert float((steps[:chunk] == 0).float().mean()) >= 0.999, f"layer {layer}: the first chunk differs"
+            assert float((steps <= 1).float().mean()) >= 0.99, f"layer {layer}"
+    engine.abort(seq.request_id)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
