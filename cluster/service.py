@@ -10,6 +10,7 @@ from pdserve.cluster.coordinator import RequestReport
 from pdserve.cluster.frontend import Frontend, RequestFailed, Status
 from pdserve.cluster.validation import parse_request
 from pdserve.engine.outputs import TextDelta
+from pdserve.engine.reasoning import ReasoningSplitter
 from pdserve.engine.sequence import FinishReason
 from pdserve.proto.v1 import generation_pb2 as pb
 from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
@@ -43,10 +44,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         num_prompt, num_generated = len(parsed.prompt_token_ids), 0
         client_id = request.request_id or uuid.uuid4().hex
         report = RequestReport()
+        # A reasoning model's chat: its thinking apart from its answer (a raw prompt is the
+        # caller's own template: its text as generated).
+        splitter = self.processor.reasoning_splitter(parsed.prompt_token_ids) if request.HasField("messages") else None
         try:
             async for delta in self.frontend.generate(parsed, context.time_remaining(), report):
                 num_generated += len(delta.token_ids)
-                yield self._response(client_id, delta, num_prompt, num_generated, report)
+                yield self._response(client_id, delta, num_prompt, num_generated, report, splitter)
         except RequestFailed as e:
             if e.retry_after_s is not None:  # gRPC's retry pushback: a client's retry policy waits this long
                 context.set_trailing_metadata((("grpc-retry-pushback-ms", str(int(e.retry_after_s * 1000))),))
@@ -54,8 +58,13 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     @staticmethod
     def _response(client_id: str, delta: TextDelta, num_prompt: int, num_generated: int,
-                  report: RequestReport) -> pb.GenerateResponse:
-        resp = pb.GenerateResponse(request_id=client_id, token_ids=list(delta.token_ids), text=delta.text)
+                  report: RequestReport, splitter: ReasoningSplitter | None) -> pb.GenerateResponse:
+        text, reasoning = delta.text, ""
+        if splitter is not None:
+            part = splitter.add(delta.text, final=delta.finish_reason is not None)
+            text, reasoning = part.content, part.reasoning
+        resp = pb.GenerateResponse(request_id=client_id, token_ids=list(delta.token_ids), text=text,
+                                   reasoning=reasoning)
         for lp in delta.logprobs:
             resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=list(lp.top_token_ids),
                               top_logprobs=list(lp.top_logprobs))

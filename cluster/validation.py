@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from google.protobuf import json_format
+
 from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
 from pdserve.engine.sampling import SamplingParams, StructuredOutput
 from pdserve.proto.v1 import generation_pb2 as pb
@@ -45,6 +47,9 @@ def parse_request(request: pb.GenerateRequest, processor: RequestProcessor) -> P
         raise ValueError(f"sampling.{e}") from e
     if which == "messages":
         messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-        return processor.process(messages=messages, params=params)
+        kwargs = None
+        if request.messages.HasField("chat_template_kwargs"):
+            kwargs = json_format.MessageToDict(request.messages.chat_template_kwargs)
+        return processor.process(messages=messages, params=params, chat_template_kwargs=kwargs)
     prompt = request.prompt if which == "prompt" else list(request.prompt_token_ids.ids)
     return processor.process(prompt, params=params, token_ids_field="prompt_token_ids")

@@ -21,7 +21,10 @@ STUBS = ROOT / "proto" / "v1"
 
 def generate(out: Path) -> None:
     """Writes the stubs of every proto in proto/v1 into `out` (a folder)."""
+    import grpc_tools
     from grpc_tools import protoc
+
+    well_known = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/*.proto
 
     with tempfile.TemporaryDirectory() as tmp:
         include, gen = Path(tmp, "include"), Path(tmp, "gen")
@@ -29,8 +32,8 @@ def generate(out: Path) -> None:
         gen.mkdir()
         (include / "pdserve").symlink_to(ROOT, target_is_directory=True)
         protos = [f"pdserve/proto/v1/{p.name}" for p in sorted(STUBS.glob("*.proto"))]
-        args = ["protoc", f"-I{include}", f"--python_out={gen}", f"--pyi_out={gen}", f"--grpc_python_out={gen}",
-                *protos]
+        args = ["protoc", f"-I{include}", f"-I{well_known}", f"--python_out={gen}", f"--pyi_out={gen}",
+                f"--grpc_python_out={gen}", *protos]
         if protoc.main(args) != 0:
             raise SystemExit(f"protoc failed: {' '.join(args)}")
         out.mkdir(parents=True, exist_ok=True)

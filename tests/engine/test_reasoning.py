@@ -95,3 +95,36 @@ def test_a_thinking_answer_comes_back_as_reasoning_content_streamed_or_whole(thi
 def test_a_model_without_the_markers_answers_in_content_only(tokenizer):
     assert RequestProcessor(tokenizer, "smol", len(tokenizer), 64).reasoning_splitter([1, 2, 3]) is None
     assert RequestProcessor(None, "dummy", 100, 64).reasoning_splitter([1, 2, 3]) is None
+
+
+def test_grpc_takes_chat_template_kwargs_and_streams_the_reasoning_apart(thinking_processor):
+    """pdserve.v1's chat input carries the template's variables (a Struct), and its responses
+    the thinking apart from the answer (`reasoning`, `text`), chunk by chunk."""
+    from google.protobuf import struct_pb2
+
+    from pdserve.cluster.coordinator import RequestReport
+    from pdserve.cluster.service import GenerationService
+    from pdserve.cluster.validation import parse_request
+    from pdserve.proto.v1 import generation_pb2 as pb
+
+    kwargs = struct_pb2.Struct()
+    kwargs.update({"enable_thinking": False})
+    chat = [pb.ChatMessage(role="user", content="What is 6 x 7?")]
+    plain = parse_request(pb.GenerateRequest(messages=pb.ChatMessages(messages=chat, chat_template_kwargs=kwargs)),
+                          thinking_processor)
+    decode = thinking_processor.tokenizer.decode
+    assert decode(list(plain.prompt_token_ids)).endswith("assistant\n<think>\n\n</think>\n\n")
+    request = parse_request(pb.GenerateRequest(messages=pb.ChatMessages(messages=chat)), thinking_processor)
+    assert decode(list(request.prompt_token_ids)).endswith("assistant\n")
+
+    answer = thinking_processor.tokenizer.encode("<think>Six sevens.</think>It is 42.", add_special_tokens=False)
+    stream = thinking_processor.output_stream(request)
+    splitter = thinking_processor.reasoning_splitter(request.prompt_token_ids)
+    responses = []
+    for i, token_id in enumerate(answer):
+        reason = FinishReason.LENGTH if i == len(answer) - 1 else None
+        delta = stream.add(TokenDelta("r", (token_id,), reason))
+        responses.append(GenerationService._response("r", delta, 10, i + 1, RequestReport(), splitter))
+    assert "".join(r.reasoning for r in responses) == "Six sevens."
+    assert "".join(r.text for r in responses) == "It is 42."
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
