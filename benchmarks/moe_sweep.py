@@ -42,6 +42,8 @@ MAIN = Plan(True, Tile(64, 32), Tile(64, 32))
 PAIR_TILES = [Tile(n, k, w) for n, k, w in itertools.product((4, 8, 16), (128, 256, 512), (4, 8))]
 GROUPED_TILES = [Tile(n, k, w, m, s) for m, n, k, w, s in itertools.product((16, 32, 64), (64, 128), (64, 128),
                                                                                (4, 8), (3, 4))]
+GROUPED_TILES += [Tile(128, 64, 8, 128, 3), Tile(128, 64, 8, 128, 4), Tile(256, 64, 8, 128, 3),
+                  Tile(256, 64, 8, 64, 3), Tile(128, 64, 4, 128, 3)]  # prefill's large tiles
 
 
 class Case:
@@ -66,6 +68,20 @@ class Case:
 
     def time_us(self, plan: Plan) -> float:
         return graph_us(lambda: [fused_moe(*c, plan=plan) for c in self.copies]) / len(self.copies)
+
+    def kernel_us(self, plan: Plan) -> dict[str, float]:
+        """Each kernel's GPU time per call of the plan (torch.profiler over graph replays)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        graph_us(lambda: [fused_moe(*c, plan=plan) for c in self.copies])  # compiled, warm
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                for c in self.copies:
+                    fused_moe(*c, plan=plan)
+            torch.cuda.synchronize()
+        calls = 5 * len(self.copies)
+        return {e.key[:40]: e.device_time_total / calls for e in prof.key_averages()
+                if e.device_type.name == "CUDA" and e.device_time_total > 0}
 
     def reference_us(self) -> float:
         for c in self.copies:
@@ -130,6 +146,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--kernels", action="store_true", help="each kernel's time for the picked plan")
+    parser.add_argument("--no-search", action="store_true", help="time the picked plan only")
     args = parser.parse_args()
     rows, tuned = [], {}
     for name in args.shapes:
@@ -142,10 +160,12 @@ def main() -> None:
             row = {"shape": name, "tokens": tokens, "limit_us": case.limit_us(),
                    "picked_us": case.time_us(picked), "main_us": case.time_us(MAIN),
                    "torch_us": case.reference_us(), "picked_error": case.check(picked)}
-            candidates = []
-            if tokens * top_k <= 256:
+            if args.kernels:
+                row["kernels_us"] = case.kernel_us(picked)
+            candidates = [(picked, row["picked_us"])]
+            if tokens * top_k <= 256 and not args.no_search:
                 candidates.append(search(case, grouped=False))
-            if tokens >= 4:
+            if tokens >= 4 and not args.no_search:
                 candidates.append(search(case, grouped=True))
             best, best_us = min(candidates, key=lambda c: c[1])
             row.update(best_us=best_us, best=repr(best), best_error=case.check(best))
