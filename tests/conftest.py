@@ -71,6 +71,16 @@ def hf_model(model_folder: Path):
 
 
 @pytest.fixture(scope="session")
+def hf_references(request, hf_model):
+    """HF greedy references of the default model, shared across runs and environments
+    (`make test` and `make test-newest` of one checkout) on disk under pytest's cache dir:
+    HF's generate on the CPU takes minutes for the parity tests' prompts."""
+    from tests.engine.hf_reference import CachedReferences
+
+    return CachedReferences(Path(request.config.cache.mkdir("hf-references")), hf_model)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_folder: Path):
     from transformers import AutoTokenizer
 
