@@ -27,22 +27,26 @@ def pytest_report_header(config) -> str:
     return f"randomized tests' seed: {os.environ[SEED_VARIABLE]} (set {SEED_VARIABLE} to repeat it)"
 
 
-# The longest modules first (their minutes on CI's 2-core machine, 2026-12-05): xdist's
-# workers take modules in collection order, so the longest start at once instead of ending
-# the run on one worker while the other idles (longest-processing-time-first).
+# The longest modules first (their minutes on CI's 2-core machine beside another worker,
+# 2026-12-05 04:00 UTC): xdist's workers take modules in collection order (`make test` passes
+# --no-loadscope-reorder, without which xdist hands out the modules with the most tests
+# first), so the longest start at once instead of ending the run on one worker while the
+# other idles (longest-processing-time-first).
 SLOWEST_MODULES = (
     "tests/cluster/test_serving.py",  # ~13
-    "tests/cluster/test_structured_outputs.py",  # ~11
-    "tests/cluster/test_tensor_parallel_serving.py",  # ~10
     "tests/decode_node/test_spec_engine.py",  # ~8
-    "tests/engine/test_hf_parity.py",  # ~6
+    "tests/engine/test_hf_parity.py",  # ~5 (~10 when its HF references are not cached yet)
+    "tests/cluster/test_http_api.py",  # ~4
     "tests/deploy/test_ray_up.py",  # ~3
     "tests/kv_transport/test_ucx_processes.py",  # ~3
-    "tests/cluster/test_api_tools.py",
+    "tests/cluster/test_api_tools.py",  # ~3
+    "tests/cluster/test_tensor_parallel_serving.py",  # ~3
+    "tests/cluster/test_structured_outputs.py",  # ~2
     "tests/kernels/test_sampling.py",
     "tests/cluster/test_liveness.py",
     "tests/engine/test_new_families.py",
     "tests/cluster/test_fuzz.py",
+    "tests/cluster/test_bench.py",
 )
 
 
