@@ -16,6 +16,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# An xdist worker computes on its share of the cores: two workers of two torch threads each on
+# CI's two cores spin against each other (measured: two engines generating at once took 56 s
+# each at 2 threads, 14-17 s at 1; alone, 11 s at 2 threads, 12 at 1).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 # The randomized tests' seed (the fuzzer's): a new one each run, so that their coverage
 # accumulates over runs, the same in every xdist worker (they inherit the environment set
 # here), printed in the header so that a failure reproduces with PDSERVE_TEST_SEED=<seed>.
