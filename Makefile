@@ -16,8 +16,10 @@ NEWEST ?= .venv-newest
 NEWEST_TESTS ?= tests/kernels/test_coverage.py tests/kernels/test_activation.py tests/kernels/test_rms_norm.py \
 	tests/kernels/test_fused_moe.py tests/engine/test_hf_parity.py tests/engine/test_new_families.py \
 	tests/test_packaging.py tests/engine/test_namespaces.py tests/cluster/test_from_checkout.py
-# Two workers on CI's two cores, each module's tests on one of them (they share its servers).
-XDIST ?= -n 2 --dist loadfile
+# Two workers on CI's two cores, each module's tests on one of them (they share its servers),
+# modules handed out in collection order (tests/conftest.py puts the longest first; xdist
+# would otherwise reorder them by their number of tests, the kernels' hundreds first).
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 .PHONY: install serve generate test test-newest test-ray-up lint proto
 

@@ -16,6 +16,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# An xdist worker computes on its share of the cores: two workers of two torch threads each on
+# CI's two cores spin against each other (measured: two engines generating at once took 56 s
+# each at 2 threads, 14-17 s at 1; alone, 11 s at 2 threads, 12 at 1).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 # The randomized tests' seed (the fuzzer's): a new one each run, so that their coverage
 # accumulates over runs, the same in every xdist worker (they inherit the environment set
 # here), printed in the header so that a failure reproduces with PDSERVE_TEST_SEED=<seed>.
@@ -27,22 +34,26 @@ def pytest_report_header(config) -> str:
     return f"randomized tests' seed: {os.environ[SEED_VARIABLE]} (set {SEED_VARIABLE} to repeat it)"
 
 
-# The longest modules first (their minutes on CI's 2-core machine, 2026-12-05): xdist's
-# workers take modules in collection order, so the longest start at once instead of ending
-# the run on one worker while the other idles (longest-processing-time-first).
+# The longest modules first (their minutes on CI's 2-core machine beside another worker,
+# 2026-12-05 04:00 UTC): xdist's workers take modules in collection order (`make test` passes
+# --no-loadscope-reorder, without which xdist hands out the modules with the most tests
+# first), so the longest start at once instead of ending the run on one worker while the
+# other idles (longest-processing-time-first).
 SLOWEST_MODULES = (
     "tests/cluster/test_serving.py",  # ~13
-    "tests/cluster/test_structured_outputs.py",  # ~11
-    "tests/cluster/test_tensor_parallel_serving.py",  # ~10
     "tests/decode_node/test_spec_engine.py",  # ~8
-    "tests/engine/test_hf_parity.py",  # ~6
+    "tests/engine/test_hf_parity.py",  # ~5 (~10 when its HF references are not cached yet)
+    "tests/cluster/test_http_api.py",  # ~4
     "tests/deploy/test_ray_up.py",  # ~3
     "tests/kv_transport/test_ucx_processes.py",  # ~3
-    "tests/cluster/test_api_tools.py",
+    "tests/cluster/test_api_tools.py",  # ~3
+    "tests/cluster/test_tensor_parallel_serving.py",  # ~3
+    "tests/cluster/test_structured_outputs.py",  # ~2
     "tests/kernels/test_sampling.py",
     "tests/cluster/test_liveness.py",
     "tests/engine/test_new_families.py",
     "tests/cluster/test_fuzz.py",
+    "tests/cluster/test_bench.py",
 )
 
 
@@ -68,6 +79,16 @@ def hf_model(model_folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(model_folder), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_references(request, hf_model):
+    """HF greedy references of the default model, shared across runs and environments
+    (`make test` and `make test-newest` of one checkout) on disk under pytest's cache dir:
+    HF's generate on the CPU takes minutes for the parity tests' prompts."""
+    from tests.engine.hf_reference import CachedReferences
+
+    return CachedReferences(Path(request.config.cache.mkdir("hf-references")), hf_model)
 
 
 @pytest.fixture(scope="session")

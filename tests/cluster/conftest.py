@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.cluster.config import ServeConfig, config_from_dict
 from pdserve.cluster.server import Server, start_server
+from tests.cluster.streams import free_port
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +41,10 @@ class RunningServer:
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.server.http_port}"
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.server.metrics_port}/metrics"
+
     def run(self, coro: Any, timeout_s: float = 60.0) -> Any:
         """Run a coroutine on the server's event loop (to reach the coordinator and actors)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
@@ -61,27 +66,56 @@ def _server_config(**sections: dict[str, Any]) -> ServeConfig:
 StartServer = Callable[..., RunningServer]
 
 
+def _start_server(**sections: dict[str, Any]) -> RunningServer:
+    config = _server_config(**sections)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    started: Future = asyncio.run_coroutine_threadsafe(start_server(config), loop)
+    # Bounded generously: on 2 cores shared with another test worker, a tensor-parallel
+    # worker's ranks load the model slowly, and a start is work, not a hang.
+    return RunningServer(started.result(600), loop, config)
+
+
+def _stop_server(srv: RunningServer) -> None:
+    srv.run(srv.server.stop())
+    srv.loop.call_soon_threadsafe(srv.loop.stop)
+
+
 @pytest.fixture(scope="module")
 def start(ray_cluster) -> Iterator[StartServer]:
     """start(pools={...}, server={...}) -> a running server on its own event-loop thread."""
     running: list[RunningServer] = []
 
     def start_one(**sections: dict[str, Any]) -> RunningServer:
-        config = _server_config(**sections)
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, daemon=True)
-        thread.start()
-        started: Future = asyncio.run_coroutine_threadsafe(start_server(config), loop)
-        # Bounded generously: on 2 cores shared with another test worker, a tensor-parallel
-        # worker's ranks load the model slowly, and a start is work, not a hang.
-        srv = RunningServer(started.result(600), loop, config)
-        running.append(srv)
-        return srv
+        running.append(_start_server(**sections))
+        return running[-1]
 
     yield start_one
     for srv in running:
-        srv.run(srv.server.stop())
-        srv.loop.call_soon_threadsafe(srv.loop.stop)
+        _stop_server(srv)
+
+
+@pytest.fixture(scope="session")
+def disaggregated_server(ray_cluster) -> Iterator[RunningServer]:
+    """The default disaggregated server (one prefill, one decode worker), /metrics on a free
+    port: started once per xdist worker and shared by every module that runs this config
+    unchanged (serving, HTTP, structured outputs, fuzz, bench), since a start is minutes on
+    CI's loaded CPU. Its tests leave every block free (they wait for it), and read counters
+    as differences, so they do not depend on what ran before on it."""
+    srv = _start_server(pools={"mode": "disaggregated"}, server={"metrics_port": free_port()})
+    yield srv
+    _stop_server(srv)
+
+
+@pytest.fixture(scope="session")
+def colocated_server(ray_cluster) -> Iterator[RunningServer]:
+    """The default colocated server (one worker doing both phases): started once per xdist
+    worker and shared by the modules that run this config unchanged (serving, API tools),
+    as disaggregated_server is."""
+    srv = _start_server(pools={"mode": "colocated"})
+    yield srv
+    _stop_server(srv)
 
 
 # The OpenAI API's official client against the module's own `srv` fixture (a running server).

@@ -69,8 +69,8 @@ def test_prefix_aware_routing_and_metrics(start, tokenizer):
 
 
 @pytest.mark.slow
-def test_grpcurl_reflection_health_and_generate(start):
-    srv = start(pools={"mode": "colocated"})
+def test_grpcurl_reflection_health_and_generate(colocated_server):
+    srv = colocated_server
     listed = grpcurl(srv.target, "list")
     assert listed.returncode == 0, listed.stderr
     assert "pdserve.v1.Generation" in listed.stdout and "grpc.health.v1.Health" in listed.stdout

@@ -4,7 +4,6 @@ the server's /metrics, its JSON has vllm bench serve's names, and its plots are 
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 from PIL import Image
@@ -13,12 +12,6 @@ from pdserve.cluster.bench.dataset import SYNTHETIC_CHAT, jsonl_requests, random
 from pdserve.cluster.cli import main
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_random_requests_have_the_asked_lengths_and_are_seeded():
@@ -41,11 +34,8 @@ def test_the_shipped_chat_set_is_chat_shaped(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def srv(start):
-    port = free_port()
-    running = start(server={"metrics_port": port})
-    running.metrics_url = f"http://127.0.0.1:{port}/metrics"
-    return running
+def srv(disaggregated_server):
+    return disaggregated_server  # the default config, /metrics on: its metrics_url
 
 
 def test_bench_counts_match_the_servers_metrics(srv, tmp_path, capsys):

@@ -69,8 +69,8 @@ def requests(draw) -> pb.GenerateRequest:
 
 
 @pytest.fixture(scope="module")
-def srv(start):
-    return start(pools={"mode": "disaggregated"})
+def srv(disaggregated_server):
+    return disaggregated_server
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 
 from pdserve.cluster.client import Client
 from pdserve.engine.sampling import SamplingParams
-from tests.cluster.streams import collect, free_port, pools_are_full, scrape, wait_until
+from tests.cluster.streams import collect, pools_are_full, scrape, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +28,8 @@ CHAT = [{"role": "user", "content": "Name three colours."}]
 
 
 @pytest.fixture(scope="module")
-def srv(start):
-    return start(pools={"mode": "disaggregated"}, server={"metrics_port": free_port()})
+def srv(disaggregated_server):
+    return disaggregated_server
 
 
 def grpc_text(srv, messages=None, prompt=None, max_tokens=12, params=None) -> tuple[str, int]:

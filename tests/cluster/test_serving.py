@@ -39,13 +39,13 @@ def expected(engine, workload) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def disaggregated(start):
-    return start(pools={"mode": "disaggregated"})
+def disaggregated(disaggregated_server):
+    return disaggregated_server
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_streamed_greedy_output_matches_the_engine(mode, start, disaggregated, workload, expected):
-    srv = disaggregated if mode == "disaggregated" else start(pools={"mode": "colocated"})
+def test_streamed_greedy_output_matches_the_engine(mode, colocated_server, disaggregated, workload, expected):
+    srv = disaggregated if mode == "disaggregated" else colocated_server
     prompts, params = workload
     got = collect_concurrently(srv.target, prompts, params)
     for i, (g, want) in enumerate(zip(got, expected)):
@@ -259,15 +259,16 @@ def test_a_request_whose_prefill_worker_is_sigkilled_mid_prefill_is_retried(disa
     wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
 
 
-def test_a_colocated_stream_whose_worker_is_sigkilled_continues(start, engine):
+def test_a_colocated_stream_whose_worker_is_sigkilled_continues(colocated_server, engine):
     import ray
 
-    srv = start(pools={"mode": "colocated"})
+    srv = colocated_server
     coordinator = srv.server.coordinator
     prompt, params = "Tell me a very long story.", SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     want = engine.generate([prompt], params)[0].token_ids
     victim = coordinator.decode.workers[0]
     pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    before = _migrations(srv)
     got: list[int] = []
     with Client(srv.target) as client:
         for resp in client.generate(prompt, params, timeout_s=300):
@@ -275,7 +276,7 @@ def test_a_colocated_stream_whose_worker_is_sigkilled_continues(start, engine):
             if len(got) >= 4 and pid:
                 os.kill(pid, signal.SIGKILL)
                 pid = 0
-    assert got == want and _migrations(srv) == 1
+    assert got == want and _migrations(srv) == before + 1
     wait_until(lambda: pools_are_full(srv.target), 30, "every block to be free")
 
 
@@ -337,10 +338,10 @@ def _histogram(srv, name: str) -> dict[tuple[str, str], float]:
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_a_first_tokens_hops_are_its_path_and_add_up_to_its_ttft(mode, start, disaggregated, tokenizer):
+def test_a_first_tokens_hops_are_its_path_and_add_up_to_its_ttft(mode, colocated_server, disaggregated, tokenizer):
     from pdserve.cluster.coordinator import COLOCATED_HOPS, DISAGGREGATED_HOPS
 
-    srv = disaggregated if mode == "disaggregated" else start(pools={"mode": "colocated"})
+    srv = disaggregated if mode == "disaggregated" else colocated_server
     hops_before = _histogram(srv, "pdserve_first_token_hop_seconds")
     ttft_before = _histogram(srv, "pdserve_time_to_first_token_seconds")
     out = collect(srv.target, prompt_ids(tokenizer, 40), SamplingParams(temperature=0.0, max_tokens=3))

@@ -26,10 +26,10 @@ CHAT = [{"role": "user", "content": PROMPT}]
 
 
 @pytest.fixture(scope="module")
-def srv(start):
+def srv(disaggregated_server):
     # Disaggregated: the prefill worker samples the first token under the grammar, the
     # decode worker's matcher starts from it.
-    return start(pools={"mode": "disaggregated"})
+    return disaggregated_server
 
 
 def json_schema(name: str) -> dict:

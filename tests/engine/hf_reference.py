@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
+
 import torch
 
 NEAR_TIE = 1e-4
@@ -48,3 +53,38 @@ def e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a, b = a.view(torch.uint8).int(), b.view(torch.uint8).int()
     same_sign = (a & 0x80) == (b & 0x80)
     return torch.where(same_sign, (a & 0x7F) - (b & 0x7F), (a & 0x7F) + (b & 0x7F)).abs()
+
+
+class CachedReferences:
+    """`hf_greedy` of one model, kept on disk in `folder` (under pytest's cache dir) and
+    computed from HF when absent. A reference is keyed by a digest of the model's weights and
+    config, the prompt, the number of new tokens and the transformers and torch versions, so a
+    changed model or release computes it again. What is kept of each step's logits is what
+    `assert_matches_reference` reads of them, the top two (their values and token ids); the
+    returned logits hold those two and -inf elsewhere."""
+
+    def __init__(self, folder: Path, hf_model) -> None:
+        import transformers
+
+        digest = hashlib.sha256(hf_model.config.to_json_string().encode())
+        for name, tensor in sorted(hf_model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+        self._folder = folder
+        self._model = hf_model
+        self._key = f"{digest.hexdigest()}:{transformers.__version__}:{torch.__version__}"
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        key = hashlib.sha256(json.dumps([self._key, prompt, new_tokens]).encode()).hexdigest()
+        path = self._folder / f"{key}.pt"
+        if not path.exists():
+            tokens, logits = hf_greedy(self._model, prompt, new_tokens)
+            top2 = logits.topk(2, dim=-1)
+            partial = path.with_suffix(f".{os.getpid()}.tmp")  # another xdist worker may write it too
+            torch.save({"tokens": tokens, "values": top2.values, "ids": top2.indices,
+                        "vocab": logits.shape[-1]}, partial)
+            os.replace(partial, path)
+        kept = torch.load(path)
+        logits = torch.full((len(kept["tokens"]), kept["vocab"]), float("-inf"))
+        logits.scatter_(1, kept["ids"], kept["values"])
+        return kept["tokens"], logits

@@ -13,7 +13,7 @@ import torch
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling import SamplingParams
-from tests.engine.hf_reference import assert_matches_reference, hf_greedy
+from tests.engine.hf_reference import assert_matches_reference
 from tests.engine.prompts import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -44,8 +44,8 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(hf_model, prompts) -> list[tuple[list[int], torch.Tensor]]:
-    return [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+def reference(hf_references, prompts) -> list[tuple[list[int], torch.Tensor]]:
+    return [hf_references.greedy(p, NEW_TOKENS) for p in prompts]
 
 
 def test_continuous_batch_matches_hf(make_engine, prompts, reference):
@@ -66,10 +66,10 @@ def test_preemption_keeps_output_identical(make_engine, prompts, reference):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_shared_prefixes_hit_cache_and_match_hf(make_engine, tokenizer, hf_model):
+def test_shared_prefixes_hit_cache_and_match_hf(make_engine, tokenizer, hf_references):
     prefix = prompt_ids(tokenizer, 200, variant=3)
     prompts = [prefix + prompt_ids(tokenizer, n, variant=10 + n) for n in (7, 30, 65, 1)]
-    reference = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+    reference = [hf_references.greedy(p, NEW_TOKENS) for p in prompts]
     engine = make_engine(max_num_batched_tokens=512)
     got = run_staggered(engine, prompts, arrivals_per_step=1)
     hits = engine.block_manager.num_prefix_hits
