@@ -40,7 +40,8 @@ def pytest_report_header(config) -> str:
 # first), so the longest start at once instead of ending the run on one worker while the
 # other idles (longest-processing-time-first).
 SLOWEST_MODULES = (
-    "tests/cluster/test_serving.py",  # ~13
+    "tests/cluster/test_failover.py",  # ~7 (with test_serving.py: ~13 as one module)
+    "tests/cluster/test_serving.py",  # ~6
     "tests/decode_node/test_spec_engine.py",  # ~8
     "tests/engine/test_hf_parity.py",  # ~5 (~10 when its HF references are not cached yet)
     "tests/cluster/test_http_api.py",  # ~4
