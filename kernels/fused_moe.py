@@ -148,7 +148,7 @@ def _token_down_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, inter, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = (ks < inter) & local
+            k_ok = ks < tl.where(local, inter, 0)  # a tensor compare: nothing read for another rank's
             ak = tl.load(a + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             acc += tl.load(w + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
                            eviction_policy="evict_first").to(tl.float32) * ak

@@ -230,3 +230,32 @@ def test_speculation_on_an_moe_target_keeps_greedy_output(tmp_path):
                  SpecConfig(method="draft_model", draft_model=str(draft), num_speculative_tokens=3)):
         got = [o.token_ids for o in _engine(target, spec=spec).generate(prompts, params)]
         assert got == want, spec.method
+
+
+def test_structured_outputs_hold_on_an_moe_model(tmp_path, tokenizer):
+    """A tiny Qwen3-MoE with the default model's tokenizer: every answer under each shared
+    JSON schema follows it, greedy and sampled, and the grammar ends it; free answers of the
+    same seeds follow none (a random model's text is not JSON)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from pdserve.engine.sampling import StructuredOutput
+    from pdserve.engine.sequence import FinishReason
+    from tests.engine.grammar_cases import MAX_TOKENS, SCHEMAS, validates
+
+    torch.manual_seed(0)
+    tiny = {**TINY, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id}
+    config = Qwen3MoeConfig(**tiny, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                            norm_topk_prob=True)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(tmp_path))
+    tokenizer.save_pretrained(str(tmp_path))
+    engine = _engine(tmp_path)
+    prompt = tokenizer.encode("Describe a person as a JSON object.")
+    cases = [(name, kwargs) for name in SCHEMAS for kwargs in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 7})]
+    outs = engine.generate([prompt] * len(cases), [
+        SamplingParams(max_tokens=MAX_TOKENS, structured=StructuredOutput.from_schema(SCHEMAS[name]), **kwargs)
+        for name, kwargs in cases])
+    for (name, kwargs), out in zip(cases, outs):
+        assert validates(out.text, SCHEMAS[name]), (name, kwargs, out.text)
+        assert out.finish_reason is FinishReason.STOP
+    free = engine.generate([prompt], SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS))[0]
+    assert not any(validates(free.text, schema) for schema in SCHEMAS.values())
