@@ -10,6 +10,7 @@ beats the pick belongs in `_TUNED`. The limit is the copy bandwidth, ~4.3 TB/s.
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -33,6 +34,12 @@ def cold_us(n: int, k: int, call: Callable[[torch.Tensor], None]) -> float:
         for w in weights:
             call(w)
 
+    return graph_us(calls) / copies
+
+
+def graph_us(calls: Callable[[], object], replays: int = 7) -> float:
+    """Microseconds per replay of `calls` captured in one CUDA graph (warmed up and compiled
+    first), the median of `replays` replays."""
     calls()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -40,14 +47,14 @@ def cold_us(n: int, k: int, call: Callable[[torch.Tensor], None]) -> float:
         calls()
     graph.replay()
     times = []
-    for _ in range(7):
+    for _ in range(replays):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3 / copies)
-    return sorted(times)[3]
+        times.append(begin.elapsed_time(end) * 1e3)
+    return statistics.median(times)
 
 
 def time_us(n: int, k: int, block_n: int, block_k: int, num_warps: int) -> float:

@@ -20,12 +20,12 @@ import argparse
 import itertools
 import json
 import statistics
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import triton
 
+from benchmarks.gemv_sweep import graph_us
 from pdserve.engine.models.moe import experts_reference
 from pdserve.kernels.fused_moe import Plan, Tile, fused_moe, plan_for, topk_route
 
@@ -67,7 +67,7 @@ class Case:
         return max(self.bytes / COPY_BW, self.flops / PEAK_FLOPS) * 1e6
 
     def time_us(self, plan: Plan) -> float:
-        return graph_us(lambda: [fused_moe(*c, plan=plan) for c in self.copies]) / len(self.copies)
+        return graph_us(lambda: [fused_moe(*c, plan=plan) for c in self.copies], replays=5) / len(self.copies)
 
     def kernel_us(self, plan: Plan) -> dict[str, float]:
         """Each kernel's GPU time per call of the plan (torch.profiler over graph replays)."""
@@ -103,25 +103,6 @@ class Case:
         ref = experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
         out = fused_moe(x, w13, w2, weights, ids, plan=plan).float()
         return float((out - ref).norm() / ref.norm())
-
-
-def graph_us(calls: Callable[[], object]) -> float:
-    """Microseconds per replay of `calls` captured in a CUDA graph, median of 5."""
-    calls()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def search(case: Case, grouped: bool) -> tuple[Plan, float]:

@@ -88,3 +88,21 @@ class CachedReferences:
         logits = torch.full((len(kept["tokens"]), kept["vocab"]), float("-inf"))
         logits.scatter_(1, kept["ids"], kept["values"])
         return kept["tokens"], logits
+
+
+def fp8_pool_steps(engine, seq, hf_model) -> list[torch.Tensor]:
+    """Layer by layer, K then V: how many e4m3 values apart the FP8 pool's entries of `seq`'s
+    computed positions are from what HF computes over the same tokens with its cache rounded
+    to e4m3 as they enter it ([positions, kv_heads, head_dim] each)."""
+    n = seq.num_computed_tokens
+    cache = hf_fp8_cache(hf_model)
+    with torch.no_grad():
+        hf_model(torch.tensor([seq.token_ids[:n]]), past_key_values=cache, use_cache=True)
+    bs = engine.pool.layout.block_size
+    slots = torch.tensor([seq.block_ids[p // bs] * bs + p % bs for p in range(n)])
+    steps = []
+    for layer in range(engine.pool.layout.num_layers):
+        for ours, theirs in zip(engine.pool.layer(layer), (cache.layers[layer].keys, cache.layers[layer].values)):
+            # exact: HF's values are rounded already
+            steps.append(e4m3_steps(ours.flatten(0, 1)[slots], theirs[0].transpose(0, 1).to(torch.float8_e4m3fn)))
+    return steps

@@ -18,7 +18,7 @@ import torch
 from pdserve.decode_node.spec import build_speculator
 from pdserve.engine.config import SpecConfig
 from pdserve.engine.sampling import SamplingParams
-from tests.engine.hf_reference import e4m3_steps, hf_fp8_cache
+from tests.engine.hf_reference import fp8_pool_steps
 from tests.engine.prompts import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -35,22 +35,12 @@ def test_the_pool_holds_what_hf_computes_with_its_kv_rounded(make_engine, hf_mod
     while not engine.scheduler.running or engine.scheduler.running[0].num_output_tokens < 24:
         engine.step()
     seq = engine.scheduler.running[0]
-    n = seq.num_computed_tokens
-    cache = hf_fp8_cache(hf_model)
-    with torch.no_grad():
-        hf_model(torch.tensor([seq.token_ids[:n]]), past_key_values=cache, use_cache=True)
-    bs = engine.pool.layout.block_size
-    slots = torch.tensor([seq.block_ids[p // bs] * bs + p % bs for p in range(n)])
     first_chunk, equal, near, total = [], [], 0, 0
-    for layer in range(engine.pool.layout.num_layers):
-        for ours, theirs in zip(engine.pool.layer(layer), (cache.layers[layer].keys, cache.layers[layer].values)):
-            got = ours.flatten(0, 1)[slots]                                      # [n, kv_heads, head_dim]
-            want = theirs[0].transpose(0, 1).to(torch.float8_e4m3fn)  # exact: HF's values are rounded
-            steps = e4m3_steps(got, want)
-            first_chunk.append(float((steps[:chunk] == 0).float().mean()))
-            equal.append(int((steps == 0).sum()))
-            near += int((steps <= 1).sum())
-            total += steps.numel()
+    for steps in fp8_pool_steps(engine, seq, hf_model):
+        first_chunk.append(float((steps[:chunk] == 0).float().mean()))
+        equal.append(int((steps == 0).sum()))
+        near += int((steps <= 1).sum())
+        total += steps.numel()
     # Layer 0's K/V follow from the embeddings alone: equal but for a boundary case or two.
     assert min(equal[:2]) >= 0.999 * total / len(equal), equal[:2]
     # The first chunk is one forward in both, its attention over its own rounded K/V: the same
