@@ -24,6 +24,9 @@ def init_ray(address: str | None, node_ip_address: str, **options: Any) -> None:
     A local cluster on a loopback node IP (the default) is private: its GCS, raylets, agents
     and workers listen on loopback only, and it runs no dashboard. Joining a cluster binds
     to the interface Ray finds for this node. `options` go to `ray.init` as they are.
+    Without an address the cluster is always a new one: `ray.init()` alone joins whichever
+    Ray it finds running on this host (another `pdserve serve`, a test's), and that one's
+    end would take this server's workers with it.
 
     Either way the driver connects from an empty working directory of pdserve's own: Ray
     puts the driver's working directory first on every worker's `sys.path`, and from a
@@ -41,7 +44,7 @@ def init_ray(address: str | None, node_ip_address: str, **options: Any) -> None:
             ray.init(address=address, **options)
             return
         with _keep_loopback_node_ip(node_ip_address):
-            ray.init(**options)
+            ray.init(address="local", **options)
 
 
 def neutral_directory() -> Path:

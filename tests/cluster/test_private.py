@@ -36,7 +36,10 @@ class Listener:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Iterator[tuple[subprocess.Popen[str], int]]:
+def served(tmp_path_factory, ray_cluster) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """`pdserve serve` while another Ray runs on this host (this test worker's): the server
+    starts a cluster of its own rather than joining that one (its GCS and raylet are in its
+    process tree, and that Ray's end does not take its workers)."""
     config = tmp_path_factory.mktemp("private") / "serve.yaml"
     config.write_text(CONFIG)
     port = free_port()
