@@ -17,6 +17,8 @@ from pdserve.engine.config import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
+LOCAL_START_ATTEMPTS = 3
+
 
 def init_ray(address: str | None, node_ip_address: str, **options: Any) -> None:
     """Join (`address`: "auto" or host:port) or start Ray, unless this process already has.
@@ -43,8 +45,25 @@ def init_ray(address: str | None, node_ip_address: str, **options: Any) -> None:
         if address:
             ray.init(address=address, **options)
             return
-        with _keep_loopback_node_ip(node_ip_address):
-            ray.init(address="local", **options)
+        _start_local(node_ip_address, options)
+
+
+def _start_local(node_ip_address: str, options: dict[str, Any]) -> None:
+    """A new local cluster, started again if its raylet gave up on its agents: the raylet
+    waits a fixed 15 s for the dashboard agent (a Python process) to write its ports and
+    exits past it (ray-project/ray#65983), which a loaded machine meets (CI's 2 cores did:
+    Ray then raises that the node "timed out during startup")."""
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        try:
+            with _keep_loopback_node_ip(node_ip_address):
+                ray.init(address="local", **options)
+            return
+        except Exception as e:  # Ray raises a bare Exception for it
+            if "timed out during startup" not in str(e) or attempt == LOCAL_START_ATTEMPTS:
+                raise
+            logger.warning("Ray's local node did not start (attempt %d of %d), starting it again: %s",
+                           attempt, LOCAL_START_ATTEMPTS, e)
+            ray.shutdown()
 
 
 def neutral_directory() -> Path:
