@@ -73,6 +73,7 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self._compiler: Any = None  # xgr.GrammarCompiler, made on the first constrained request
+        self._no_control_bytes: torch.Tensor | None = None  # packed like a bitmask row: see _fill
         self._matchers: dict[Sequence, _Matcher] = {}
 
     @property
@@ -93,7 +94,7 @@ class StructuredOutputs:
 
         bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
         for i, seq in enumerate(seqs):
-            self._synced(seq).matcher.fill_next_token_bitmask(bitmask, i)
+            self._fill(self._synced(seq).matcher, bitmask, i)
         allowed = _unpack(bitmask, self.vocab_size, logits[seqs[0]].device)
         for i, seq in enumerate(seqs):
             apply_mask(logits[seq], allowed[i:i + 1])
@@ -115,7 +116,7 @@ class StructuredOutputs:
         bitmask = xgr.allocate_token_bitmask(k + 1, self.vocab_size)
         num_advanced = 0
         for i in range(k + 1):
-            matcher.fill_next_token_bitmask(bitmask, i)
+            self._fill(matcher, bitmask, i)
             if i == k or not matcher.accept_token(proposed_ids[i]):
                 bitmask[i + 1:] = bitmask[i]
                 break
@@ -151,10 +152,19 @@ class StructuredOutputs:
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        matcher.fill_next_token_bitmask(bitmask)
+        self._fill(matcher, bitmask, 0)
         allowed = _unpack(bitmask, self.vocab_size, torch.device("cpu"))[0]
         allowed[list(self.stop_token_ids)] = False
         return not bool(allowed.any())
+
+    def _fill(self, matcher: Any, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of `bitmask`: the tokens `matcher` allows next, less every token with a raw
+        control byte (< 0x20). Every grammar here is JSON without free whitespace, where no raw
+        control character is valid anywhere, but xgrammar (0.2.9) lets them into strings that
+        have a maxLength; a random model's text found it (`"city":"...\x07"`, which no JSON
+        parser takes)."""
+        matcher.fill_next_token_bitmask(bitmask, row)
+        bitmask[row] &= self._no_control_bytes
 
     def release(self, seq: Sequence) -> None:
         self._matchers.pop(seq, None)
@@ -184,6 +194,7 @@ class StructuredOutputs:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=list(self.stop_token_ids))
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=_CACHE_LIMIT_BYTES)
+            self._no_control_bytes = _packed_tokens_without_control_bytes(info.decoded_vocab, self.vocab_size)
         if structured.kind == "json_object":
             # Not strict: an object with any members (strict mode would allow only {}).
             compiled = self._compiler.compile_json_schema('{"type":"object"}', any_whitespace=False,
@@ -200,6 +211,18 @@ def apply_mask(logits_rows: torch.Tensor, allowed: torch.Tensor) -> None:
     finite logprob (-inf would reach the APIs' JSON as null), so logprobs of constrained
     requests are those of the masked distribution."""
     logits_rows.masked_fill_(~allowed, torch.finfo(logits_rows.dtype).min)
+
+
+def _packed_tokens_without_control_bytes(decoded_vocab: list[bytes], vocab_size: int) -> torch.Tensor:
+    """int32 [ceil(vocab / 32)] in xgrammar's bitmask packing (bit j of word w: token 32 w + j):
+    set for the tokens whose bytes have no control byte (< 0x20)."""
+    num_words = (vocab_size + 31) // 32
+    keep = torch.ones(num_words * 32, dtype=torch.int64)
+    for token_id, token in enumerate(decoded_vocab[:vocab_size]):
+        if any(byte < 0x20 for byte in token):
+            keep[token_id] = 0
+    words = (keep.view(num_words, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)  # 0 .. 2**32 - 1
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def _unpack(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -109,3 +109,17 @@ def test_masks_for_a_proposal_follow_the_grammar_and_roll_back(engine, tokenizer
     so.mask_proposal(seq2, logits, good[:2])
     lowest = torch.finfo(logits.dtype).min
     assert (logits == lowest).any(dim=-1).all() and (logits[torch.arange(3), good[:3]] == 0).all()
+
+
+def test_no_raw_control_character_inside_a_bounded_string(engine, tokenizer):
+    """xgrammar (0.2.9) lets raw control characters into a string with a maxLength, which no
+    JSON parser takes (the small model's random text once wrote `"city":"...\\x07"`): the
+    masks allow none, in a string as anywhere else; printable text stays allowed."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
+    so = StructuredOutputs(tokenizer, engine.arch.vocab_size, engine.arch.eos_token_ids)
+    seq = Sequence("r", (1, 2, 3), constrained(schema), 16)
+    seq.token_ids += tokenizer.encode('{"city":"', add_special_tokens=False)
+    allowed = so.masks_for_proposal(seq, [])[0]
+    control = [i for i in range(len(tokenizer)) if any(ord(c) < 0x20 for c in tokenizer.decode([i]))]
+    assert control and not allowed[control].any()
+    assert allowed[tokenizer.encode("Paris", add_special_tokens=False)[0]]
