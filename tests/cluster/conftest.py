@@ -1,4 +1,6 @@
-"""A real local Ray cluster and in-process pdserve servers (real actors, UCX, gRPC) for cluster tests."""
+"""A real local Ray cluster and in-process pdserve servers (real actors, UCX, gRPC) for cluster
+tests. The servers run the small model (tests/conftest.py) unless a test names another, and
+`engine` here is one in-process engine of it, the reference their streams are held to."""
 
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ import pytest
 
 from pdserve.cluster.config import ServeConfig, config_from_dict
 from pdserve.cluster.server import Server, start_server
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import Engine
 from tests.cluster.streams import free_port
+from tests.conftest import SmallModel
 
 
 @pytest.fixture(scope="session")
@@ -50,9 +55,16 @@ class RunningServer:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
 
-def _server_config(**sections: dict[str, Any]) -> ServeConfig:
+@pytest.fixture(scope="session")
+def engine(small_model: SmallModel) -> Engine:
+    """The small model in this process, as the servers' workers run it."""
+    return Engine(EngineConfig(model=small_model.engine_config(), cache=CacheConfig(cpu_kv_cache_gib=0.25)))
+
+
+def _server_config(model: SmallModel, **sections: dict[str, Any]) -> ServeConfig:
     base: dict[str, Any] = {
-        "engine": {"model": {"device": "cpu", "dtype": "float32"}, "cache": {"cpu_kv_cache_gib": 0.25}},
+        "engine": {"model": {"source": str(model.folder), "device": "cpu", "dtype": "float32"},
+                   "cache": {"cpu_kv_cache_gib": 0.25}},
         "server": {"port": 0, "http_port": 0, "metrics_port": 0},
         "pools": {"gpus_per_worker": 0},
         "health": {"interval_s": 0.5},
@@ -66,8 +78,8 @@ def _server_config(**sections: dict[str, Any]) -> ServeConfig:
 StartServer = Callable[..., RunningServer]
 
 
-def _start_server(**sections: dict[str, Any]) -> RunningServer:
-    config = _server_config(**sections)
+def _start_server(model: SmallModel, **sections: dict[str, Any]) -> RunningServer:
+    config = _server_config(model, **sections)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -83,12 +95,12 @@ def _stop_server(srv: RunningServer) -> None:
 
 
 @pytest.fixture(scope="module")
-def start(ray_cluster) -> Iterator[StartServer]:
+def start(ray_cluster, small_model: SmallModel) -> Iterator[StartServer]:
     """start(pools={...}, server={...}) -> a running server on its own event-loop thread."""
     running: list[RunningServer] = []
 
     def start_one(**sections: dict[str, Any]) -> RunningServer:
-        running.append(_start_server(**sections))
+        running.append(_start_server(small_model, **sections))
         return running[-1]
 
     yield start_one
@@ -97,23 +109,23 @@ def start(ray_cluster) -> Iterator[StartServer]:
 
 
 @pytest.fixture(scope="session")
-def disaggregated_server(ray_cluster) -> Iterator[RunningServer]:
+def disaggregated_server(ray_cluster, small_model: SmallModel) -> Iterator[RunningServer]:
     """The default disaggregated server (one prefill, one decode worker), /metrics on a free
     port: started once per xdist worker and shared by every module that runs this config
     unchanged (serving, HTTP, structured outputs, fuzz, bench), since a start is minutes on
     CI's loaded CPU. Its tests leave every block free (they wait for it), and read counters
     as differences, so they do not depend on what ran before on it."""
-    srv = _start_server(pools={"mode": "disaggregated"}, server={"metrics_port": free_port()})
+    srv = _start_server(small_model, pools={"mode": "disaggregated"}, server={"metrics_port": free_port()})
     yield srv
     _stop_server(srv)
 
 
 @pytest.fixture(scope="session")
-def colocated_server(ray_cluster) -> Iterator[RunningServer]:
+def colocated_server(ray_cluster, small_model: SmallModel) -> Iterator[RunningServer]:
     """The default colocated server (one worker doing both phases): started once per xdist
     worker and shared by the modules that run this config unchanged (serving, API tools),
     as disaggregated_server is."""
-    srv = _start_server(pools={"mode": "colocated"})
+    srv = _start_server(small_model, pools={"mode": "colocated"})
     yield srv
     _stop_server(srv)
 

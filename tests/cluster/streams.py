@@ -18,6 +18,10 @@ from pathlib import Path
 from pdserve.cluster.client import Client
 from pdserve.engine.sampling import SamplingParams
 
+# The engine section of a server on the default model (the cluster tests' servers run the
+# small model otherwise): for tests whose point needs a real model's text or its long steps.
+DEFAULT_MODEL = {"model": {"source": "default", "device": "cpu", "dtype": "float32"}}
+
 
 @dataclass
 class Streamed:

@@ -1,4 +1,4 @@
-"""`pdserve bench` against a real server (CPU, default model, real gRPC): its counts match
+"""`pdserve bench` against a real server (CPU, the small model, real gRPC): its counts match
 the server's /metrics, its JSON has vllm bench serve's names, and its plots are PNGs."""
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ stream whose decode worker is SIGKILLed continues on its replacement with the un
 run's tokens, a decode worker killed while KV is sent to it is fenced and the request
 migrates, a new request waits for the only decode worker's replacement, a request whose
 prefill worker dies mid-prefill is retried, and a colocated stream whose worker dies
-continues; every block is freed. They share each xdist worker's default servers with
-test_serving.py (tests/cluster/conftest.py).
+continues; every block is freed. They share each xdist worker's servers of the small
+model with test_serving.py (tests/cluster/conftest.py), but for the two kills that must land
+while a prompt is prefilled, which run on a server of the default model.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 from pdserve.cluster.client import Client
 from pdserve.engine.sampling import SamplingParams
 from pdserve.proto.v1 import generation_pb2 as pb
-from tests.cluster.streams import collect, pools_are_full, wait_until
+from tests.cluster.streams import DEFAULT_MODEL, collect, pools_are_full, wait_until
 from tests.engine.prompts import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -27,6 +28,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def disaggregated(disaggregated_server):
     return disaggregated_server
+
+
+@pytest.fixture(scope="module")
+def long_prefills(start):
+    """A disaggregated server on the default model, for the tests that SIGKILL a worker while
+    a prompt is prefilled: its 30 layers make a 1,500-token prefill seconds long, a window
+    the kill lands in (the small model's takes ~0.2 s)."""
+    return start(pools={"mode": "disaggregated"}, engine=DEFAULT_MODEL)
 
 
 def test_a_stream_whose_decode_worker_is_sigkilled_continues_on_its_replacement(disaggregated, engine, tokenizer):
@@ -68,7 +77,7 @@ def _prefix_hit_tokens(worker) -> int:
 
 
 def test_a_decode_worker_killed_while_kv_is_sent_to_it_is_fenced_and_the_request_migrates(
-        disaggregated, engine, tokenizer):
+        long_prefills, default_engine, tokenizer):
     """The decode worker has reserved a long prompt's blocks and the prefill worker, which
     computes it, has addressed its KV to that worker's incarnation, when the decode
     worker's process is SIGKILLed. The transfer to the dead incarnation fails and is not
@@ -78,17 +87,17 @@ def test_a_decode_worker_killed_while_kv_is_sent_to_it_is_fenced_and_the_request
     on every worker is free afterwards."""
     import ray
 
-    coordinator = disaggregated.server.coordinator
+    coordinator = long_prefills.server.coordinator
     prompt = prompt_ids(tokenizer, 1500, variant=23)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    want = engine.generate([prompt], params)[0].token_ids
+    want = default_engine.generate([prompt], params)[0].token_ids
     victim, prefill = coordinator.decode.workers[0], coordinator.prefill.workers[0]
     pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
-    before, hits = _migrations(disaggregated), _prefix_hit_tokens(prefill)
+    before, hits = _migrations(long_prefills), _prefix_hit_tokens(prefill)
     responses: list = []
 
     def run() -> None:
-        with Client(disaggregated.target) as client:
+        with Client(long_prefills.target) as client:
             responses.extend(client.generate(prompt, params, timeout_s=600))
 
     waiter = threading.Thread(target=run)
@@ -105,13 +114,13 @@ def test_a_decode_worker_killed_while_kv_is_sent_to_it_is_fenced_and_the_request
     fresh = coordinator.decode.workers[0]
     assert fresh is not victim and fresh.state.healthy
     assert fresh.address.incarnation and fresh.address.incarnation != victim.address.incarnation
-    assert _migrations(disaggregated) == before + 1
+    assert _migrations(long_prefills) == before + 1
     assert _prefix_hit_tokens(prefill) - hits >= 16 * ((len(prompt) - 1) // 16)
     assert coordinator.prefill.workers[0] is prefill and prefill.state.healthy and prefill.state.inflight == 0
     short = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    assert collect(disaggregated.target, "Name three colours.", short).token_ids == \
-        engine.generate(["Name three colours."], short)[0].token_ids
-    wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
+    assert collect(long_prefills.target, "Name three colours.", short).token_ids == \
+        default_engine.generate(["Name three colours."], short)[0].token_ids
+    wait_until(lambda: pools_are_full(long_prefills.target), 30, "every block to be free")
 
 
 def test_a_new_request_waits_for_the_only_decode_workers_replacement(disaggregated, engine):
@@ -131,28 +140,28 @@ def test_a_new_request_waits_for_the_only_decode_workers_replacement(disaggregat
     wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
 
 
-def test_a_request_whose_prefill_worker_is_sigkilled_mid_prefill_is_retried(disaggregated, engine, tokenizer):
+def test_a_request_whose_prefill_worker_is_sigkilled_mid_prefill_is_retried(long_prefills, default_engine, tokenizer):
     """The prefill worker dies while it computes the prompt: the request is prefilled again
     on the replacement and the client's stream is the undisturbed run's."""
     import ray
 
-    coordinator = disaggregated.server.coordinator
+    coordinator = long_prefills.server.coordinator
     prompt = prompt_ids(tokenizer, 1500, variant=7)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    want = engine.generate([prompt], params)[0].token_ids
+    want = default_engine.generate([prompt], params)[0].token_ids
     victim = coordinator.prefill.workers[0]
     pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
-    before = _migrations(disaggregated)
+    before = _migrations(long_prefills)
     got: list = []
-    waiter = threading.Thread(target=lambda: got.append(collect(disaggregated.target, prompt, params, 300)))
+    waiter = threading.Thread(target=lambda: got.append(collect(long_prefills.target, prompt, params, 300)))
     waiter.start()
     wait_until(lambda: victim.state.inflight == 1, 30, "the prefill to start")
     os.kill(pid, signal.SIGKILL)
     waiter.join(300)
     assert got and got[0].token_ids == want
-    assert _migrations(disaggregated) == before + 1
+    assert _migrations(long_prefills) == before + 1
     assert coordinator.prefill.workers[0] is not victim
-    wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
+    wait_until(lambda: pools_are_full(long_prefills.target), 30, "every block to be free")
 
 
 def test_a_colocated_stream_whose_worker_is_sigkilled_continues(colocated_server, engine):

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API through the official `openai` client (and raw httpx for
 what it cannot send), against a real server: Ray prefill and decode actors on the CPU, the
-default model, gRPC beside it.
+small model (its tokenizer and chat template are the default's), gRPC beside it.
 
 Greedy text equal to the gRPC API's and the offline engine's, usage counts, n with seeds
 giving each seed's answer, logprobs, OpenAI-shaped errors with the right status while the

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from pdserve.engine.sampling import SamplingParams
-from tests.cluster.streams import collect, pools_are_full, wait_until
+from tests.cluster.streams import DEFAULT_MODEL, collect, pools_are_full, wait_until
 from tests.engine.prompts import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,9 @@ HEALTH = {"interval_s": 0.5, "ping_timeout_s": 0.5, "unresponsive_after_s": 8.0}
 def server(start):
     # A KV transfer bound far below the prefill, too: the decode worker's wait for the KV,
     # which starts beside the prefill, is kept alive by the prefill worker while it computes.
-    return start(pools={"mode": "disaggregated"}, health=HEALTH, kv_transport={"transfer_timeout_s": 8.0})
+    # The default model, not the small one: its 30 layers make the one prefill step long.
+    return start(pools={"mode": "disaggregated"}, health=HEALTH, kv_transport={"transfer_timeout_s": 8.0},
+                 engine=DEFAULT_MODEL)
 
 
 def _lost(srv) -> float:

@@ -1,5 +1,5 @@
 """Structured outputs through both APIs of a real server (Ray prefill and decode actors on the
-CPU, the default model): `response_format` through the official `openai` client (chat and
+CPU, the small model): `response_format` through the official `openai` client (chat and
 completions, json_schema and json_object, greedy and seeded samples, the client's own
 `parse` with a pydantic model) and through gRPC; answers parse and follow their schemas; a
 bad schema is a 400 / INVALID_ARGUMENT naming the problem and the server keeps serving;

@@ -1,7 +1,7 @@
 """Tensor-parallel workers behind real Ray, real UCX and real gRPC, on the CPU (gloo).
 
-- Colocated: a tiny random Llama with the default model's head layout (9 heads, 3 KV heads,
-  tied embeddings) and its tokenizer and vocabulary, over three ranks, streams Hugging Face's
+- Colocated: the small model (a 2-layer random Llama with the default model's head layout, 9
+  heads and 3 KV heads, its tokenizer and vocabulary) over three ranks streams Hugging Face's
   greedy tokens of that model. (The point is the three-way split, not the model: the default
   model's 30 layers on three gloo ranks took minutes of CI's CPU.)
 - Disaggregated between pools of different tensor-parallel sizes (2 -> 1, 1 -> 2, 2 -> 4;
@@ -30,32 +30,13 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, eos_token_id=None)
 
 
-@pytest.fixture(scope="module")
-def tiny_default_layout(tmp_path_factory, tokenizer):
-    """(folder, HF model): a 2-layer random Llama with the default model's head layout and
-    vocabulary, saved with the default model's tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=9 * 16, intermediate_size=384, num_hidden_layers=2,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512,
-                         tie_word_embeddings=True, initializer_range=0.3, eos_token_id=None)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    folder = tmp_path_factory.mktemp("tiny-default-layout")
-    hf.save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
-    return str(folder), hf
-
-
-def test_a_colocated_tensor_parallel_worker_streams_hf_greedy_tokens(start, tokenizer, tiny_default_layout):
-    folder, hf_model = tiny_default_layout
-    srv = start(engine={"model": {"source": folder, "device": "cpu", "dtype": "float32"}},
-                pools={"mode": "colocated", "decode_tp": 3})
+def test_a_colocated_tensor_parallel_worker_streams_hf_greedy_tokens(start, tokenizer, small_model):
+    srv = start(pools={"mode": "colocated", "decode_tp": 3})  # the small model: the default's head layout
     prompts = [prompt_ids(tokenizer, n, variant=i) for i, n in enumerate([5, 48, 130])]
     params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
     got = collect_concurrently(srv.target, prompts, params)
     for prompt, out in zip(prompts, got):
-        want, logits = hf_greedy(hf_model, prompt, NEW_TOKENS)
+        want, logits = hf_greedy(small_model.hf, prompt, NEW_TOKENS)
         assert_matches_reference(out.token_ids, want, logits, f"TP 3 worker, prompt of {len(prompt)}")
     wait_until(lambda: pools_are_full(srv.target), 10, "every block to be free")
 
