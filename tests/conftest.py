@@ -60,21 +60,6 @@ SLOWEST_MODULES = (
     "tests/cluster/test_structured_outputs.py",
     "tests/cluster/test_http_api.py",
 )
-    "tests/cluster/test_serving.py",  # ~6
-    "tests/decode_node/test_spec_engine.py",  # ~8
-    "tests/engine/test_hf_parity.py",  # ~5 (~10 when its HF references are not cached yet)
-    "tests/cluster/test_http_api.py",  # ~4
-    "tests/deploy/test_ray_up.py",  # ~3
-    "tests/kv_transport/test_ucx_processes.py",  # ~3
-    "tests/cluster/test_api_tools.py",  # ~3
-    "tests/cluster/test_tensor_parallel_serving.py",  # ~3
-    "tests/cluster/test_structured_outputs.py",  # ~2
-    "tests/kernels/test_sampling.py",
-    "tests/cluster/test_liveness.py",
-    "tests/engine/test_new_families.py",
-    "tests/cluster/test_fuzz.py",
-    "tests/cluster/test_bench.py",
-)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
