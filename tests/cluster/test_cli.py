@@ -18,8 +18,8 @@ def pdserve(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=300)
 
 
-def test_generate_prints_the_engines_greedy_text(engine):
-    want = engine.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=12))[0].text
+def test_generate_prints_the_engines_greedy_text(default_engine):
+    want = default_engine.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=12))[0].text
     proc = pdserve("generate", "--max-tokens", "12", "--temperature", "0", "The capital of France is")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == want + "\n"

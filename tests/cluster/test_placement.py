@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(600)
-def test_three_node_cluster_places_each_pool_on_its_node(engine):
+def test_three_node_cluster_places_each_pool_on_its_node(default_engine):
     proc = subprocess.run([sys.executable, "-m", "tests.cluster.three_nodes"], capture_output=True, text=True,
                           timeout=540)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
@@ -22,5 +22,5 @@ def test_three_node_cluster_places_each_pool_on_its_node(engine):
     report = json.loads(lines[-1].removeprefix("REPORT "))
     assert report["placed"]["prefill-0"] == report["prefill_node"]
     assert report["placed"]["decode-0"] == report["decode_node"]
-    want = engine.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=8))[0].token_ids
+    want = default_engine.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=8))[0].token_ids
     assert report["tokens"] == want

@@ -100,6 +100,7 @@ class _Peer:
         self.spec = spec
         self.pool = KVPool(spec.layout(), spec.num_blocks, spec.device)
         self.held: set[int] = set()  # blocks "the caller" holds until a transfer ends
+        self.stalling = 0  # handshakes held up by a "stall" command, not yet let go
         self.landed: set[int] = set()
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -170,7 +171,11 @@ class _Peer:
             link = await link_for(hello) if where == "link" else None
             if left[0] > 0:
                 left[0] -= 1
-                await asyncio.sleep(2 * self.spec.timeout_s)
+                self.stalling += 1
+                try:
+                    await asyncio.sleep(2 * self.spec.timeout_s)
+                finally:
+                    self.stalling -= 1
             return link if link is not None else await link_for(hello)
 
         receiver._link_for = stalled
@@ -207,6 +212,7 @@ class _Peer:
             "pending": getattr(self.peer, "num_pending", 0),
             "held": len(self.held),
             "tasks": len(self.tasks),
+            "stalling": self.stalling,
             # A receiver's blocks start at zero: a non-zero block nobody sent to is a stray write.
             "stray_blocks": int((self.pool.kv[:, :, untouched] != 0).any(dim=(0, 1, 3, 4, 5)).sum())
             if self.role == "receiver" and untouched else 0,
