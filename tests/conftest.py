@@ -147,8 +147,8 @@ class SmallModel:
     folder: Path
     hf: Any  # its transformers model, for references
 
-    def engine_config(self, **model: Any) -> ModelConfig:
-        return ModelConfig(source=str(self.folder), device="cpu", dtype="float32", **model)
+    def engine_config(self) -> ModelConfig:
+        return ModelConfig(source=str(self.folder), device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")
