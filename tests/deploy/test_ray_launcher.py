@@ -5,6 +5,7 @@ start fits the node types' custom resources."""
 from __future__ import annotations
 
 import copy
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +90,27 @@ def test_local_nodes_take_their_node_ip_from_the_file() -> None:
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         starts = [c for c in local[key] if "ray start" in c]
         assert len(starts) == 1 and '--node-ip-address="${RAY_CLOUD_INSTANCE_ID:?' in starts[0], starts
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+@pytest.mark.parametrize("key", ["head_start_ray_commands", "worker_start_ray_commands"])
+@pytest.mark.parametrize("failures, started", [(0, True), (2, True), (3, False)])
+def test_a_node_whose_ray_start_fails_is_stopped_and_started_again_up_to_three_times(
+        tmp_path: Path, name: str, key: str, failures: int, started: bool) -> None:
+    """A raylet exits when its dashboard agent is slow to start (ray-project/ray#65983), so each
+    `ray start` command tries three times, `ray stop` between tries, and fails after the third.
+    Run with bash against a `ray` that fails its first `failures` starts."""
+    [command] = [c for c in load(name)[key] if "ray start" in c]
+    log = tmp_path / "calls"
+    fake = tmp_path / "bin" / "ray"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$1" >> {log}\n'
+                    f'[ "$1" != start ] || [ "$(grep -c start {log})" -gt {failures} ]\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "HOME": str(tmp_path),
+           "RAY_CLOUD_INSTANCE_ID": "10.0.0.1", "RAY_HEAD_IP": "10.0.0.2"}
+    done = subprocess.run(["bash", "-c", command.replace("~/pdserve-venv/bin/ray", "ray")], env=env,
+                          capture_output=True, text=True, timeout=30)
+    attempts = min(failures + 1, 3)
+    assert (done.returncode == 0) == started, done.stderr
+    assert log.read_text().split() == ["start", "stop"] * (attempts - started) + ["start"] * started
