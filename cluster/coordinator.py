@@ -214,14 +214,21 @@ class Coordinator:
         """
         generated: list[int] = []
         num_lost = num_refused = 0
+        # The prompt tokens the request's prefill took from cache, as its first delta says
+        # (disaggregated: the prefill worker's; the decode worker's deltas count the KV it was
+        # sent as not cached), for all its deltas and continuations.
+        num_cached: int | None = None
         for attempt in itertools.count():
             run = req if attempt == 0 else _continuation(req, generated, attempt)
             try:
                 # aclosing: a caller that stops early ends the attempt (and its cleanup) at once.
                 async with contextlib.aclosing(self._run(run, num_lost > 0, attempt > 0, report)) as deltas:
                     async for delta in deltas:
-                        if attempt:  # the caller knows one request: its id, its prompt
-                            delta = dataclasses.replace(delta, request_id=req.request_id, num_cached_tokens=0,
+                        if num_cached is None:
+                            num_cached = delta.num_cached_tokens
+                        if attempt or delta.num_cached_tokens != num_cached:
+                            # the caller knows one request: its id, its prompt, its prefill
+                            delta = dataclasses.replace(delta, request_id=req.request_id, num_cached_tokens=num_cached,
                                                         num_prompt_tokens=len(req.prompt_token_ids))
                         generated.extend(delta.token_ids)
                         yield delta

@@ -29,6 +29,7 @@ class Streamed:
     text: str
     finish_reason: int
     num_responses: int
+    num_cached_tokens: int = 0  # the last response's usage.cached_prompt_tokens
 
 
 def collect(target: str, prompt: str | list[int], params: SamplingParams, timeout_s: float = 120.0) -> Streamed:
@@ -40,7 +41,7 @@ def collect(target: str, prompt: str | list[int], params: SamplingParams, timeou
             text += resp.text
             reason = resp.finish_reason or reason
             n += 1
-        return Streamed(ids, text, reason, n)
+        return Streamed(ids, text, reason, n, resp.usage.cached_prompt_tokens)
 
 
 def collect_concurrently(target: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[Streamed]:

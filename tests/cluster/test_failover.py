@@ -10,6 +10,7 @@ while a prompt is prefilled, which run on a server of the default model.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -52,6 +53,8 @@ def test_a_stream_whose_decode_worker_is_sigkilled_continues_on_its_replacement(
     want = engine.generate([prompt], params)[0].token_ids
     victim, prefill = coordinator.decode.workers[0], coordinator.prefill.workers[0]
     pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    # Sent once before, so the stream's own prefill takes the prompt's full blocks from cache.
+    cached = collect(disaggregated.target, prompt, dataclasses.replace(params, max_tokens=1)).num_cached_tokens
     before = _migrations(disaggregated)
     got: list[int] = []
     with Client(disaggregated.target) as client:
@@ -63,6 +66,8 @@ def test_a_stream_whose_decode_worker_is_sigkilled_continues_on_its_replacement(
                 pid = 0
             finish = resp.finish_reason
     assert got == want and finish == pb.FINISH_REASON_LENGTH
+    # The usage counts the request's prefill, not the continuation's re-prefill after the loss.
+    assert cached == 0 and resp.usage.cached_prompt_tokens == 16 * (len(prompt) // 16)
     assert _migrations(disaggregated) == before + 1
     assert coordinator.decode.workers[0] is not victim and coordinator.decode.workers[0].state.healthy
     assert _prefix_hit_tokens(prefill) - hits == 16 * (len(prompt) // 16)  # every full block of the prompt

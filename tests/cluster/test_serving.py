@@ -54,6 +54,21 @@ def test_streamed_greedy_output_matches_the_engine(mode, colocated_server, disag
     wait_until(lambda: pools_are_full(srv.target), 10, "every block to be free")
 
 
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_repeated_prompt_reports_the_tokens_its_prefill_took_from_cache(mode, colocated_server, disaggregated,
+                                                                          engine, tokenizer):
+    """usage.cached_prompt_tokens is what the request's prefill found in its prefix cache, as
+    the in-process engine counts it for the same prompt sent twice: in disaggregated mode the
+    prefill worker's count (the decode worker counts the KV it was sent as computed)."""
+    srv = disaggregated if mode == "disaggregated" else colocated_server
+    prompt = tokenizer.encode(f"A prompt of the {mode} cache test:") + prompt_ids(tokenizer, 100, variant=5)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = [engine.generate([prompt], params)[0].num_cached_tokens for _ in range(2)]
+    assert want[0] == 0 and want[1] >= 96, want  # the engine's own count: every full block but the last token's
+    got = [collect(srv.target, prompt, params).num_cached_tokens for _ in range(2)]
+    assert got == want, f"{mode}: cached prompt tokens {got}, the engine counts {want}"
+
+
 def test_text_and_stop_strings_match_the_engine(disaggregated, engine):
     params = SamplingParams(temperature=0.0, max_tokens=40)
     want = engine.generate(["The three most important inventions in history are"], params)[0]
