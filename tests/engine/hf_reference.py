@@ -21,6 +21,29 @@ def hf_greedy(hf_model, prompt: list[int], new_tokens: int) -> tuple[list[int], 
     return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
 
 
+def hf_greedy_batch(hf_model, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+    """`hf_greedy` of each prompt, computed in one left-padded `generate` (its steps are the
+    batch's, not each prompt's: several times faster on a CPU). Each prompt's continuation ends
+    at its first end-of-sequence token, where `generate` alone would have stopped."""
+    if len(prompts) == 1:
+        return [hf_greedy(hf_model, prompts[0], new_tokens)]
+    eos = hf_model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    pad = hf_model.config.eos_token_id if hf_model.config.eos_token_id is not None else 0
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                                output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
+    logits = torch.stack(out.logits, dim=1).float()  # [prompts, steps, vocab]
+    results = []
+    for row, tokens in enumerate(out.sequences[:, width:].tolist()):
+        end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+        results.append((tokens[:end], logits[row, :end]))
+    return results
+
+
 def assert_matches_reference(got: list[int], want: list[int], logits: torch.Tensor, what: str) -> None:
     for step, (g, w) in enumerate(zip(got, want)):
         if g != w:
@@ -74,16 +97,22 @@ class CachedReferences:
         self._model = hf_model
         self._key = f"{digest.hexdigest()}:{transformers.__version__}:{torch.__version__}"
 
-    def greedy(self, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
-        key = hashlib.sha256(json.dumps([self._key, prompt, new_tokens]).encode()).hexdigest()
-        path = self._folder / f"{key}.pt"
-        if not path.exists():
-            tokens, logits = hf_greedy(self._model, prompt, new_tokens)
+    def greedy(self, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+        """`hf_greedy` of each prompt; those not kept yet are computed together (`hf_greedy_batch`)."""
+        paths = [self._folder / f"{hashlib.sha256(json.dumps([self._key, p, new_tokens]).encode()).hexdigest()}.pt"
+                 for p in prompts]
+        missing = [i for i, path in enumerate(paths) if not path.exists()]
+        computed = hf_greedy_batch(self._model, [prompts[i] for i in missing], new_tokens) if missing else []
+        for i, (tokens, logits) in zip(missing, computed):
             top2 = logits.topk(2, dim=-1)
-            partial = path.with_suffix(f".{os.getpid()}.tmp")  # another xdist worker may write it too
+            partial = paths[i].with_suffix(f".{os.getpid()}.tmp")  # another xdist worker may write it too
             torch.save({"tokens": tokens, "values": top2.values, "ids": top2.indices,
                         "vocab": logits.shape[-1]}, partial)
-            os.replace(partial, path)
+            os.replace(partial, paths[i])
+        return [self._load(path) for path in paths]
+
+    @staticmethod
+    def _load(path: Path) -> tuple[list[int], torch.Tensor]:
         kept = torch.load(path)
         logits = torch.full((len(kept["tokens"]), kept["vocab"]), float("-inf"))
         logits.scatter_(1, kept["ids"], kept["values"])

@@ -45,7 +45,7 @@ def prompts(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(hf_references, prompts) -> list[tuple[list[int], torch.Tensor]]:
-    return [hf_references.greedy(p, NEW_TOKENS) for p in prompts]
+    return hf_references.greedy(prompts, NEW_TOKENS)
 
 
 def test_continuous_batch_matches_hf(make_engine, prompts, reference):
@@ -69,7 +69,7 @@ def test_preemption_keeps_output_identical(make_engine, prompts, reference):
 def test_shared_prefixes_hit_cache_and_match_hf(make_engine, tokenizer, hf_references):
     prefix = prompt_ids(tokenizer, 200, variant=3)
     prompts = [prefix + prompt_ids(tokenizer, n, variant=10 + n) for n in (7, 30, 65, 1)]
-    reference = [hf_references.greedy(p, NEW_TOKENS) for p in prompts]
+    reference = hf_references.greedy(prompts, NEW_TOKENS)
     engine = make_engine(max_num_batched_tokens=512)
     got = run_staggered(engine, prompts, arrivals_per_step=1)
     hits = engine.block_manager.num_prefix_hits
