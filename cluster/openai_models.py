@@ -3,7 +3,7 @@ cannot honour refused by name), responses and stream chunks as OpenAI's clients 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -64,22 +64,32 @@ class _GenerationRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    # Accepted and ignored: they change nothing a self-hosted server returns.
     user: str | None = None
-    # Accepted only at their neutral values (what the engine does anyway).
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Accepted only at their neutral values (what the engine does anyway): any other value is
+    # refused by name (`unsupported`), never dropped in silence.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    response_format: ResponseFormat | None = None
+    repetition_penalty: float | None = None  # vLLM's (HF's definition)
+    min_tokens: int | None = None  # vLLM's
+    prompt_logprobs: int | None = None  # vLLM's
+
+    # Each field above that is accepted only at one of its neutral values, and those values.
+    NEUTRAL_ONLY: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": (None, {}),
+        "repetition_penalty": (None, 1), "min_tokens": (None, 0), "prompt_logprobs": (None,),
+    }
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot do, or None."""
-        if self.frequency_penalty:
-            return "frequency_penalty"
-        if self.presence_penalty:
-            return "presence_penalty"
-        if self.logit_bias:
-            return "logit_bias"
-        return None
+        return next((name for name, neutral in self.NEUTRAL_ONLY.items() if getattr(self, name) not in neutral), None)
 
 
 class CompletionRequest(_GenerationRequest):
@@ -90,11 +100,9 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
     best_of: int | None = None
 
+    NEUTRAL_ONLY = {**_GenerationRequest.NEUTRAL_ONLY, "echo": (False,), "suffix": (None, "")}
+
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
-        if self.suffix:
-            return "suffix"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
         return _GenerationRequest.unsupported(self)
@@ -117,14 +125,28 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, object]] | None = None
     # Keyword arguments for the model's chat template (vLLM's field), e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, object] | None = None
+    parallel_tool_calls: bool | None = None  # means nothing without tools
+    prompt_cache_options: dict[str, object] | None = None  # the prefix cache keeps what it can, always
+    prompt_cache_retention: str | None = None
+    # Accepted only at their neutral values, as above.
+    tools: list[dict[str, object]] | None = None
+    tool_choice: str | dict[str, object] | None = None
+    functions: list[dict[str, object]] | None = None  # the deprecated form of tools
+    function_call: str | dict[str, object] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, object] | None = None
+    prediction: dict[str, object] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, object] | None = None
+    moderation: dict[str, object] | None = None
 
-    def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools"
-        return _GenerationRequest.unsupported(self)
+    NEUTRAL_ONLY = {**_GenerationRequest.NEUTRAL_ONLY, "tools": (None, []), "tool_choice": (None, "none"),
+                    "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]),
+                    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+                    "web_search_options": (None,), "moderation": (None,)}
 
 
 # Responses -----------------------------------------------------------------
