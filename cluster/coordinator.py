@@ -476,7 +476,7 @@ class Coordinator:
         for rid, stream in self._streams.items():
             if stream.decode is worker:
                 stream.queue.put_nowait(WorkerLost(f"{worker.role} worker {worker.worker_id} was lost"))
-        self.metrics.worker_lost(worker.role)
+        self.metrics.worker_lost(worker.role, worker.worker_id)
 
     async def _health_loop(self, interval_s: float) -> None:
         while True:
@@ -493,7 +493,7 @@ class Coordinator:
             asked = asyncio.get_running_loop().time()
             loads = await asyncio.gather(*(w.actor.load.remote() for w in workers), return_exceptions=True)
             for w, load in zip(workers, loads):
-                if not isinstance(load, BaseException):
+                if not isinstance(load, BaseException) and w.state.healthy:  # not lost meanwhile
                     w.state.load, w.state.load_asked_at = load, asked
                     self.metrics.worker_load(w.role, w.worker_id, load)
             self._wake_line()  # blocks freed since the last load show now

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from pdserve.engine.messages import KVTransferInfo
@@ -51,6 +53,7 @@ class Metrics:
         self.migrations = Counter("pdserve_request_migrations", "Requests continued on another worker after "
                                   "losing theirs", registry=r)
         self.workers_lost = Counter("pdserve_workers_lost", "Workers found dead and replaced", ["role"], registry=r)
+        self._spec_ks: dict[str, set[str]] = {}  # each worker's k labels of spec_steps
 
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)
@@ -73,6 +76,7 @@ class Metrics:
             self.spec_mean_accepted.labels(worker_id).set(load.spec.mean_accepted_length)
             for k, n in load.spec.num_steps_by_k.items():
                 self.spec_steps.labels(worker_id, str(k)).set(n)
+                self._spec_ks.setdefault(worker_id, set()).add(str(k))
 
     def first_token_hops(self, hops: dict[str, float], ttft_s: float) -> None:
         """Observe each hop of a first token's path, and the rest of its `ttft_s` as "other"
@@ -81,5 +85,15 @@ class Metrics:
             self.hops.labels(hop).observe(seconds)
         self.hops.labels("other").observe(max(0.0, ttft_s - sum(s for h, s in hops.items() if h != "reserve")))
 
-    def worker_lost(self, role: str) -> None:
+    def worker_lost(self, role: str, worker_id: str) -> None:
+        """Count a lost worker and drop its series: its replacement reports under an id of its
+        own, and a dead worker's last load must not stay on /metrics as if it were live."""
         self.workers_lost.labels(role).inc()
+        for gauge in (self.running, self.waiting, self.kv_usage, self.prefix_queried, self.prefix_hits):
+            with contextlib.suppress(KeyError):
+                gauge.remove(role, worker_id)
+        for gauge in (self.spec_proposed, self.spec_accepted, self.spec_alpha, self.spec_mean_accepted):
+            with contextlib.suppress(KeyError):
+                gauge.remove(worker_id)
+        for k in self._spec_ks.pop(worker_id, ()):
+            self.spec_steps.remove(worker_id, k)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import threading
 
@@ -20,7 +21,7 @@ import pytest
 from pdserve.cluster.client import Client
 from pdserve.engine.sampling import SamplingParams
 from pdserve.proto.v1 import generation_pb2 as pb
-from tests.cluster.streams import DEFAULT_MODEL, collect, pools_are_full, wait_until
+from tests.cluster.streams import DEFAULT_MODEL, collect, pools_are_full, scrape, wait_until
 from tests.engine.prompts import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -68,10 +69,19 @@ def test_a_stream_whose_decode_worker_is_sigkilled_continues_on_its_replacement(
     assert got == want and finish == pb.FINISH_REASON_LENGTH
     # The usage counts the request's prefill, not the continuation's re-prefill after the loss.
     assert cached == 0 and resp.usage.cached_prompt_tokens == 16 * (len(prompt) // 16)
+    # /metrics lists the live workers' load only: the lost one's series are gone.
+    live = {w.worker_id for pool in coordinator.pools() for w in pool.workers}
+    wait_until(lambda: _kv_usage_workers(disaggregated) == live, 30, "/metrics to list the live workers only")
     assert _migrations(disaggregated) == before + 1
     assert coordinator.decode.workers[0] is not victim and coordinator.decode.workers[0].state.healthy
     assert _prefix_hit_tokens(prefill) - hits == 16 * (len(prompt) // 16)  # every full block of the prompt
     wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
+
+
+def _kv_usage_workers(srv) -> set[str]:
+    """The workers /metrics gives a KV usage for."""
+    found = scrape(srv.config.server.metrics_port)
+    return {m.group(1) for k in found if (m := re.match(r'pdserve_kv_block_usage_ratio\{.*worker="([^"]+)"', k))}
 
 
 def _prefix_hit_tokens(worker) -> int:

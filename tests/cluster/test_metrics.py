@@ -1,0 +1,51 @@
+"""cluster/metrics.py on a real prometheus_client registry, read back as Prometheus scrapes it:
+a lost worker's series leave /metrics (its replacement reports under an id of its own)."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.cluster.metrics import Metrics
+from pdserve.engine.outputs import EngineLoad
+from pdserve.engine.speculator import SpecMetrics
+
+
+def series(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(metrics.registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def load(free: int, spec: SpecMetrics | None = None) -> EngineLoad:
+    return EngineLoad(num_running=2, num_waiting=1, num_receiving=0, num_held=0, queued_prefill_tokens=0,
+                      num_free_blocks=free, num_blocks=100, prefix_queried_tokens=64, prefix_hit_tokens=32,
+                      num_preemptions=0, spec=spec)
+
+
+def of_worker(found, worker_id: str) -> set[str]:
+    return {name for name, labels in found if ("worker", worker_id) in labels}
+
+
+def test_a_lost_workers_series_leave_and_the_others_stay():
+    metrics = Metrics()
+    spec = SpecMetrics(num_passes=3, num_proposed=12, num_accepted=9)
+    spec.record_step(4)
+    spec.record_step(0)
+    metrics.worker_load("decode", "decode-0", load(25, spec))
+    metrics.worker_load("decode", "decode-1", load(50, spec))
+    metrics.worker_load("prefill", "prefill-0", load(100))
+    before = series(metrics)
+    assert before[("pdserve_kv_block_usage_ratio", (("role", "decode"), ("worker", "decode-0")))] == 0.75
+    assert {"pdserve_running_sequences", "pdserve_spec_steps", "pdserve_spec_acceptance_alpha"} <= \
+        of_worker(before, "decode-0")
+
+    metrics.worker_lost("decode", "decode-0")
+    after = series(metrics)
+    assert of_worker(after, "decode-0") == set()
+    assert of_worker(after, "decode-1") == of_worker(before, "decode-1")
+    assert of_worker(after, "prefill-0") == of_worker(before, "prefill-0")
+    assert after[("pdserve_workers_lost_total", (("role", "decode"),))] == 1
+
+    metrics.worker_lost("prefill", "prefill-9")  # never reported a load: nothing to drop, still counted
+    assert series(metrics)[("pdserve_workers_lost_total", (("role", "prefill"),))] == 1
