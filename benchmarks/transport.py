@@ -173,6 +173,7 @@ def _digest(kv: torch.Tensor, ids: list[int]) -> str:
 def _receiver_process(conn: Connection, device: str, num_blocks: int, path: str, breakdown: bool) -> None:
     """Receiver: expects what the parent announces, digests blocks on request, reports
     failures when told to stop."""
+    from pdserve.kv_transport import ucx_link
     from pdserve.kv_transport.ucx_receiver import UcxKVReceiver
 
     marks = _Marks()
@@ -208,6 +209,7 @@ def _receiver_process(conn: Connection, device: str, num_blocks: int, path: str,
             receiver.expect(*cmd).add_done_callback(done)
             conn.send("armed")
         await receiver.close()
+        ucx_link.stop_ucx()  # or this process waits at its exit for ucxx's notifier thread
         conn.send(failures)
 
     if device.startswith("cuda"):
@@ -222,6 +224,7 @@ async def _bench_ucx(
     path: str, device: str, peer_device: str, tokens_list: list[int], iters: int, num_blocks: int
 ) -> list[tuple[int, float, float | None, str]]:
     """(tokens, p50 seconds until the receiver knows, p50 seconds of send(), transport) per size."""
+    from pdserve.kv_transport import ucx_link
     from pdserve.kv_transport.ucx_sender import UcxKVSender
 
     ctx = mp.get_context("spawn")
@@ -296,6 +299,7 @@ async def _bench_ucx(
             _copy_sweep(pool.kv, sender._conns[peer].peer_kv, tokens_list, num_blocks)
     finally:
         await sender.close()
+        ucx_link.stop_ucx()  # the next path's ensure_ucx starts UCX afresh
         conn.send(None)
         failures = conn.recv()
         proc.join(30)

@@ -76,6 +76,15 @@ def ensure_ucx(config: TransportConfig) -> None:
     _UCX.made.clear()  # a new ucxx context is a new UCX worker: its endpoint counts start again
 
 
+def stop_ucx() -> None:
+    """Stop ucxx's notifier thread, the last thing of UCX's in a process whose senders and
+    receivers are closed. The thread is not a daemon: a process that exits normally (a test's
+    peer, a benchmark) would otherwise wait for it at interpreter shutdown, forever (ucxx's
+    own warning). Ray's workers never exit that way: they are killed."""
+    if _UCX.loop is not None:
+        ucxx.stop_notifier_thread()
+
+
 @dataclass(slots=True)
 class _UcxState:
     """ucxx is initialised once per process (its context is global): the loop it serves."""

@@ -23,7 +23,7 @@ import ucxx
 from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.kv_transport import PeerAddress, TransferResult, TransportConfig, release_on_failure
 from pdserve.kv_transport.handshake import HELLO_TAG
-from pdserve.kv_transport.ucx_link import MAX_FRAME_BYTES
+from pdserve.kv_transport.ucx_link import MAX_FRAME_BYTES, stop_ucx
 from pdserve.kv_transport.ucx_receiver import UcxKVReceiver
 from pdserve.kv_transport.ucx_sender import UcxKVSender
 
@@ -138,6 +138,7 @@ class _Peer:
             if cmd["op"] == "stall":
                 self._stall_handshakes(cmd["where"], cmd["count"])
         await self.peer.close()
+        stop_ucx()  # or the process waits at its exit for ucxx's notifier thread
 
     async def _send_garbage(self, peer: PeerAddress) -> None:
         """Unauthenticated and malformed traffic on the receiver's hello tag: bytes that are

@@ -1,4 +1,4 @@
-"""The UCX transport between real processes (spawned), on the CPU: TCP or shared memory."""
+"""The UCX transport between real processes, on the CPU: TCP or shared memory."""
 
 from __future__ import annotations
 
@@ -22,14 +22,19 @@ SLACK_S = 3.0  # process scheduling on a loaded 2-core CI machine
 
 pytestmark = pytest.mark.timeout(120)
 
+# Children fork from one server process that imported torch, ucxx and the peer code once: a
+# spawned child spent seconds of CI's loaded CPU importing them, some thirty children a run.
+# UCX itself starts in each child, after its fork (importing ucxx makes no context).
+CONTEXT = mp.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["tests.kv_transport.peers"])
+
 
 class Peer:
     """Parent-side handle on a child from peers.py."""
 
     def __init__(self, role: str, spec: PeerSpec) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=run_peer, args=(role, child_conn, spec), daemon=True)
+        self.conn, child_conn = CONTEXT.Pipe()
+        self.process = CONTEXT.Process(target=run_peer, args=(role, child_conn, spec), daemon=True)
         self.process.start()
         child_conn.close()
         self.results: dict[str, dict[str, Any]] = {}
@@ -53,13 +58,18 @@ class Peer:
         self.process.join(10)
 
     def close(self) -> None:
+        """Tell a live child to exit, which it must do by itself: its transport closed, no
+        thread of UCX's left behind (one would hold its interpreter's shutdown forever)."""
+        hung = False
         if self.process.is_alive():
             self.command("exit")
             self.process.join(10)
-        if self.process.is_alive():
+            hung = self.process.is_alive()
+        if hung:
             self.kill()
         for path in glob.glob(f"/dev/shm/pdserve-test-{self.process.pid}-*"):  # direct-write pools
             os.unlink(path)
+        assert not hung, f"the {self.process.name} did not exit within 10 s of being told to"
 
     def _next(self, op: str, timeout_s: float) -> dict[str, Any]:
         """Next message of kind `op`; results arriving meanwhile are filed."""
