@@ -25,7 +25,7 @@ from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
 from pdserve.engine.sampler import PendingSample
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
-from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence
+from pdserve.engine.sequence import FinishReason, Sequence
 from pdserve.engine.spec_step import SpeculativeSteps, StepProposals
 from pdserve.engine.speculator import Speculator
 from pdserve.engine.step_inputs import InFlightTokens
@@ -63,14 +63,6 @@ class _LaunchedStep:
         self.batch_seqs = set(self.batch.seqs)
 
 
-def _first_placeholder(token_ids: list[int]) -> int | None:
-    """Index of the first placeholder among the last two tokens (there are never more)."""
-    for i in range(max(0, len(token_ids) - 2), len(token_ids)):
-        if token_ids[i] == PLACEHOLDER_TOKEN_ID:
-            return i
-    return None
-
-
 class NoCapacity(RuntimeError):
     """The pool cannot hold a request right now (retry later or elsewhere)."""
 
@@ -90,7 +82,8 @@ class Engine:
         self.processor = RequestProcessor(self.tokenizer, self.model_name, self.arch.vocab_size, self.max_model_len)
         self.block_manager = BlockManager(self.pool.num_blocks, self.pool.layout.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
+                                   frozenset(self.arch.eos_token_ids))
         self._spec: SpeculativeSteps | None = None
         self.structured = StructuredOutputs(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
         self._requests: dict[str, _Request] = {}
@@ -230,7 +223,7 @@ class Engine:
         """Speculate with `speculator` from the next step on (None: stop).
         `decode_node.spec.build_speculator` makes one from `config.spec`."""
         self._spec = None if speculator is None else SpeculativeSteps(
-            speculator, self.scheduler, self.structured, self.max_model_len, uniform=self.runner.graphs is not None)
+            speculator, self.scheduler, self.structured, uniform=self.runner.graphs is not None)
 
     @property
     def speculator(self) -> Speculator | None:
@@ -310,11 +303,7 @@ class Engine:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             if seq in verifying:
                 continue
-            seq.num_computed_tokens += num_new
-            if seq in rows:
-                seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
-                seq.finishing = (seq.num_output_tokens >= seq.params.max_tokens
-                                 or seq.num_tokens >= self.max_model_len)
+            self.scheduler.launched(seq, num_new, samples=seq in rows)
             # Now, not at resolve: the next step's admissions must find this one's prefix.
             self.block_manager.cache_full_blocks(seq)
         return _LaunchedStep(batch, seqs, rows, sample, verifying, proposals)
@@ -358,10 +347,7 @@ class Engine:
         K proposed tokens the scheduler kept (`seq.spec_token_ids`).
         """
         params = seq.params
-        seq.spec_token_ids.clear()
-        # The last token and the accepted proposals now have KV; the rejected
-        # ones' slots are garbage and get overwritten or trimmed.
-        seq.num_computed_tokens = seq.num_tokens + len(token_ids) - 1
+        self.scheduler.verified(seq, len(token_ids))
         logprobs: list[Any] = (self.sampler.logprobs(logits[:len(token_ids)], token_ids, params)
                                if params.logprobs is not None else [None] * len(token_ids))
         deltas = []
@@ -375,30 +361,17 @@ class Engine:
         return _merge_deltas(deltas)
 
     def _accept_token(self, seq: Sequence, token_id: int, logprobs: Any) -> TokenDelta:
-        """Put a sampled token in place of the oldest placeholder, or after the last token."""
-        pos = _first_placeholder(seq.token_ids)
-        if pos is None:
-            seq.token_ids.append(token_id)
-            pos = seq.num_tokens - 1
-        else:
-            seq.token_ids[pos] = token_id
-        params = seq.params
-        reason = None
-        if (token_id in params.stop_token_ids
-                or (not params.ignore_eos and token_id in self.arch.eos_token_ids)):
-            reason = FinishReason.STOP
-        elif pos + 1 - seq.num_prompt_tokens >= params.max_tokens or pos + 1 >= self.max_model_len:
-            reason = FinishReason.LENGTH
+        """A sampled token into its sequence (the scheduler places it and applies the stop rules)."""
+        pos, reason = self.scheduler.take_token(seq, token_id)
         if reason is not FinishReason.STOP and self.structured.accept(seq):
             reason = FinishReason.STOP  # the grammar is complete
         if reason is not None:
-            del seq.token_ids[pos + 1:]  # a token sampled after the last one is dropped
-            self._finish(seq, reason)
+            self._finish(seq, reason, num_tokens=pos + 1)  # a token sampled after the last one is dropped
         held = tuple(seq.block_ids) if seq.request_id in self.scheduler.held else ()
         return TokenDelta(seq.request_id, (token_id,), reason, (logprobs,) if logprobs else (),
                           seq.num_prompt_tokens, seq.num_cached_tokens, held)
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason, num_tokens: int | None = None) -> None:
         req = self._requests.pop(seq.request_id)
         copy = self.scheduler.pending_copy(seq)
         wait_s = self.config.cache.kv_copy_wait_s
@@ -409,12 +382,9 @@ class Engine:
         # A step still running writes this sequence's KV: its blocks go back to the pool
         # once that step has resolved, so that no other writer (a KV transfer) gets them first.
         in_flight = self._in_flight is not None and seq in self._in_flight.batch_seqs
-        self.scheduler.finish(seq, reason, free_blocks=not in_flight, hold=hold)
+        self.scheduler.finish(seq, reason, free_blocks=not in_flight, hold=hold, num_tokens=num_tokens)
         if in_flight and not hold:
             self._in_flight.free_after.append(seq)
-        seq.finishing = False
-        if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-            del seq.token_ids[_first_placeholder(seq.token_ids):]
         self.structured.release(seq)
         if self._spec is not None:
             self._spec.release(seq)

@@ -12,6 +12,11 @@ ones included (as vLLM's WAITING_FOR_REMOTE_KVS): waiting, running, receiving (a
 decode worker's seat and blocks reserved for KV another worker sends; landing once its
 copy is queued, until that completes) and held (a prefill worker's finished sequence
 whose blocks it keeps until their KV is sent).
+
+It is also the one writer of a sequence's state (tests/test_ownership.py holds production
+code to that): the engine hands it each step's results (`launched`, `take_token`,
+`verified`, `propose`, `finish`) and never writes a sequence itself; the block manager
+writes the block fields.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Protocol
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -48,9 +53,12 @@ class KVReady(Protocol):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # RECEIVING: None while the KV is on its way, (first token, copy) once it is landing.
@@ -189,10 +197,52 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence, reason: FinishReason, free_blocks: bool = True, hold: bool = False) -> None:
+    # A step's results ---------------------------------------------------
+
+    def launched(self, seq: Sequence, num_new: int, samples: bool) -> None:
+        """A queued step computes `num_new` more of `seq`'s tokens and, if it `samples`, a
+        token whose id is a placeholder until the step resolves. A sequence whose placeholder
+        is its last token by length is `finishing`: it is not scheduled again."""
+        seq.num_computed_tokens += num_new
+        if samples:
+            seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
+            seq.finishing = seq.remaining_tokens(self.max_model_len) <= 0
+
+    def take_token(self, seq: Sequence, token_id: int) -> tuple[int, FinishReason | None]:
+        """A sampled token, in place of the oldest placeholder or after the last token: its
+        position, and why it ends the sequence (a stop token or EOS, or the length rule),
+        if it does. The caller then `finish`es it, keeping the tokens up to this one."""
+        pos = seq.num_known_tokens  # placeholders only ever trail
+        if pos == seq.num_tokens:
+            seq.token_ids.append(token_id)
+        else:
+            seq.token_ids[pos] = token_id
+        params = seq.params
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return pos, FinishReason.STOP
+        # The rule as of this token: later placeholders (overlapped steps) do not count.
+        if pos + 1 - seq.num_prompt_tokens >= params.max_tokens or pos + 1 >= self.max_model_len:
+            return pos, FinishReason.LENGTH
+        return pos, None
+
+    def propose(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Draft tokens for the next step to verify after `seq`'s last token (the step's
+        budget may keep fewer: `schedule`)."""
+        seq.spec_token_ids[:] = token_ids
+
+    def verified(self, seq: Sequence, num_emitted: int) -> None:
+        """A step verified `seq`'s proposals and emits `num_emitted` tokens (the accepted
+        ones and the target's own): the last token and the accepted proposals have KV now;
+        the rejected ones' slots are garbage, overwritten or trimmed."""
+        seq.spec_token_ids.clear()
+        seq.num_computed_tokens = seq.num_tokens + num_emitted - 1
+
+    def finish(self, seq: Sequence, reason: FinishReason, free_blocks: bool = True, hold: bool = False,
+               num_tokens: int | None = None) -> None:
         """Take `seq` out at once (finished or aborted) and free its blocks, unless the
         caller frees them later itself (`free_blocks` False: a step still writes them) or
-        `hold`s them (a prefill worker, until their KV is sent: `release`)."""
+        `hold`s them (a prefill worker, until their KV is sent: `release`). Its tokens end at
+        `num_tokens` (a token sampled after the last one is dropped) and before any placeholder."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -205,3 +255,5 @@ class Scheduler:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.finishing = False
+        del seq.token_ids[min(seq.num_known_tokens, seq.num_tokens if num_tokens is None else num_tokens):]

@@ -99,6 +99,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def remaining_tokens(self, max_model_len: int) -> int:
+        """The length-stop rule, written once: how many more tokens it may get before
+        `max_tokens` or the model's context ends it (0 or less: it has ended)."""
+        return min(self.params.max_tokens - self.num_output_tokens, max_model_len - self.num_tokens)
+
     def block_hashes(self, num_blocks: int) -> list[int]:
         """Chained hashes of the first `num_blocks` full blocks (computed once, kept)."""
         hashes = self._block_hashes

@@ -39,11 +39,10 @@ class SpeculativeSteps:
     """
 
     def __init__(self, speculator: Speculator, scheduler: Scheduler, structured: StructuredOutputs,
-                 max_model_len: int, uniform: bool) -> None:
+                 uniform: bool) -> None:
         self.speculator = speculator
         self._scheduler = scheduler
         self._structured = structured
-        self._max_model_len = max_model_len
         self._uniform = uniform
 
     def plan(self) -> tuple[int, Decoding]:
@@ -71,9 +70,9 @@ class SpeculativeSteps:
             # never accepted (their KV is trimmed as a rejected guess's is; eagerly, on the
             # CPU, they would cost compute). Drafted on the device: placeholders here, read
             # there (zeros past a proposal).
-            num = min(width, self._max_model_len - seq.num_tokens) if self._uniform else n
-            seq.spec_token_ids.extend(host[i][:n] + [0] * (num - n) if host is not None
-                                      else [PLACEHOLDER_TOKEN_ID] * num)
+            num = min(width, self._scheduler.max_model_len - seq.num_tokens) if self._uniform else n
+            self._scheduler.propose(seq, host[i][:n] + [0] * (num - n) if host is not None
+                                    else [PLACEHOLDER_TOKEN_ID] * num)
             if num:
                 rows[seq], num_proposed[seq] = i, n
         return StepProposals(proposals, rows, num_proposed) if rows else None
@@ -104,9 +103,9 @@ class SpeculativeSteps:
         every running sequence's proposals of the step before."""
         seqs, limits = [], []
         for seq in self._scheduler.running:
-            seq.spec_token_ids.clear()
+            self._scheduler.propose(seq, [])
             # The accepted tokens plus the target's own must fit max_tokens and the context.
-            limit = min(seq.params.max_tokens - seq.num_output_tokens, self._max_model_len - seq.num_tokens) - 1
+            limit = seq.remaining_tokens(self._scheduler.max_model_len) - 1
             # In a uniform step a sequence at its last token verifies padding too: the batch stays uniform.
             if seq.num_computed_tokens == seq.num_tokens - 1 and (limit > 0 or self._uniform):
                 seqs.append(seq)

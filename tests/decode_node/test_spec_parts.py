@@ -169,7 +169,7 @@ def _decoding(sched: Scheduler, num_prompt: int, *rids: str) -> list[Sequence]:
 
 
 def test_scheduler_verifies_proposals_within_budget():
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=6), BlockManager(64, BS))
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=6), BlockManager(64, BS), 4096)
     a, b = _decoding(sched, 5, "a", "b")
     a.spec_token_ids[:] = [1, 2, 3, 4]
     b.spec_token_ids[:] = [1, 2, 3, 4]
@@ -180,7 +180,7 @@ def test_scheduler_verifies_proposals_within_budget():
 
 
 def test_scheduler_drops_proposals_rather_than_preempting():
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(4, BS))
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(4, BS), 4096)
     a, b = _decoding(sched, 4, "a", "b")  # one block each, two free
     a.spec_token_ids[:] = [1, 2, 3, 4, 5, 6, 7, 8]  # would take three more blocks
     batch = sched.schedule()

@@ -8,14 +8,14 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence, SequenceStatus
 
 BS = 4
 
 
 def make(num_blocks: int = 64, budget: int = 16, max_seqs: int = 8, chunked: bool = True) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                     enable_chunked_prefill=chunked), BlockManager(num_blocks, BS))
+                                     enable_chunked_prefill=chunked), BlockManager(num_blocks, BS), 4096)
 
 
 def seq(n: int, rid: str, first: int = 0) -> Sequence:
@@ -148,3 +148,38 @@ def test_a_held_sequence_keeps_its_blocks_until_released():
     assert s.is_finished and sched.held == {"p": s} and sched.block_manager.num_free_blocks == 16 - 10
     assert sched.release("p") and not sched.held and sched.block_manager.num_free_blocks == 16
     assert not sched.release("p")
+
+
+def test_a_steps_results_go_through_the_scheduler():
+    """launched -> placeholders; take_token fills the oldest one and applies the stop and
+    length rules as of that token; finish keeps the tokens up to it and drops placeholders."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16), BlockManager(64, BS), max_model_len=12,
+                      eos_token_ids=frozenset({2}))
+    s = Sequence("a", (10, 11, 12), SamplingParams(max_tokens=4, stop_token_ids=[7]), BS)
+    sched.add(s)
+    batch = sched.schedule()
+    sched.launched(s, batch.num_new_tokens[0], samples=True)
+    sched.launched(s, 1, samples=True)  # the next step, queued before the first resolved
+    assert s.token_ids == [10, 11, 12, PLACEHOLDER_TOKEN_ID, PLACEHOLDER_TOKEN_ID] and s.num_computed_tokens == 4
+    assert s.remaining_tokens(sched.max_model_len) == 2 and not s.finishing
+    assert sched.take_token(s, 5) == (3, None)
+    assert sched.take_token(s, 7) == (4, FinishReason.STOP)  # a stop token
+    sched.finish(s, FinishReason.STOP, num_tokens=5)
+    assert s.token_ids == [10, 11, 12, 5, 7] and s.is_finished and s.finish_reason is FinishReason.STOP
+
+    t = Sequence("b", (1,) * 9, SamplingParams(max_tokens=8, ignore_eos=True), BS)
+    sched.add(t)
+    batch = sched.schedule()
+    sched.launched(t, batch.num_new_tokens[0], samples=True)
+    assert sched.take_token(t, 2) == (9, None)  # EOS ignored
+    sched.launched(t, 1, samples=True)
+    sched.launched(t, 1, samples=True)  # its context (12) ends with this placeholder
+    assert t.finishing and t.remaining_tokens(sched.max_model_len) == 0
+    assert sched.take_token(t, 3) == (10, None)
+    assert sched.take_token(t, 4) == (11, FinishReason.LENGTH)
+    sched.propose(t, [8, 9])
+    sched.verified(t, 2)  # one proposal accepted and the target's own token
+    assert t.spec_token_ids == [] and t.num_computed_tokens == t.num_tokens + 1
+    sched.launched(t, 0, samples=True)  # a placeholder past the end is dropped at finish
+    sched.finish(t, FinishReason.LENGTH)
+    assert t.token_ids == [1] * 9 + [2, 3, 4] and not t.finishing
