@@ -39,16 +39,15 @@ class WorkerState:
     cached_hashes: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
     def kv_headroom(self) -> int | None:
-        """Blocks a new decode reservation may take here (None: no load reported yet): the
-        free ones in the load, less the block of headroom the engine keeps per sequence it
-        runs or receives, less the claims that the load may not show yet (confirmed after
-        it was asked for) and their headroom."""
+        """Blocks a new decode reservation may take here (None: no load reported yet): what
+        the load says one may take (the engine's rule), less the claims that the load may not
+        show yet (confirmed after it was asked for) and their headroom."""
         load = self.load
         if load is None:
             return None
         unseen = sum(c.num_blocks + 1 for c in self.claims.values()
                      if c.reserved_at is None or c.reserved_at >= self.load_asked_at)
-        return load.num_free_blocks - load.num_running - load.num_receiving - unseen
+        return load.num_reservable_blocks - unseen
 
     def score(self, weights: RouterConfig) -> float:
         """Lower is less loaded: requests in flight, queued work and KV pressure (see RouterConfig)."""

@@ -168,10 +168,8 @@ class Engine:
             raise NoCapacity(f"all {self.config.scheduler.max_num_seqs} sequence slots are taken")
         seq = Sequence(request_id, request.prompt_token_ids, request.params, self.pool.layout.block_size,
                        num_prior_output_tokens=_checked_prior(num_prior_output_tokens, request))
-        # One block of headroom per running sequence keeps admissions from
-        # forcing preemptions on the very next step.
-        if self.block_manager.num_blocks_needed(seq, seq.num_tokens) + len(sched.running) > \
-                self.block_manager.num_free_blocks or not self.block_manager.allocate(seq, seq.num_tokens):
+        if self.block_manager.num_blocks_needed(seq, seq.num_tokens) > sched.num_reservable_blocks \
+                or not self.block_manager.allocate(seq, seq.num_tokens):
             raise NoCapacity(f"not enough free KV blocks for {seq.num_tokens} tokens")
         self._requests[request_id] = _Request(seq)
         sched.receive(seq)
@@ -207,6 +205,7 @@ class Engine:
             + sum(s.num_tokens - s.num_computed_tokens - 1 for s in sched.running),
             num_free_blocks=bm.num_free_blocks,
             num_blocks=bm.num_blocks,
+            num_reservable_blocks=sched.num_reservable_blocks,
             prefix_queried_tokens=bm.num_prefix_queries,
             prefix_hit_tokens=bm.num_prefix_hits,
             num_preemptions=sched.num_preemptions,

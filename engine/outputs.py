@@ -86,6 +86,7 @@ class EngineLoad:
     queued_prefill_tokens: int
     num_free_blocks: int
     num_blocks: int
+    num_reservable_blocks: int  # what a new decode reservation may take (Scheduler.num_reservable_blocks)
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int

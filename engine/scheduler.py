@@ -71,6 +71,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def num_reservable_blocks(self) -> int:
+        """The KV-headroom rule, written once: blocks a new reservation may take, the free ones
+        less a block of headroom for each sequence that runs or receives (so that admitting
+        one does not force a preemption on the next step). The router reads it in the load."""
+        return self.block_manager.num_free_blocks - len(self.running) - len(self.receiving)
+
+    @property
     def num_seats_taken(self) -> int:
         """Sequences holding one of `max_num_seqs` seats: running, and receiving their KV."""
         return len(self.running) + len(self.receiving)

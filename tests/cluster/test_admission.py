@@ -21,7 +21,8 @@ BLOCK = 16
 
 def _load(num_free_blocks: int, num_blocks: int = 10, num_running: int = 0) -> EngineLoad:
     return EngineLoad(num_running=num_running, num_waiting=0, num_receiving=0, num_held=0, queued_prefill_tokens=0,
-                      num_free_blocks=num_free_blocks, num_blocks=num_blocks, prefix_queried_tokens=0,
+                      num_free_blocks=num_free_blocks, num_blocks=num_blocks,
+                      num_reservable_blocks=num_free_blocks - num_running, prefix_queried_tokens=0,
                       prefix_hit_tokens=0, num_preemptions=0)
 
 

@@ -19,7 +19,8 @@ def series(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 
 def load(free: int, spec: SpecMetrics | None = None) -> EngineLoad:
     return EngineLoad(num_running=2, num_waiting=1, num_receiving=0, num_held=0, queued_prefill_tokens=0,
-                      num_free_blocks=free, num_blocks=100, prefix_queried_tokens=64, prefix_hit_tokens=32,
+                      num_free_blocks=free, num_blocks=100, num_reservable_blocks=free - 2,
+                      prefix_queried_tokens=64, prefix_hit_tokens=32,
                       num_preemptions=0, spec=spec)
 
 

@@ -11,7 +11,8 @@ from pdserve.engine.outputs import EngineLoad
 
 def _worker(worker_id: str, free_blocks: int, queued_tokens: int, inflight: int = 0) -> WorkerState:
     load = EngineLoad(num_running=0, num_waiting=0, num_receiving=0, num_held=0, queued_prefill_tokens=queued_tokens,
-                      num_free_blocks=free_blocks, num_blocks=100, prefix_queried_tokens=0, prefix_hit_tokens=0,
+                      num_free_blocks=free_blocks, num_blocks=100, num_reservable_blocks=free_blocks,
+                      prefix_queried_tokens=0, prefix_hit_tokens=0,
                       num_preemptions=0)
     return WorkerState(worker_id, load, inflight=inflight)
 

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from pdserve.engine.engine import NoCapacity
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import FinishReason
 from tests.engine.prompts import prompt_ids
@@ -232,3 +233,25 @@ def test_a_copy_that_never_ends_delays_an_abort_by_a_bound_only(engine, make_eng
     assert engine.step() == [] and copy.waited == 1  # nothing else runs: a bounded wait, not a hang
     assert engine.abort("orphan")
     assert not engine.has_unfinished and all_blocks_free(engine) and engine.load().num_receiving == 0
+
+
+def test_a_reservation_takes_what_the_load_says_it_may(make_engine, tokenizer):
+    """The KV-headroom rule has one home (Scheduler.num_reservable_blocks): the load the router
+    reads says it, and the engine's reservations follow it exactly, a block of headroom kept
+    for each sequence receiving (as for each running)."""
+    engine = make_engine(num_blocks=12)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    taken = []
+    for i in range(6):
+        prompt = prompt_ids(tokenizer, 40, variant=i)  # 3 blocks of 16
+        may = engine.load().num_reservable_blocks
+        assert may == engine.block_manager.num_free_blocks - len(taken)
+        if may < 3:
+            with pytest.raises(NoCapacity, match="not enough free KV blocks"):
+                engine.reserve(f"r{i}", prompt, params)
+            break
+        taken.append(engine.reserve(f"r{i}", prompt, params))
+    assert len(taken) == 3  # 12 blocks: 3 + 3 + 3 taken, 3 free less 3 of headroom
+    for i in range(len(taken)):
+        engine.abort(f"r{i}")
+    assert engine.block_manager.num_free_blocks == 12
