@@ -1,12 +1,8 @@
 """Runs requests across the pools: route, prefill, hand KV over, stream decode tokens.
 
-One poller per decode worker long-polls its batched token deltas and fans them
-out to per-request queues. A disaggregated request waits here, first come first served,
-for a decode worker with a free running seat and the free KV blocks to reserve its prompt
-(`WorkerState.kv_headroom`: its last load, less the reservations that may not show in it
-yet); beyond a bounded queue
-(`max_queued()`) it is refused at once, and the service admits no more than `capacity()`
-(seats plus the queue). A colocated one queues in its worker's scheduler. Every request's
+Three jobs, three owners: the line for decode seats (`seats.SeatLine`: seats, KV claims, the
+queue), the token streams (`token_streams.TokenStreams`: one poller per decode worker fanning
+its deltas out to the requests' queues) and, here, each request's attempts. Every request's
 cleanup (abort on the workers that hold it) runs in one `finally`, whether it finished, was
 cancelled by the client, hit its deadline or lost a worker; its seat and KV claim are freed
 once its abort has been. A request whose worker is lost continues on
@@ -16,7 +12,6 @@ another (`generate`: re-prefill of its prompt plus the tokens streamed so far).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import itertools
@@ -28,10 +23,12 @@ from dataclasses import dataclass, field
 import ray
 
 from pdserve.cluster.config import CoordinatorConfig, RouterConfig
-from pdserve.cluster.errors import cause
+from pdserve.cluster.errors import Overloaded, TransportRefused, WorkerLost, WorkerUnavailable, cause
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ACTOR_LOST, Pool, Worker
-from pdserve.cluster.router import KVClaim, LeastLoad, RoutingPolicy
+from pdserve.cluster.router import LeastLoad, RoutingPolicy
+from pdserve.cluster.seats import SeatLine, may_wait
+from pdserve.cluster.token_streams import TokenStreams
 from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.engine import NoCapacity
 from pdserve.engine.messages import KVTransferInfo, WorkerRequest
@@ -40,24 +37,6 @@ from pdserve.kv_transport import HandshakeRefused, SlowPathRefused, TransferErro
 
 logger = logging.getLogger(__name__)
 
-
-
-class WorkerUnavailable(Exception):
-    """No healthy worker could take the request, or its worker was lost mid-request."""
-
-
-class WorkerLost(WorkerUnavailable):
-    """A worker the request ran on was lost, or its KV transfer failed: it may continue elsewhere."""
-
-
-class TransportRefused(WorkerUnavailable):
-    """The request's pair of workers may not move KV between them: a refused handshake (layout,
-    secret) or a transport slower than `kv_transport.require` allows. The cluster's
-    configuration, not a passing failure: another attempt would be refused too."""
-
-
-class Overloaded(Exception):
-    """Every worker is full: the caller should back off (RESOURCE_EXHAUSTED)."""
 
 
 class _NoRoom(Exception):
@@ -119,12 +98,6 @@ class RequestReport:
     hops: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class _Stream:
-    decode: Worker
-    queue: asyncio.Queue[TokenDelta | Exception] = field(default_factory=asyncio.Queue)
-
-
 class Coordinator:
     def __init__(self, prefill: Pool | None, decode: Pool, policy: RoutingPolicy, block_size: int,
                  metrics: Metrics, seats_per_worker: int, max_waiting_per_worker: int,
@@ -134,17 +107,13 @@ class Coordinator:
         self.policy = policy
         self.block_size = block_size
         self.metrics = metrics
-        self.seats_per_worker = seats_per_worker  # the decode engines' max_num_seqs
-        self.max_waiting_per_worker = max_waiting_per_worker
-        self.config = config or CoordinatorConfig()
+        self.config = config = config or CoordinatorConfig()
         self._decode_policy = LeastLoad(router)
+        self.seats = SeatLine(decode, self._decode_policy, block_size, seats_per_worker, max_waiting_per_worker, config)
+        self.streams = TokenStreams(decode, config.poll_wait_s)
         for pool in self.pools():
             pool.on_lost = self.on_worker_lost
-        # Requests waiting for a decode seat, in order: the head takes the next one that fits.
-        self._line: collections.deque[asyncio.Event] = collections.deque()
-        self._streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []
-        self._pollers: dict[str, asyncio.Task] = {}
         # Aborts that free a seat when done: held here, since the loop keeps only weak references.
         self._aborting: set[asyncio.Task] = set()
 
@@ -158,43 +127,21 @@ class Coordinator:
     async def start(self, health_interval_s: float) -> None:
         await asyncio.gather(*(p.start() for p in self.pools()))
         for w in self.decode.workers:
-            self._start_poller(w)
+            self.streams.follow(w)
         self._tasks = [asyncio.create_task(self._health_loop(health_interval_s)),
                        asyncio.create_task(self._load_loop())]
 
     async def stop(self) -> None:
-        for t in [*self._tasks, *self._pollers.values()]:
+        for t in self._tasks:
             t.cancel()
+        self.streams.stop()
         await asyncio.gather(*(p.stop() for p in self.pools()), return_exceptions=True)
 
     # Requests ------------------------------------------------------------
 
     def capacity(self) -> int:
-        """Requests the pools take at once: per healthy decode worker, its running seats
-        and a bounded queue of requests waiting for one."""
-        return len(self.decode.healthy()) * (self.seats_per_worker + self.max_waiting_per_worker)
-
-    def max_queued(self) -> int:
-        """Requests that may wait for a decode seat (or the KV blocks to use one) at once: a
-        queue per healthy decode worker and per one being replaced (requests that find no
-        healthy worker wait for its replacement, `_may_wait`)."""
-        return (len(self.decode.healthy()) + self.decode.replacing) * self.max_waiting_per_worker
-
-    @property
-    def num_queued(self) -> int:
-        """Requests waiting for a decode seat now."""
-        return len(self._line)
-
-    def _kv_need(self, req: WorkerRequest) -> int:
-        """KV blocks a decode worker reserves for `req`: its prompt's (the tokens it generates
-        take blocks as they come; the engine preempts where they run out, as vLLM's does)."""
-        return -(-len(req.prompt_token_ids) // self.block_size)
-
-    def _fits(self, worker: Worker, need: int) -> bool:
-        """Whether `worker` has a running seat and `need` KV blocks to reserve. A worker whose
-        load is not known yet is tried: its engine's reservation decides."""
-        headroom = worker.state.kv_headroom()
-        return worker.state.inflight < self.seats_per_worker and (headroom is None or need <= headroom)
+        """Requests the pools take at once (`SeatLine.capacity`): what the frontends admit."""
+        return self.seats.capacity()
 
     async def generate(self, req: WorkerRequest, report: RequestReport | None = None) -> AsyncIterator[TokenDelta]:
         """Yields the request's token deltas; the last one has a finish reason.
@@ -249,7 +196,7 @@ class Coordinator:
     async def _run(self, req: WorkerRequest, migrated: bool, retried: bool,
                    report: RequestReport | None) -> AsyncIterator[TokenDelta]:
         """One attempt at `req` on one decode worker (and one prefill worker). Finding no
-        healthy worker of a role, it waits (`_may_wait`) for a lost one's replacement. A
+        healthy worker of a role, it waits (`may_wait`) for a lost one's replacement. A
         `retried` request (one that lost its worker or its reservation) waits for a seat at
         the head of the queue."""
         rid = req.request_id
@@ -259,15 +206,13 @@ class Coordinator:
         give_up = asyncio.get_running_loop().time() + self.config.migration_wait_s
         if self.prefill is None:
             decode = await self._pick_waiting(self.decode, [], self._decode_policy, migrated, give_up)
+            self.seats.seat(decode, rid)
         else:
-            need = self._kv_need(req)
-            decode = await self._take_seat(need, retried, migrated, give_up)
-            decode.state.claims[rid] = KVClaim(need)  # no await since the choice
+            need = self.seats.kv_need(len(req.prompt_token_ids))
+            decode = await self.seats.take(rid, need, retried, migrated, give_up)
         hops["seat"] = time.perf_counter() - started
-        if decode.worker_id not in self._pollers:  # a replacement: do not wait for the health loop
-            self._start_poller(decode)
-        stream = self._streams[rid] = _Stream(decode)
-        decode.state.inflight += 1  # no await since the choice: the seat is ours
+        self.streams.follow(decode)  # a replacement: not waiting for the health loop
+        queue = self.streams.open(rid, decode)
         finished = False
         admitting: asyncio.Future[None] | None = None
         try:
@@ -288,7 +233,7 @@ class Coordinator:
                 await admitting
             waited = time.perf_counter()
             while True:
-                item = await stream.queue.get()
+                item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
                 if "first_delta" not in hops and self.prefill is None:
@@ -298,7 +243,7 @@ class Coordinator:
                 if finished:
                     return
         finally:
-            del self._streams[rid]
+            self.streams.close(rid)
             if admitting is not None and not admitting.done():
                 # The abort must reach the decode worker after the admit, not overtake it.
                 await asyncio.wait([admitting], timeout=self.config.abort_timeout_s)
@@ -310,58 +255,7 @@ class Coordinator:
                 self._aborting.add(aborting)
                 aborting.add_done_callback(self._aborting.discard)
             else:
-                self._free_seat(decode, rid)
-
-    def _may_wait(self, pool: Pool, migrated: bool, give_up: float) -> bool:
-        """Whether a request finding no healthy worker in `pool` waits on: until `give_up`
-        (`config.migration_wait_s` after it began), while a lost worker is being replaced, or
-        in any case for a `migrated` request (its lost worker's replacement may not have
-        begun yet). With nothing being replaced a new request is refused at once."""
-        return (migrated or pool.replacing > 0) and asyncio.get_running_loop().time() < give_up
-
-    async def _take_seat(self, need: int, front: bool, migrated: bool, give_up: float) -> Worker:
-        """A decode worker with a free running seat and `need` KV blocks to reserve (`_fits`).
-        Requests wait for one in arrival order (`front`: ahead
-        of all, a retried one); one that would wait behind `max_queued()` others is refused
-        at once (Overloaded). The head re-checks whenever a seat or blocks are freed, the
-        load is read, or `config.seat_recheck_s` passed (a replaced worker's seats). With no
-        healthy decode worker, waits while `_may_wait`, then WorkerUnavailable."""
-        me = asyncio.Event()
-        if front:
-            self._line.appendleft(me)
-        else:
-            self._line.append(me)
-        waited = front  # a retried request is never refused
-        try:
-            while True:
-                if self._line[0] is me:
-                    healthy = self.decode.healthy()
-                    if not healthy and not self._may_wait(self.decode, migrated, give_up):
-                        raise WorkerUnavailable("no healthy decode worker")
-                    free = [w for w in healthy if self._fits(w, need)]
-                    if free:
-                        state = self._decode_policy.choose([w.state for w in free], [])
-                        return next(w for w in free if w.state is state)
-                if not waited and len(self._line) - 1 >= self.max_queued():
-                    raise Overloaded(f"server is at its capacity: {self.max_queued()} requests are queued for a "
-                                     f"decode seat or the KV blocks of one")
-                waited = True
-                me.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(me.wait(), self.config.seat_recheck_s)
-        finally:
-            self._line.remove(me)
-            self._wake_line()
-
-    def _wake_line(self) -> None:
-        """Have the request at the head of the queue look for a seat again."""
-        if self._line:
-            self._line[0].set()
-
-    def _free_seat(self, worker: Worker, request_id: str) -> None:
-        worker.state.inflight -= 1
-        worker.state.claims.pop(request_id, None)
-        self._wake_line()
+                self.seats.free(decode, rid)
 
     async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int], migrated: bool,
                        give_up: float, report: RequestReport | None,
@@ -373,28 +267,28 @@ class Coordinator:
         decode engine's current step) is not on the first token's path; a refused one
         cancels the prefill."""
         prefill = await self._pick_waiting(self.prefill, hashes, self.policy, migrated, give_up)
-        prefill.state.inflight += 1
-        called = time.perf_counter()
-        ref = prefill.actor.prefill.remote(req, decode.address)
+        self.seats.seat(prefill, req.request_id)
         try:
-            await self._reserve(req, decode)
-            hops["reserve"] = time.perf_counter() - called
-        except BaseException:
-            ray.cancel(ref)  # the worker aborts the request and frees its blocks
-            prefill.state.inflight -= 1
-            raise
-        try:
-            out = await ref
-        except asyncio.CancelledError:
-            ray.cancel(ref)
-            raise
-        except ACTOR_LOST as e:
-            await self.prefill.replace(prefill)
-            raise WorkerLost(f"prefill worker {prefill.worker_id} was lost") from e
-        except TransferError as e:
-            raise _transfer_failed(decode, e) from e
+            called = time.perf_counter()
+            ref = prefill.actor.prefill.remote(req, decode.address)
+            try:
+                await self._reserve(req, decode)
+                hops["reserve"] = time.perf_counter() - called
+            except BaseException:
+                ray.cancel(ref)  # the worker aborts the request and frees its blocks
+                raise
+            try:
+                out = await ref
+            except asyncio.CancelledError:
+                ray.cancel(ref)
+                raise
+            except ACTOR_LOST as e:
+                await self.prefill.replace(prefill)
+                raise WorkerLost(f"prefill worker {prefill.worker_id} was lost") from e
+            except TransferError as e:
+                raise _transfer_failed(decode, e) from e
         finally:
-            prefill.state.inflight -= 1
+            self.seats.free(prefill, req.request_id)
         if out.times is not None:
             hops.update(prefill_queue=out.times.queue_s, prefill_compute=out.times.compute_s,
                         kv_wait=out.times.kv_wait_s, prefill_rpc=time.perf_counter() - called - out.times.total_s)
@@ -419,9 +313,7 @@ class Coordinator:
     async def _reserve(self, req: WorkerRequest, decode: Worker) -> None:
         try:
             await decode.actor.reserve.remote(req)
-            claim = decode.state.claims.get(req.request_id)
-            if claim is not None:  # the worker's loads asked for from now on show its blocks
-                claim.reserved_at = asyncio.get_running_loop().time()
+            self.seats.reserved(decode, req.request_id)
         except NoCapacity as e:
             raise _NoRoom(f"decode worker {decode.worker_id}: {cause(e)}") from e
         except ACTOR_LOST as e:
@@ -430,8 +322,8 @@ class Coordinator:
 
     async def _pick_waiting(self, pool: Pool, hashes: list[int], policy: RoutingPolicy, migrated: bool,
                             give_up: float) -> Worker:
-        """`_pick`, waiting for a healthy worker while `_may_wait`."""
-        while not pool.healthy() and self._may_wait(pool, migrated, give_up):
+        """`_pick`, waiting for a healthy worker while `may_wait`."""
+        while not pool.healthy() and may_wait(pool, migrated, give_up):
             await asyncio.sleep(self.config.seat_recheck_s)
         return self._pick(pool, hashes, policy)
 
@@ -450,32 +342,13 @@ class Coordinator:
             logger.warning("abort of %s on %s failed", request_id, worker.worker_id)
         finally:
             if free_seat:
-                self._free_seat(worker, request_id)
+                self.seats.free(worker, request_id)
 
     # Background ----------------------------------------------------------
 
-    def _start_poller(self, worker: Worker) -> None:
-        self._pollers[worker.worker_id] = asyncio.create_task(self._poll(worker))
-
-    async def _poll(self, worker: Worker) -> None:
-        while worker.state.healthy:
-            try:
-                deltas = await worker.actor.poll.remote(self.config.poll_wait_s)
-            except ACTOR_LOST:
-                await self.decode.replace(worker)
-                return
-            for delta in deltas:
-                stream = self._streams.get(delta.request_id)
-                # Fenced: a request continued elsewhere takes nothing more from this worker.
-                if stream is not None and stream.decode is worker:
-                    stream.queue.put_nowait(delta)
-
     async def on_worker_lost(self, worker: Worker) -> None:
         """Fail the requests a lost worker held (their callers see UNAVAILABLE)."""
-        self._pollers.pop(worker.worker_id, None)
-        for rid, stream in self._streams.items():
-            if stream.decode is worker:
-                stream.queue.put_nowait(WorkerLost(f"{worker.role} worker {worker.worker_id} was lost"))
+        self.streams.fail(worker, WorkerLost(f"{worker.role} worker {worker.worker_id} was lost"))
         self.metrics.worker_lost(worker.role, worker.worker_id)
 
     async def _health_loop(self, interval_s: float) -> None:
@@ -484,8 +357,8 @@ class Coordinator:
             for pool in self.pools():
                 await pool.check()
             for w in self.decode.workers:
-                if w.state.healthy and w.worker_id not in self._pollers:
-                    self._start_poller(w)
+                if w.state.healthy:
+                    self.streams.follow(w)
 
     async def _load_loop(self) -> None:
         while True:
@@ -496,5 +369,5 @@ class Coordinator:
                 if not isinstance(load, BaseException) and w.state.healthy:  # not lost meanwhile
                     w.state.load, w.state.load_asked_at = load, asked
                     self.metrics.worker_load(w.role, w.worker_id, load)
-            self._wake_line()  # blocks freed since the last load show now
+            self.seats.wake()  # blocks freed since the last load show now
             await asyncio.sleep(self.config.load_refresh_s)

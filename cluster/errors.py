@@ -1,4 +1,5 @@
-"""What a client may be told about an error raised in a worker, and what stays in the server's log.
+"""The errors a request meets in the cluster, and what a client may be told about an error
+raised in a worker (what stays in the server's log).
 
 An exception raised inside a Ray actor reaches the caller as a `RayTaskError` (a subclass of
 both `RayTaskError` and the original exception's class, so `except TransferError` still
@@ -13,6 +14,26 @@ from __future__ import annotations
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 MAX_CAUSE_CHARS = 500  # a client-facing cause is a line, not a dump
+
+
+# What the coordinator raises to the frontends (each maps to a gRPC status and an HTTP one).
+
+class WorkerUnavailable(Exception):
+    """No healthy worker could take the request, or its worker was lost mid-request."""
+
+
+class WorkerLost(WorkerUnavailable):
+    """A worker the request ran on was lost, or its KV transfer failed: it may continue elsewhere."""
+
+
+class TransportRefused(WorkerUnavailable):
+    """The request's pair of workers may not move KV between them: a refused handshake (layout,
+    secret) or a transport slower than `kv_transport.require` allows. The cluster's
+    configuration, not a passing failure: another attempt would be refused too."""
+
+
+class Overloaded(Exception):
+    """Every worker is full: the caller should back off (RESOURCE_EXHAUSTED)."""
 
 
 def original(error: BaseException) -> BaseException:

@@ -15,8 +15,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from pdserve.cluster.coordinator import Coordinator, Overloaded, RequestReport, TransportRefused, WorkerUnavailable
-from pdserve.cluster.errors import cause
+from pdserve.cluster.coordinator import Coordinator, RequestReport
+from pdserve.cluster.errors import Overloaded, TransportRefused, WorkerUnavailable, cause
 from pdserve.cluster.metrics import Metrics
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import TextDelta
@@ -80,7 +80,7 @@ class Frontend:
         fit the pools' capacity (`Coordinator.capacity()`: the healthy decode workers' running
         seats plus their bounded waiting queues). A request admitted here may still be refused
         (Overloaded) by the coordinator's queue for a decode seat, where requests also wait
-        for KV blocks: at most `Coordinator.max_queued()` wait there."""
+        for KV blocks: at most `SeatLine.max_queued()` wait there."""
         capacity = self.coordinator.capacity()
         # No healthy decode worker is not a full server: the coordinator answers UNAVAILABLE.
         if capacity and self.inflight + num_requests > capacity:

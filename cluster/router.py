@@ -32,7 +32,7 @@ class WorkerState:
     worker_id: str
     load: EngineLoad | None = None
     healthy: bool = True
-    inflight: int = 0  # requests placed here and not yet finished, counted by the frontend
+    inflight: int = 0  # requests placed here and not yet finished (written by cluster.seats.SeatLine only)
     load_asked_at: float = 0.0  # when `load` was asked for (event-loop time)
     # Decode seats taken here, by request id: the KV blocks each reserves (Coordinator._take_seat).
     claims: dict[str, KVClaim] = field(default_factory=dict)

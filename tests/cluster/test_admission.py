@@ -1,4 +1,4 @@
-"""The coordinator's queue for decode seats (cluster/coordinator.py), without Ray: a request
+"""The line for decode seats (cluster/seats.py), without Ray: a request
 waits for a running seat and the free KV blocks to reserve its prompt, first come first
 served; one that would wait behind a full queue is refused without waiting for anything."""
 
@@ -8,10 +8,11 @@ import asyncio
 
 import pytest
 
-from pdserve.cluster.coordinator import Coordinator, Overloaded
-from pdserve.cluster.metrics import Metrics
+from pdserve.cluster.config import CoordinatorConfig
+from pdserve.cluster.errors import Overloaded
 from pdserve.cluster.pools import Pool, Worker
-from pdserve.cluster.router import KVClaim, RoundRobin, WorkerState
+from pdserve.cluster.router import KVClaim, LeastLoad, WorkerState
+from pdserve.cluster.seats import SeatLine
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import EngineLoad
 from pdserve.engine.sampling import SamplingParams
@@ -26,19 +27,15 @@ def _load(num_free_blocks: int, num_blocks: int = 10, num_running: int = 0) -> E
                       prefix_hit_tokens=0, num_preemptions=0)
 
 
-def _coordinator(num_blocks: int = 10, seats: int = 4, max_waiting: int = 2) -> Coordinator:
-    prefill, decode = Pool("prefill", 1, None), Pool("decode", 1, None)
-    prefill.workers = [Worker("prefill", None, WorkerState("prefill-0"), None)]
+def _line(num_blocks: int = 10, seats: int = 4, max_waiting: int = 2) -> SeatLine:
+    decode = Pool("decode", 1, None)
     decode.workers = [Worker("decode", None, WorkerState("decode-0", load=_load(num_blocks, num_blocks)), None)]
-    return Coordinator(prefill, decode, RoundRobin(), BLOCK, Metrics(), seats, max_waiting)
+    return SeatLine(decode, LeastLoad(), BLOCK, seats, max_waiting, CoordinatorConfig())
 
 
-async def _seat(c: Coordinator, rid: str, need: int, front: bool = False) -> Worker:
-    """What `_run` does with a seat: take it and claim the blocks."""
-    worker = await c._take_seat(need, front, False, asyncio.get_running_loop().time() + 60)
-    worker.state.inflight += 1
-    worker.state.claims[rid] = KVClaim(need)
-    return worker
+async def _seat(c: SeatLine, rid: str, need: int, front: bool = False) -> Worker:
+    """A seat for `rid` and its claim on `need` blocks, as a disaggregated request takes them."""
+    return await c.take(rid, need, front, False, asyncio.get_running_loop().time() + 60)
 
 
 async def _settle() -> None:
@@ -49,7 +46,7 @@ async def _settle() -> None:
 
 def test_a_request_reserves_its_prompts_blocks():
     req = WorkerRequest("r", tuple(range(33)), SamplingParams(max_tokens=100))
-    assert _coordinator()._kv_need(req) == 3
+    assert _line().kv_need(len(req.prompt_token_ids)) == 3
 
 
 def test_kv_headroom_is_the_load_less_the_reservations_it_may_not_show():
@@ -62,7 +59,7 @@ def test_kv_headroom_is_the_load_less_the_reservations_it_may_not_show():
 
 def test_a_request_the_kv_left_cannot_hold_waits_and_only_one_beyond_the_queue_is_refused():
     async def scenario() -> None:
-        c = _coordinator(num_blocks=10, seats=4, max_waiting=2)
+        c = _line(num_blocks=10, seats=4, max_waiting=2)
         worker = await _seat(c, "a", 6)  # seats are still free, but only 10 - (6 + 1) blocks
         big = asyncio.create_task(_seat(c, "b", 6))
         small = asyncio.create_task(_seat(c, "c", 2))  # it would fit, but waits its turn behind `big`
@@ -70,12 +67,12 @@ def test_a_request_the_kv_left_cannot_hold_waits_and_only_one_beyond_the_queue_i
         assert not big.done() and not small.done() and c.num_queued == 2
 
         # The queue (2 per decode worker) is full: refused before its coroutine waits once.
-        coro = c._take_seat(1, False, False, asyncio.get_running_loop().time() + 60)
+        coro = c.take("d", 1, False, False, asyncio.get_running_loop().time() + 60)
         with pytest.raises(Overloaded, match="2 requests are queued"):
             coro.send(None)
         assert c.num_queued == 2 and not big.done() and not small.done()
 
-        c._free_seat(worker, "a")
+        c.free(worker, "a")
         await _settle()
         assert big.done() and small.done()  # both fit now, (6 + 1) + (2 + 1) of 10, in their order
         assert set(worker.state.claims) == {"b", "c"} and worker.state.inflight == 2 and c.num_queued == 0
@@ -85,18 +82,18 @@ def test_a_request_the_kv_left_cannot_hold_waits_and_only_one_beyond_the_queue_i
 
 def test_a_waiting_request_takes_the_blocks_a_new_load_shows_free():
     async def scenario() -> None:
-        c = _coordinator(num_blocks=10)
+        c = _line(num_blocks=10)
         worker = await _seat(c, "a", 6)
         worker.state.claims["a"].reserved_at = 1.0
         worker.state.load, worker.state.load_asked_at = _load(2, num_running=1), 2.0  # "a" shows in it
         waiting = asyncio.create_task(_seat(c, "b", 4))
         await _settle()
         assert not waiting.done()
-        c._free_seat(worker, "a")  # its blocks are freed on the worker; the load does not show it yet
+        c.free(worker, "a")  # its blocks are freed on the worker; the load does not show it yet
         await _settle()
         assert not waiting.done()
         worker.state.load, worker.state.load_asked_at = _load(10), 3.0
-        c._wake_line()  # what the load loop does after each read
+        c.wake()  # what the load loop does after each read
         await _settle()
         assert waiting.done()
 
@@ -105,7 +102,7 @@ def test_a_waiting_request_takes_the_blocks_a_new_load_shows_free():
 
 def test_seats_bound_the_batch_and_a_retried_request_goes_first():
     async def scenario() -> None:
-        c = _coordinator(num_blocks=100, seats=1, max_waiting=1)
+        c = _line(num_blocks=100, seats=1, max_waiting=1)
         worker = await _seat(c, "a", 2)
         waiting = asyncio.create_task(_seat(c, "b", 2))
         await _settle()
@@ -113,7 +110,7 @@ def test_seats_bound_the_batch_and_a_retried_request_goes_first():
         retried = asyncio.create_task(_seat(c, "c", 2, front=True))  # never refused, and ahead of the queue
         await _settle()
         assert not retried.done() and c.num_queued == 2
-        c._free_seat(worker, "a")
+        c.free(worker, "a")
         await _settle()
         assert retried.done() and not waiting.done()
         waiting.cancel()
@@ -127,7 +124,7 @@ def test_a_new_request_waits_for_the_only_decode_workers_replacement():
     """No healthy decode worker, one being replaced: a new request queues for the replacement
     (the queue counts the workers under replacement), not refused as if the server were full."""
     async def scenario() -> None:
-        c = _coordinator(num_blocks=10, max_waiting=2)
+        c = _line(num_blocks=10, max_waiting=2)
         lost = c.decode.workers[0]
         lost.state.healthy = False
         c.decode.replacing = 1
@@ -136,7 +133,7 @@ def test_a_new_request_waits_for_the_only_decode_workers_replacement():
         assert not waiting.done() and c.num_queued == 1
         replacement = Worker("decode", None, WorkerState("decode-1", load=_load(10)), None)
         c.decode.workers, c.decode.replacing = [replacement], 0
-        c._wake_line()
+        c.wake()
         await _settle()
         assert waiting.result() is replacement
 

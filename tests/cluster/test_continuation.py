@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.coordinator import WorkerLost, WorkerUnavailable, _continuation, _transfer_failed
+from pdserve.cluster.coordinator import _continuation, _transfer_failed
+from pdserve.cluster.errors import WorkerLost, WorkerUnavailable
 from pdserve.cluster.pools import Worker
 from pdserve.cluster.router import WorkerState
 from pdserve.engine.messages import WorkerRequest

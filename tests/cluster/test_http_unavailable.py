@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from starlette.testclient import TestClient
 
-from pdserve.cluster.coordinator import WorkerUnavailable
+from pdserve.cluster.errors import WorkerUnavailable
 from pdserve.cluster.frontend import Frontend
 from pdserve.cluster.http_api import OpenAIApi
 from pdserve.cluster.metrics import Metrics
