@@ -22,7 +22,7 @@ import torch
 from benchmarks.spec import _sync, pass_costs
 from pdserve.decode_node.spec import SpecDecoder, expected_tokens_per_pass
 from pdserve.decode_node.spec.adaptive import AdaptiveK, MeasuredCosts, RelativeCosts
-from pdserve.decode_node.spec.draft_model import ModelDrafter, draft_head_ids, load_draft_model
+from pdserve.decode_node.spec.draft_model import DraftTarget, ModelDrafter, draft_head_ids, load_draft_model
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampler import on_device
@@ -34,7 +34,7 @@ class ControlledDrafter(ModelDrafter):
     a wrong token with probability 1 - alpha (see `--controlled`). The draft model still
     runs every step: only its choice of token is overridden."""
 
-    def __init__(self, model, target: Engine, name: str, alpha: float, oracle: dict[str, list[int]],
+    def __init__(self, model, target: DraftTarget, name: str, alpha: float, oracle: dict[str, list[int]],
                  head_ids: torch.Tensor | None = None) -> None:
         super().__init__(model, target, name, head_ids)
         self.alpha = alpha
@@ -171,7 +171,8 @@ def controlled(engine: Engine, args: argparse.Namespace) -> list[ControlledRun]:
     k, vocab = args.k, engine.arch.vocab_size
     if args.chain:
         make_greedy_chain(engine.model)
-    draft_model = load_draft_model(args.draft or args.model, engine)
+    target = DraftTarget.of(engine)
+    draft_model = load_draft_model(args.draft or args.model, target)
     head_ids = draft_head_ids(engine.config.spec, vocab)
     rng = random.Random(1)
     runs = []
@@ -182,7 +183,7 @@ def controlled(engine: Engine, args: argparse.Namespace) -> list[ControlledRun]:
         _batch_rate(engine, prompts[:1], 4, ["warm-up"])
         base, oracle = _batch_rate(engine, prompts, args.max_tokens, ids)
         print(f"batch {batch}: no speculation {base:.1f} tok/s")
-        drafter = ControlledDrafter(draft_model, engine, args.draft or args.model, 1.0, oracle, head_ids)
+        drafter = ControlledDrafter(draft_model, target, args.draft or args.model, 1.0, oracle, head_ids)
         # Warm up: the draft's own kernels compile on its first prompt and on the catch-ups
         # of every length adaptive K's pauses leave (eager steps of new shapes).
         drafter.alpha = 0.5

@@ -27,7 +27,7 @@ from torch import nn
 
 from pdserve.engine.attention import backend_for
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import MAX_SPECULATIVE_TOKENS, SpecConfig
+from pdserve.engine.config import MAX_SPECULATIVE_TOKENS, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.cuda_graphs import StepGraphs
 from pdserve.engine.engine import Engine
 from pdserve.engine.executor import Executor
@@ -46,6 +46,30 @@ from pdserve.engine.weights import load_model, load_tokenizer, resolve_model
 from pdserve.kernels.paged_decode import paged_verify_fits
 
 
+@dataclass(frozen=True, slots=True)
+class DraftTarget:
+    """What a draft needs of its target engine, and nothing else of it: the model it drafts
+    for, where that runs, and how its KV pool and steps are sized."""
+
+    arch: ModelArch
+    tokenizer: Any | None
+    model: ModelConfig  # the draft loads with the target's settings (dtype, seed, eager)
+    device: torch.device
+    dtype: torch.dtype
+    sampler: Sampler  # the same filtering and the request's own seeded draws
+    kv_layout: KVLayout  # its block size and KV dtype (an FP8 target cache, an FP8 draft cache)
+    num_kv_blocks: int
+    max_model_len: int
+    scheduler: SchedulerConfig
+    spec: SpecConfig
+
+    @classmethod
+    def of(cls, engine: Engine) -> DraftTarget:
+        return cls(engine.arch, engine.tokenizer, engine.config.model, engine.device, engine.dtype, engine.sampler,
+                   engine.pool.layout, engine.pool.num_blocks, engine.max_model_len, engine.config.scheduler,
+                   engine.config.spec)
+
+
 @dataclass(slots=True)
 class _CaughtUp:
     """A shadow fed the positions a verification checked, from `start` on, `width` of them,
@@ -60,18 +84,17 @@ class _CaughtUp:
 
 
 class ModelDrafter:
-    def __init__(self, model: CausalLM, target: Engine, name: str,
+    def __init__(self, model: CausalLM, target: DraftTarget, name: str,
                  head_ids: torch.Tensor | None = None) -> None:
         """head_ids: the token ids the draft's head keeps (`draft_head_ids`; None: all)."""
         if head_ids is not None:
             model = trim_head(model, head_ids)
         arch = model.arch
-        bs = target.pool.layout.block_size
+        bs = target.kv_layout.block_size
         # As many tokens as the target's pool, plus the drafted tail of every running sequence
         # (the engine counted them when it sized its own pool: `engine.kv_budget.draft_memory`).
-        num_blocks = target.pool.num_blocks + target.config.scheduler.max_num_seqs * -(-MAX_SPECULATIVE_TOKENS // bs)
-        # The target's KV dtype (an FP8 target cache, an FP8 draft cache).
-        layout = KVLayout(name, target.pool.layout.dtype, arch.num_layers, arch.num_kv_heads, arch.head_dim, bs)
+        num_blocks = target.num_kv_blocks + target.scheduler.max_num_seqs * -(-MAX_SPECULATIVE_TOKENS // bs)
+        layout = KVLayout(name, target.kv_layout.dtype, arch.num_layers, arch.num_kv_heads, arch.head_dim, bs)
         num_bytes = layout.bytes_per_block * num_blocks
         if target.device.type == "cuda" and num_bytes > torch.cuda.mem_get_info(target.device)[0]:
             raise ValueError(f"no GPU memory left for the draft's KV cache ({num_blocks} blocks of "
@@ -86,7 +109,7 @@ class ModelDrafter:
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         # The target's sampler: the same filtering (temperature, top-k/p) and the request's own seeded draws.
         self.sampler: Sampler = target.sampler
-        sched, spec = target.config.scheduler, target.config.spec
+        sched, spec = target.scheduler, target.spec
         # A fixed token budget per draft step (a sequence's first catch-up, its whole prompt,
         # goes in chunks of it), so that graphs can be captured over the buffers.
         self.max_step_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs * 2)
@@ -94,7 +117,7 @@ class ModelDrafter:
                                   sched.max_num_seqs, target.device)
         executor = Executor(model, self.pool, backend_for(target.device, target.dtype))
         graphs = None
-        if target.device.type == "cuda" and not target.config.model.enforce_eager:
+        if target.device.type == "cuda" and not target.model.enforce_eager:
             # Decodes, the steady catch-up of two tokens, and each verification's catch-up
             # (K + 1 positions, for every K adaptive K may pick).
             group = arch.num_heads // arch.num_kv_heads
@@ -426,10 +449,10 @@ def _first_ids(ids: torch.Tensor) -> bool:
     return int(ids[-1]) == len(ids) - 1
 
 
-def load_draft_model(source: str, target: Engine) -> CausalLM:
+def load_draft_model(source: str, target: DraftTarget) -> CausalLM:
     """Load the draft named by `source` on the target's device and dtype, after
     checking (ValueError) that it can draft for the target at all."""
-    config = replace(target.config.model, source=source, max_model_len=None)
+    config = replace(target.model, source=source, max_model_len=None)
     files = resolve_model(config)
     check_draft(files.arch, load_tokenizer(files), target.arch, target.tokenizer, target.max_model_len)
     return load_model(files, target.max_model_len, target.device, target.dtype, config.seed)

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from pdserve.decode_node.spec.adaptive import AdaptiveK, MeasuredCosts, RelativeCosts, StepCosts
-from pdserve.decode_node.spec.draft_model import ModelDrafter, draft_head_ids, load_draft_model, self_draft_model
+from pdserve.decode_node.spec.draft_model import (
+    DraftTarget,
+    ModelDrafter,
+    draft_head_ids,
+    load_draft_model,
+    self_draft_model,
+)
 from pdserve.decode_node.spec.drafter import Drafter
 from pdserve.decode_node.spec.ngram import NgramDrafter
 from pdserve.decode_node.spec.speculator import SpecDecoder
@@ -24,16 +30,17 @@ def build_speculator(engine: Engine, config: SpecConfig | None = None) -> SpecDe
     if config.method == "ngram":
         drafter, cost_ratio = NgramDrafter(config.ngram_min, config.ngram_max, engine.device), 0.0
     else:
+        target = DraftTarget.of(engine)
         if config.method == "self_draft":
             model = self_draft_model(engine.model, config.num_draft_layers)
             name = f"{engine.model_name}[:{config.num_draft_layers}]"
             cost_ratio = config.num_draft_layers / engine.arch.num_layers
         else:
             assert config.draft_model is not None  # SpecConfig checks it
-            model = load_draft_model(config.draft_model, engine)
+            model = load_draft_model(config.draft_model, target)
             name = config.draft_model
             cost_ratio = param_counts(model.arch).active / param_counts(engine.arch).active
-        model_drafter = ModelDrafter(model, engine, name, draft_head_ids(config, engine.arch.vocab_size))
+        model_drafter = ModelDrafter(model, target, name, draft_head_ids(config, engine.arch.vocab_size))
         drafter, draft_graphs = model_drafter, model_drafter.runner.graphs
     adaptive = None
     if config.adaptive:
