@@ -44,8 +44,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pdserve.decode_node.spec import SpecDecoder, build_speculator, expected_speedup, expected_tokens_per_pass
-from pdserve.decode_node.spec.draft_model import ModelDrafter
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import Engine
@@ -53,6 +51,8 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculative import SpecDecoder, build_speculator, expected_speedup, expected_tokens_per_pass
+from pdserve.engine.speculative.draft_model import ModelDrafter
 
 CHAT = [
     "What are three good habits for staying healthy? Answer briefly.",

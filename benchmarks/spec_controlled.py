@@ -20,13 +20,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from benchmarks.spec import _sync, pass_costs
-from pdserve.decode_node.spec import SpecDecoder, expected_tokens_per_pass
-from pdserve.decode_node.spec.adaptive import AdaptiveK, MeasuredCosts, RelativeCosts
-from pdserve.decode_node.spec.draft_model import DraftTarget, ModelDrafter, draft_head_ids, load_draft_model
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampler import on_device
 from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.speculative import SpecDecoder, expected_tokens_per_pass
+from pdserve.engine.speculative.adaptive import AdaptiveK, MeasuredCosts, RelativeCosts
+from pdserve.engine.speculative.draft_model import DraftTarget, ModelDrafter, draft_head_ids, load_draft_model
 
 
 class ControlledDrafter(ModelDrafter):

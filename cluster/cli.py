@@ -56,7 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     if args.target:
         return _generate_remote(args, params)
-    from pdserve.decode_node.spec import speculative_engine
+    from pdserve.engine.speculative import speculative_engine
 
     engine = speculative_engine(engine_config_from_args(args))
     prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p

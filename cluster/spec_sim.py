@@ -25,8 +25,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from pdserve.decode_node.spec.adaptive import best_k, expected_speedup, expected_tokens_per_pass
 from pdserve.engine.config import MAX_SPECULATIVE_TOKENS
+from pdserve.engine.speculative.adaptive import best_k, expected_speedup, expected_tokens_per_pass
 
 
 def simulate_tokens_per_pass(alpha: float, k: int, num_passes: int, seed: int = 0) -> float:

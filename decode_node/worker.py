@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pdserve.decode_node.spec import speculative_engine
 from pdserve.engine.config import EngineConfig, WorkerConfig
 from pdserve.engine.loop import LoopConfig, LoopWorker, log_failure
 from pdserve.engine.messages import KVTransferInfo, WorkerRequest
 from pdserve.engine.outputs import TokenDelta
+from pdserve.engine.speculative import speculative_engine
 from pdserve.kv_transport import PeerAddress, TransportConfig
 from pdserve.kv_transport.shards import PoolShards
 

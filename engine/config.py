@@ -162,7 +162,7 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpecConfig:
     """Speculative decoding: a drafter proposes tokens, the target verifies them in one pass.
 
-    The engine only runs the hooks; `decode_node.spec.build_speculator` turns
+    The engine only runs the hooks; `engine.speculative.build_speculator` turns
     this config into the drafter it attaches (`Engine.set_speculator`).
 
     method: "none", "draft_model" (a smaller model with the target's tokenizer),

@@ -220,7 +220,7 @@ class Engine:
 
     def set_speculator(self, speculator: Speculator | None) -> None:
         """Speculate with `speculator` from the next step on (None: stop).
-        `decode_node.spec.build_speculator` makes one from `config.spec`."""
+        `engine.speculative.build_speculator` makes one from `config.spec`."""
         self._spec = None if speculator is None else SpeculativeSteps(
             speculator, self.scheduler, self.structured, uniform=self.runner.graphs is not None)
 

@@ -5,7 +5,7 @@
 cannot disagree on what a rank holds. An `Executor` is that model with its pool and
 attention backend, and runs a step's forward from its inputs to its logits: the eager steps
 of rank 0 (`model_runner`), the capture of the CUDA graphs (`cuda_graphs`), the steps of the
-other ranks, and the draft model's steps (`decode_node/spec`) all go through `forward`.
+other ranks, and the draft model's steps (`engine/speculative`) all go through `forward`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The engine proposes, schedules and verifies; what proposes the tokens (a
 draft model, the target's first layers, n-gram lookup) and the acceptance rule
-live above it, in `decode_node.spec`, and come in through this protocol.
+live in `engine.speculative`, which the engine core does not import: they come in through
+this protocol.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def pytest_report_header(config) -> str:
 # first), so the longest start at once instead of ending the run on one worker while the
 # other idles (longest-processing-time-first).
 SLOWEST_MODULES = (
-    "tests/decode_node/test_spec_engine.py",  # ~620
+    "tests/engine/speculative/test_spec_engine.py",  # ~620
     "tests/kv_transport/test_ucx_processes.py",  # ~590
     "tests/engine/test_hf_parity.py",  # ~550 (when its HF references are not cached yet)
     "tests/cluster/test_failover.py",  # ~300

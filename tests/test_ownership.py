@@ -27,8 +27,8 @@ WRITERS = {
     "engine/sequence.py": FIELDS,  # its own methods (`self`) and construction
     "cluster/service.py": {"finish_reason"},  # a gRPC response's
     # Not yet: the draft model's shadow sequences (the draft's own KV positions, one per target
-    # sequence), written by the drafter until speculation is handed the engine's parts.
-    "decode_node/spec/draft_model.py": FIELDS,
+    # sequence, in the draft's own block manager), which the drafter writes as their scheduler.
+    "engine/speculative/draft_model.py": FIELDS,
 }
 
 

@@ -15,9 +15,9 @@ import dataclasses
 import pytest
 import torch
 
-from pdserve.decode_node.spec import build_speculator
 from pdserve.engine.config import SpecConfig
 from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.speculative import build_speculator
 from tests.engine.hf_reference import fp8_pool_steps
 from tests.engine.prompts import prompt_ids
 

@@ -162,8 +162,8 @@ def test_speculation_under_cuda_graphs_keeps_greedy_output(tmp_path, method, ada
     that width)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from pdserve.decode_node.spec import speculative_engine
     from pdserve.engine.config import SpecConfig
+    from pdserve.engine.speculative import speculative_engine
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,

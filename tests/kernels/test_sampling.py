@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.kernels.sampling import BLOCK, gumbel_argmax
-from tests.decode_node.stats import chi_square_pvalue
+from tests.engine.speculative.stats import chi_square_pvalue
 
 COVERS = ("gumbel_argmax",)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

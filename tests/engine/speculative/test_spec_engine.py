@@ -10,13 +10,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pdserve.decode_node.spec import SpecDecoder, build_speculator
-from pdserve.decode_node.spec.drafter import Drafter
 from pdserve.engine.config import EngineConfig, ModelConfig, SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.models.arch import DUMMY_SHAPES
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculative import SpecDecoder, build_speculator
+from pdserve.engine.speculative.drafter import Drafter
 from pdserve.engine.speculator import Proposals
 from tests.engine.prompts import PASSAGE, prompt_ids
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.decode_node.spec.rejection import greedy_verify, rejection_sample
-from tests.decode_node.stats import chi_square_pvalue, resample_from_target
+from pdserve.engine.speculative.rejection import greedy_verify, rejection_sample
+from tests.engine.speculative.stats import chi_square_pvalue, resample_from_target
 
 VOCAB = 8
 

@@ -15,17 +15,17 @@ import json
 import pytest
 import torch
 
-import pdserve.decode_node.spec.rejection as rejection_module
-from pdserve.decode_node.spec import SpecDecoder, build_speculator
-from pdserve.decode_node.spec.drafter import HostDrafter
+import pdserve.engine.speculative.rejection as rejection_module
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.models.arch import DUMMY_SHAPES, ModelArch
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculative import SpecDecoder, build_speculator
+from pdserve.engine.speculative.drafter import HostDrafter
 from pdserve.engine.speculator import Proposals
-from tests.decode_node.stats import chi_square_pvalue, resample_from_target_batched
+from tests.engine.speculative.stats import chi_square_pvalue, resample_from_target_batched
 
 VOCAB = 16
 PROMPT = [1, 2, 3, 4, 5, 6]

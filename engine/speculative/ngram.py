@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.decode_node.spec.drafter import HostDrafter
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculative.drafter import HostDrafter
 from pdserve.engine.speculator import Proposals
 
 

@@ -7,15 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.decode_node.spec.adaptive import (
-    AdaptiveK,
-    RelativeCosts,
-    best_k,
-    expected_speedup,
-    expected_tokens_per_pass,
-)
-from pdserve.decode_node.spec.draft_model import check_draft
-from pdserve.decode_node.spec.ngram import lookup
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.kv_budget import draft_memory
@@ -24,6 +15,15 @@ from pdserve.engine.models.registry import param_counts
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculative.adaptive import (
+    AdaptiveK,
+    RelativeCosts,
+    best_k,
+    expected_speedup,
+    expected_tokens_per_pass,
+)
+from pdserve.engine.speculative.draft_model import check_draft
+from pdserve.engine.speculative.ngram import lookup
 from pdserve.engine.speculator import SpecMetrics
 
 

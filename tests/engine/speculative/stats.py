@@ -35,7 +35,7 @@ def resample_from_target(draft, q, p, gen):
 
 
 def resample_from_target_batched(draft_ids, num_proposed, draft_probs, target_probs, uniforms, exponentials):
-    """`resample_from_target` in the batched form of `decode_node.spec.rejection.rejection_sample`."""
+    """`resample_from_target` in the batched form of `engine.speculative.rejection.rejection_sample`."""
     m, k = draft_ids.shape
     rows = torch.arange(m)
     p = target_probs[:, :k].gather(2, draft_ids[:, :, None])[:, :, 0]

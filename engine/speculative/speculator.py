@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.decode_node.spec import rejection
-from pdserve.decode_node.spec.adaptive import AdaptiveK
-from pdserve.decode_node.spec.drafter import Drafter
 from pdserve.engine.sampler import HostCopy, Sampler, on_device
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculative import rejection
+from pdserve.engine.speculative.adaptive import AdaptiveK
+from pdserve.engine.speculative.drafter import Drafter
 from pdserve.engine.speculator import Proposals, SpecMetrics
 
 

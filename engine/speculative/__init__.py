@@ -7,13 +7,13 @@ into it through `engine.speculator.Speculator`:
     engine = speculative_engine(EngineConfig(spec=SpecConfig(method="ngram", num_speculative_tokens=4)))
 """
 
-from pdserve.decode_node.spec.adaptive import AdaptiveK, best_k, expected_speedup, expected_tokens_per_pass
-from pdserve.decode_node.spec.draft_model import ModelDrafter, check_draft, load_draft_model, self_draft_model
-from pdserve.decode_node.spec.drafter import Drafter
-from pdserve.decode_node.spec.factory import build_speculator, speculative_engine
-from pdserve.decode_node.spec.ngram import NgramDrafter
-from pdserve.decode_node.spec.rejection import rejection_sample
-from pdserve.decode_node.spec.speculator import SpecDecoder
+from pdserve.engine.speculative.adaptive import AdaptiveK, best_k, expected_speedup, expected_tokens_per_pass
+from pdserve.engine.speculative.draft_model import ModelDrafter, check_draft, load_draft_model, self_draft_model
+from pdserve.engine.speculative.drafter import Drafter
+from pdserve.engine.speculative.factory import build_speculator, speculative_engine
+from pdserve.engine.speculative.ngram import NgramDrafter
+from pdserve.engine.speculative.rejection import rejection_sample
+from pdserve.engine.speculative.speculator import SpecDecoder
 from pdserve.engine.speculator import SpecMetrics
 
 __all__ = [

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.decode_node.spec import SpecDecoder, build_speculator
-from pdserve.decode_node.spec.drafter import HostDrafter
 from pdserve.engine.config import SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling import SamplingParams, StructuredOutput
 from pdserve.engine.sequence import FinishReason, Sequence
+from pdserve.engine.speculative import SpecDecoder, build_speculator
+from pdserve.engine.speculative.drafter import HostDrafter
 from pdserve.engine.speculator import Proposals
 from tests.engine.grammar_cases import MAX_TOKENS, PROMPT, SCHEMAS, validates
 

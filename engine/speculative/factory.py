@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from pdserve.decode_node.spec.adaptive import AdaptiveK, MeasuredCosts, RelativeCosts, StepCosts
-from pdserve.decode_node.spec.draft_model import (
+from pdserve.engine.config import EngineConfig, SpecConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.models.registry import param_counts
+from pdserve.engine.speculative.adaptive import AdaptiveK, MeasuredCosts, RelativeCosts, StepCosts
+from pdserve.engine.speculative.draft_model import (
     DraftTarget,
     ModelDrafter,
     draft_head_ids,
     load_draft_model,
     self_draft_model,
 )
-from pdserve.decode_node.spec.drafter import Drafter
-from pdserve.decode_node.spec.ngram import NgramDrafter
-from pdserve.decode_node.spec.speculator import SpecDecoder
-from pdserve.engine.config import EngineConfig, SpecConfig
-from pdserve.engine.engine import Engine
-from pdserve.engine.models.registry import param_counts
+from pdserve.engine.speculative.drafter import Drafter
+from pdserve.engine.speculative.ngram import NgramDrafter
+from pdserve.engine.speculative.speculator import SpecDecoder
 
 
 def build_speculator(engine: Engine, config: SpecConfig | None = None) -> SpecDecoder | None:
