@@ -13,6 +13,13 @@ from pdserve.engine.sampling import SamplingParams
 PLACEHOLDER_TOKEN_ID = -1
 
 
+def tokens_left(params: SamplingParams, num_prompt_tokens: int, num_tokens: int, max_model_len: int) -> int:
+    """The length-stop rule, written once: how many more tokens a request of `num_tokens`
+    (`num_prompt_tokens` of them its prompt) may get before `max_tokens` or the model's
+    context ends it (0 or less: it has ended)."""
+    return min(params.max_tokens - (num_tokens - num_prompt_tokens), max_model_len - num_tokens)
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -100,9 +107,8 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def remaining_tokens(self, max_model_len: int) -> int:
-        """The length-stop rule, written once: how many more tokens it may get before
-        `max_tokens` or the model's context ends it (0 or less: it has ended)."""
-        return min(self.params.max_tokens - self.num_output_tokens, max_model_len - self.num_tokens)
+        """`tokens_left` of this sequence: 0 or less once it has ended by length."""
+        return tokens_left(self.params, self.num_prompt_tokens, self.num_tokens, max_model_len)
 
     def block_hashes(self, num_blocks: int) -> list[int]:
         """Chained hashes of the first `num_blocks` full blocks (computed once, kept)."""

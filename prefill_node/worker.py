@@ -15,7 +15,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.loop import LoopConfig, LoopWorker, log_failure
 from pdserve.engine.messages import KVTransferInfo, PrefillOutput, PrefillTimes, WorkerRequest
 from pdserve.engine.outputs import TokenDelta
-from pdserve.engine.sequence import FinishReason
+from pdserve.engine.sequence import FinishReason, tokens_left
 from pdserve.kv_transport import PeerAddress, TransferResult, TransportConfig
 from pdserve.kv_transport.shards import PoolShards
 
@@ -90,7 +90,11 @@ class PrefillWorker(LoopWorker):
             await self._stop_sending(rid)
             await self.loop.call(lambda e: e.abort(rid))
             raise
-        needs_decode = first.finish_reason is FinishReason.LENGTH and req.params.max_tokens > 1
+        # It ran with max_tokens 1: the first token ends the request only if its own params
+        # or the context say so (a prompt one token short of the context needs no decode).
+        num_prompt = len(req.prompt_token_ids)
+        needs_decode = (first.finish_reason is FinishReason.LENGTH
+                        and tokens_left(req.params, num_prompt, num_prompt + 1, self.loop.engine.max_model_len) > 0)
         transfer = None
         try:
             if needs_decode and decode_peer is not None:

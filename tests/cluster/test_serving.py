@@ -226,3 +226,16 @@ def test_a_first_tokens_hops_are_its_path_and_add_up_to_its_ttft(mode, colocated
     ttft = (ttft_after[("pdserve_time_to_first_token_seconds_sum", "")]
             - ttft_before.get(("pdserve_time_to_first_token_seconds_sum", ""), 0.0))
     assert sum(delta(hop, "sum") for hop in path) == pytest.approx(ttft, rel=1e-6, abs=1e-9)
+
+
+def test_the_context_ends_a_disaggregated_request_where_it_ends_a_colocated_one(start, tokenizer):
+    """A context of 64 tokens: a prompt of 63 gets exactly one token (the prefill worker's,
+    which ends it: no decode worker computes a position past the context), one of 62 gets
+    two, however large max_tokens is; the same in both modes, every block free after."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for mode in ("disaggregated", "colocated"):
+        srv = start(pools={"mode": mode}, engine={"model": {"max_model_len": 64}})
+        for prompt_len, want in ((63, 1), (62, 2)):
+            got = collect(srv.target, prompt_ids(tokenizer, prompt_len, variant=prompt_len), params)
+            assert len(got.token_ids) == want and got.finish_reason == pb.FINISH_REASON_LENGTH, (mode, prompt_len, got)
+        wait_until(lambda: pools_are_full(srv.target), 10, f"every block to be free ({mode})")
