@@ -27,6 +27,7 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.speculative import SpecDecoder, expected_tokens_per_pass
 from pdserve.engine.speculative.adaptive import AdaptiveK, MeasuredCosts, RelativeCosts
 from pdserve.engine.speculative.draft_model import DraftTarget, ModelDrafter, draft_head_ids, load_draft_model
+from pdserve.engine.speculative.factory import draft_target
 
 
 class ControlledDrafter(ModelDrafter):
@@ -171,7 +172,7 @@ def controlled(engine: Engine, args: argparse.Namespace) -> list[ControlledRun]:
     k, vocab = args.k, engine.arch.vocab_size
     if args.chain:
         make_greedy_chain(engine.model)
-    target = DraftTarget.of(engine)
+    target = draft_target(engine)
     draft_model = load_draft_model(args.draft or args.model, target)
     head_ids = draft_head_ids(engine.config.spec, vocab)
     rng = random.Random(1)

@@ -34,7 +34,7 @@ class WorkerState:
     healthy: bool = True
     inflight: int = 0  # requests placed here and not yet finished (written by cluster.seats.SeatLine only)
     load_asked_at: float = 0.0  # when `load` was asked for (event-loop time)
-    # Decode seats taken here, by request id: the KV blocks each reserves (Coordinator._take_seat).
+    # Decode seats taken here, by request id: the KV blocks each reserves (cluster.seats.SeatLine).
     claims: dict[str, KVClaim] = field(default_factory=dict)
     cached_hashes: OrderedDict[int, None] = field(default_factory=OrderedDict)
 

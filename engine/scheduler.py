@@ -27,7 +27,7 @@ from typing import Protocol
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence, SequenceStatus
+from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence, SequenceStatus, tokens_left
 
 
 @dataclass(slots=True)
@@ -227,8 +227,8 @@ class Scheduler:
         params = seq.params
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             return pos, FinishReason.STOP
-        # The rule as of this token: later placeholders (overlapped steps) do not count.
-        if pos + 1 - seq.num_prompt_tokens >= params.max_tokens or pos + 1 >= self.max_model_len:
+        # The length rule as of this token: later placeholders (overlapped steps) do not count.
+        if tokens_left(params, seq.num_prompt_tokens, pos + 1, self.max_model_len) <= 0:
             return pos, FinishReason.LENGTH
         return pos, None
 

@@ -1,4 +1,5 @@
-"""Speculative decoding on decode workers: drafters, the acceptance rule, adaptive K, metrics.
+"""Speculative decoding: drafters, the acceptance rule, adaptive K, metrics (for any engine:
+the offline one and the decode workers').
 
 The engine owns the mechanics (proposed tokens scheduled as K+1 verification
 tokens, logits for every verified position, KV rollback); this package plugs

@@ -29,7 +29,6 @@ from pdserve.engine.attention import backend_for
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import MAX_SPECULATIVE_TOKENS, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.cuda_graphs import StepGraphs
-from pdserve.engine.engine import Engine
 from pdserve.engine.executor import Executor
 from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.engine.model_runner import ModelRunner, StepLogits
@@ -62,12 +61,6 @@ class DraftTarget:
     max_model_len: int
     scheduler: SchedulerConfig
     spec: SpecConfig
-
-    @classmethod
-    def of(cls, engine: Engine) -> DraftTarget:
-        return cls(engine.arch, engine.tokenizer, engine.config.model, engine.device, engine.dtype, engine.sampler,
-                   engine.pool.layout, engine.pool.num_blocks, engine.max_model_len, engine.config.scheduler,
-                   engine.config.spec)
 
 
 @dataclass(slots=True)

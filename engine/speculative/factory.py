@@ -18,6 +18,13 @@ from pdserve.engine.speculative.ngram import NgramDrafter
 from pdserve.engine.speculative.speculator import SpecDecoder
 
 
+def draft_target(engine: Engine) -> DraftTarget:
+    """What a model drafter needs of `engine` (it is handed these parts, never the engine)."""
+    return DraftTarget(engine.arch, engine.tokenizer, engine.config.model, engine.device, engine.dtype,
+                       engine.sampler, engine.pool.layout, engine.pool.num_blocks, engine.max_model_len,
+                       engine.config.scheduler, engine.config.spec)
+
+
 def build_speculator(engine: Engine, config: SpecConfig | None = None) -> SpecDecoder | None:
     """The speculator `config` (default: the engine's `config.spec`) describes,
     for `engine`'s model; None when speculation is off. Raises ValueError for a
@@ -30,7 +37,7 @@ def build_speculator(engine: Engine, config: SpecConfig | None = None) -> SpecDe
     if config.method == "ngram":
         drafter, cost_ratio = NgramDrafter(config.ngram_min, config.ngram_max, engine.device), 0.0
     else:
-        target = DraftTarget.of(engine)
+        target = draft_target(engine)
         if config.method == "self_draft":
             model = self_draft_model(engine.model, config.num_draft_layers)
             name = f"{engine.model_name}[:{config.num_draft_layers}]"
