@@ -8,9 +8,10 @@ Two paths, picked by the number of (token, slot) pairs:
   products in float32, one reduction at the end), and stores silu(gate) * up; a program of
   `_token_down_kernel` takes one token and BLOCK_N rows of the down projection and sums its
   k experts' rows, weighted: no sorting, no padding, no partial sums, two launches.
-- Many pairs (prefill, large batches): grouped GEMMs. The pairs are sorted by expert and
-  each expert's run padded to a multiple of BLOCK_M (`_align`, plain torch without a host
-  sync: every size is fixed by the token count, so a CUDA graph can hold it). A program of
+- Many pairs (prefill, large batches): grouped GEMMs. The pairs are grouped by expert and
+  each expert's run padded to a multiple of BLOCK_M (`_align`: a count, the runs' offsets and
+  a scatter, three small kernels without a host sync: every size is fixed by the token count,
+  so a CUDA graph can hold it). A program of
   `_gate_up_silu_kernel` takes BLOCK_M pairs of one expert and BLOCK_N columns of its gate
   and up projections (tl.dot over the hidden dimension) and stores silu(gate) * up; then
   `_down_kernel` multiplies that by the expert's down projection and the pair's routing
@@ -161,7 +162,7 @@ def _gate_up_silu_kernel(
     x_ptr,            # [T, H]: the tokens
     w13_ptr,          # [E, 2I, H]: each expert's gate rows, then its up rows
     out_ptr,          # [T * k, I]: silu(gate) * up of every (token, slot) pair
-    pair_ids_ptr,     # [M_max] int32: pairs sorted by expert, each run padded with T * k
+    pair_ids_ptr,     # [M_max] int32: pairs grouped by expert, each run padded with T * k
     block_expert_ptr,  # [M_max / BLOCK_M] int32: the expert of each block of pairs, -1 past the last
     num_pairs, top_k, hidden, inter,
     stride_xt, stride_we, stride_wn, stride_ot,
@@ -228,31 +229,87 @@ def _down_kernel(
     tl.store(out, (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _count_kernel(
+    ids_ptr,          # [T * k]: each pair's expert (the model's id)
+    counts_ptr,       # [E] int32, zeroed: pairs per local expert
+    num_pairs, first_expert, num_local,
+    BLOCK: tl.constexpr, BINS: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32) - first_expert
+    local = ok & (expert >= 0) & (expert < num_local)
+    hist = tl.histogram(tl.where(local, expert, num_local), BINS)  # bin num_local: the others
+    bins = tl.arange(0, BINS)
+    tl.atomic_add(counts_ptr + bins, hist, mask=bins < num_local)
+
+
+@triton.jit
+def _offsets_kernel(
+    counts_ptr,       # [E] int32: pairs per local expert
+    cursor_ptr,       # [E] int32: out, each expert's first padded position (the scatter's cursors)
+    block_expert_ptr,  # [num_blocks] int32: out, each block's expert, -1 past the runs
+    pair_ids_ptr,     # [max_pairs] int32: out, every slot num_pairs (the padding) until the scatter
+    num_local, num_pairs, num_blocks, max_pairs,
+    BLOCK_M: tl.constexpr, BINS: tl.constexpr, ROWS: tl.constexpr, FILL: tl.constexpr,
+):
+    bins = tl.arange(0, BINS)
+    ok = bins < num_local
+    counts = tl.load(counts_ptr + bins, mask=ok, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + bins, ends - padded, mask=ok)
+    for b0 in range(0, num_blocks, ROWS):
+        blocks = b0 + tl.arange(0, ROWS)
+        # A block's expert is the number of runs that end at or before its first slot.
+        ended = (ends[None, :] <= (blocks * BLOCK_M)[:, None]) & ok[None, :]
+        expert = tl.sum(ended.to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(expert < num_local, expert, -1), mask=blocks < num_blocks)
+    for p0 in range(0, max_pairs, FILL):
+        slots = p0 + tl.arange(0, FILL)
+        tl.store(pair_ids_ptr + slots, tl.full((FILL,), 0, tl.int32) + num_pairs, mask=slots < max_pairs)
+
+
+@triton.jit
+def _scatter_kernel(
+    ids_ptr,          # [T * k]
+    cursor_ptr,       # [E] int32: each expert's next free slot
+    pair_ids_ptr,     # [max_pairs] int32: each local pair lands in its expert's run
+    num_pairs, first_expert, num_local,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32) - first_expert
+    local = ok & (expert >= 0) & (expert < num_local)
+    slot = tl.atomic_add(cursor_ptr + tl.where(local, expert, 0), 1, mask=local)
+    tl.store(pair_ids_ptr + slot, offs.to(tl.int32), mask=local)
+
+
 def _align(ids: torch.Tensor, num_experts: int, first_expert: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pair ids sorted by local expert, each expert's run padded to BLOCK_M with T*k;
-    the expert of each block, -1 past the runs). Sizes depend on T*k and E only."""
+    """(pair ids grouped by local expert, each expert's run padded to BLOCK_M with T*k; the
+    expert of each block, -1 past the runs). Sizes depend on T*k and E only, so a CUDA graph
+    can hold it. Three launches and a memset (a count, the runs' offsets, a scatter) where
+    torch's sort and its bookkeeping took ~30 ops, which an eager prefill paid on the host at
+    every layer. Within an expert's run the pairs are in no fixed order: a pair's row of the
+    grouped GEMMs does not depend on the other rows of its block."""
     num_pairs = ids.numel()
-    local = ids.flatten() - first_expert
-    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)  # others: a bucket of their own
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
-    counts = counts.scatter_add_(0, local, torch.ones_like(local))[:num_experts]  # bincount syncs with the host
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    order = torch.argsort(local, stable=True)
-    sorted_experts = local[order]
-    starts = torch.cumsum(counts, 0) - counts  # each expert's first position in `order`
-    mine = sorted_experts < num_experts
-    expert_of = sorted_experts.clamp(max=num_experts - 1)
-    rank = torch.arange(num_pairs, device=ids.device) - starts[expert_of]
-    dest = torch.where(mine, padded_start[expert_of] + rank, 0)
     max_pairs = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
-    pair_ids = torch.full((max_pairs + 1,), num_pairs, dtype=torch.int32, device=ids.device)
-    pair_ids.scatter_(0, torch.where(mine, dest, max_pairs), order.to(torch.int32))  # others land on the spare slot
-    block_starts = torch.arange(0, max_pairs, block_m, device=ids.device)
-    block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
-    return pair_ids[:max_pairs], block_expert
+    num_blocks = max_pairs // block_m
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    pair_ids = torch.empty(max_pairs, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
+    block = 1024
+    grid = (triton.cdiv(num_pairs, block),)
+    _count_kernel[grid](ids, counts, num_pairs, first_expert, num_experts,
+                        BLOCK=block, BINS=triton.next_power_of_2(num_experts + 1))
+    bins = triton.next_power_of_2(num_experts)
+    _offsets_kernel[(1,)](counts, cursor, block_expert, pair_ids, num_experts, num_pairs, num_blocks, max_pairs,
+                          BLOCK_M=block_m, BINS=bins, ROWS=max(16, 4096 // bins), FILL=1024)
+    _scatter_kernel[grid](ids, cursor, pair_ids, num_pairs, first_expert, num_experts, BLOCK=block)
+    return pair_ids, block_expert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +327,7 @@ class Tile:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """How one fused_moe call runs: per pair and token (`grouped=False`, few pairs) or as
-    grouped GEMMs over pairs sorted by expert; the tiles of its two kernels."""
+    grouped GEMMs over pairs grouped by expert; the tiles of its two kernels."""
 
     grouped: bool
     gate_up: Tile

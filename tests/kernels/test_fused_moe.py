@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.engine.models.moe import experts_reference, route
-from pdserve.kernels.fused_moe import Plan, Tile, fused_moe, plan_for, topk_route
+from pdserve.kernels.fused_moe import Plan, Tile, _align, fused_moe, plan_for, topk_route
 from tests.kernels.reference import ref_fused_moe, rel_error, tolerance
 
 COVERS = ("fused_moe", "plan_for", "topk_route")
@@ -75,6 +75,33 @@ def test_another_ranks_experts_contribute_nothing(path):
     ref = ref_fused_moe(x, w13[local], w2[local], weights, ids, first_expert=4)
     assert rel_error(out, ref) < tolerance(torch.float32)
     assert (out[0] == 0).all()
+
+
+@pytest.mark.parametrize(("num_pairs", "num_experts", "first_expert", "block_m"), [
+    (1, 4, 0, 16), (37, 8, 0, 16), (2500, 16, 0, 64), (300, 8, 4, 32), (64, 128, 0, 16),
+])
+def test_align_puts_each_local_pair_once_in_a_block_of_its_expert(num_pairs, num_experts, first_expert, block_m):
+    """The grouped path's layout: every pair routed to this rank's experts exactly once, in a
+    block whose expert is its own; every other slot padding (num_pairs); each expert's run
+    padded to BLOCK_M and the runs in expert order; blocks past the runs -1."""
+    gen = torch.Generator().manual_seed(num_pairs)
+    ids = torch.randint(0, 2 * num_experts, (num_pairs,), generator=gen)
+    ids[: num_pairs // 3] = ids[0]  # one expert far busier than the rest
+    pair_ids, block_expert = _align(ids.to(DEVICE), num_experts, first_expert, block_m)
+    pair_ids, block_expert = pair_ids.cpu(), block_expert.cpu()
+    local = ids - first_expert
+    mine = (local >= 0) & (local < num_experts)
+    assert pair_ids.numel() == block_expert.numel() * block_m
+    slot_expert = block_expert.repeat_interleave(block_m)
+    real = pair_ids < num_pairs
+    assert sorted(pair_ids[real].tolist()) == torch.nonzero(mine).flatten().tolist()
+    assert (slot_expert[real] == local[pair_ids[real].long()]).all()
+    assert (pair_ids[~real] == num_pairs).all()
+    counts = torch.bincount(local[mine], minlength=num_experts)
+    runs = (counts + block_m - 1) // block_m
+    expected = torch.repeat_interleave(torch.arange(num_experts), runs)
+    used = int(runs.sum())
+    assert block_expert[:used].tolist() == expected.tolist() and (block_expert[used:] == -1).all()
 
 
 def test_the_engines_cpu_path_is_the_same_function():
