@@ -68,7 +68,7 @@ class SamplingParams:
         (OpenAI's); a dict is taken too. The request processor checks the ids against the
         vocabulary.
     min_tokens: EOS and the stop token ids cannot be sampled before this many tokens were
-        generated (vLLM's); at most max_tokens.
+        generated (vLLM's); a client's at most its max_tokens (`check_min_tokens`).
     The penalties and the bias change what is sampled, not the log-probabilities returned
     (the model's own, as vLLM's default); `engine/penalties.py` applies them on the device.
     """
@@ -112,8 +112,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty < float("inf"):
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         try:
             bias = tuple(sorted((int(token_id), float(value)) for token_id, value in bias))
@@ -132,6 +132,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def check_min_tokens(self) -> None:
+        """A client's request asks for at most max_tokens tokens at least. Checked where requests
+        come in (the frontends), not on construction: the prefill worker's share of a request
+        (max_tokens 1) and a migrated request's rest keep its min_tokens, which counts from its
+        first output token (`Sequence.next_output_index`)."""
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
 
     @property
     def penalized(self) -> bool:
