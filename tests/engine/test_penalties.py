@@ -178,3 +178,23 @@ def test_sampled_tokens_follow_the_penalized_distribution(engine, hf_model):
     expected = torch.softmax(reference_logits(logits, prompt[:split], prompt[split:], params, ()), dim=-1)
     assert chi_square_pvalue(counts, expected) > 1e-3
     assert chi_square_pvalue(counts, torch.softmax(logits, dim=-1)) < 1e-6
+
+
+def test_the_grammar_masks_after_the_bias_and_preemption_keeps_the_counts(engine, make_engine, prompt):
+    """A bias of +100 on a token the grammar forbids loses to the grammar's mask (applied last);
+    a sequence preempted and recomputed keeps its history: the same greedy tokens as unpreempted."""
+    import json
+
+    from pdserve.engine.sampling import StructuredOutput
+
+    letter = engine.tokenize("x")[0]
+    schema = StructuredOutput.from_schema({"type": "object", "properties": {"a": {"type": "integer"}},
+                                           "required": ["a"], "additionalProperties": False})
+    constrained = SamplingParams(temperature=0.0, max_tokens=16, structured=schema, logit_bias={letter: 100.0},
+                                 frequency_penalty=1.0)
+    assert "a" in json.loads(engine.generate([prompt], constrained)[0].text)
+    params = [dataclasses.replace(p, max_tokens=40) for p in GREEDY] * 2
+    expected = _run(engine, prompt, params)
+    small = make_engine(num_blocks=12, max_num_batched_tokens=64)  # 4 sequences of up to 60 tokens: preemptions
+    assert _run(small, prompt, params) == expected
+    assert small.scheduler.num_preemptions > 0
