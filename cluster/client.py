@@ -13,7 +13,9 @@ from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                             max_tokens=p.max_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-                            ignore_eos=p.ignore_eos)
+                            ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty,
+                            frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+                            logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens)
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:

@@ -72,20 +72,18 @@ class _GenerationRequest(_Body):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # Accepted only at their neutral values (what the engine does anyway): any other value is
-    # refused by name (`unsupported`), never dropped in silence.
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    # Penalties and bias (engine/penalties.py); ranges are SamplingParams' (a 400 naming the field).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
     repetition_penalty: float | None = None  # vLLM's (HF's definition)
     min_tokens: int | None = None  # vLLM's
+    # Accepted only at their neutral values (what the engine does anyway): any other value is
+    # refused by name (`unsupported`), never dropped in silence.
     prompt_logprobs: int | None = None  # vLLM's
 
     # Each field above that is accepted only at one of its neutral values, and those values.
-    NEUTRAL_ONLY: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": (None, {}),
-        "repetition_penalty": (None, 1), "min_tokens": (None, 0), "prompt_logprobs": (None,),
-    }
+    NEUTRAL_ONLY: ClassVar[dict[str, tuple[Any, ...]]] = {"prompt_logprobs": (None,)}
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot do, or None."""

@@ -47,8 +47,9 @@ def chat_choices(req: m.ChatCompletionRequest, processor: RequestProcessor) -> l
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     try:
-        params = _sampling(req, 1 if max_tokens is None else max_tokens, (req.top_logprobs or 0) if req.logprobs
-                           else None)
+        # Without max_tokens, the context bounds min_tokens until the prompt's length is known.
+        params = _sampling(req, processor.max_model_len if max_tokens is None else max_tokens,
+                           (req.top_logprobs or 0) if req.logprobs else None)
     except ValueError as e:
         raise ValueError(str(e).replace("max_tokens", max_field, 1).replace("logprobs", "top_logprobs", 1)) from e
     processed = processor.process(messages=[_message(i, msg) for i, msg in enumerate(req.messages)], params=params,
@@ -81,10 +82,14 @@ def _message(i: int, msg: m.ChatMessage) -> dict[str, str]:
     return {"role": role, "content": "".join(parts)}
 
 
+# The request fields that are SamplingParams' own, taken as they are when set.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "logit_bias", "min_tokens")
+
+
 def _sampling(req: m.CompletionRequest | m.ChatCompletionRequest, max_tokens: int,
               logprobs: int | None) -> SamplingParams:
-    kwargs: dict[str, Any] = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed")
-                              if getattr(req, name) is not None}
+    kwargs: dict[str, Any] = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     structured = req.response_format.structured() if req.response_format is not None else None
     return SamplingParams(**kwargs, max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -92,9 +97,12 @@ def _sampling(req: m.CompletionRequest | m.ChatCompletionRequest, max_tokens: in
 
 
 def _expand(requests: list[ProcessedRequest], n: int) -> list[Choice]:
-    """n choices per prompt; with a seed, sample i draws from seed + i (reproducible, and distinct)."""
+    """n choices per prompt; with a seed, sample i draws from seed + i (reproducible, and distinct).
+    Raises ValueError when a request's min_tokens exceeds its max_tokens (known only now for a
+    chat without max_tokens: the rest of the context)."""
     choices = []
     for p, request in enumerate(requests):
+        request.params.check_min_tokens()
         seed = request.params.seed
         for i in range(n):
             sample = request

@@ -15,9 +15,11 @@ from pdserve.proto.v1 import generation_pb2 as pb
 def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
     """Unset fields take SamplingParams' defaults; bad values raise ValueError naming the field."""
     kwargs: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "logprobs"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "logprobs", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "min_tokens"):
         if s.HasField(name):
             kwargs[name] = getattr(s, name)
+    kwargs["logit_bias"] = dict(s.logit_bias)
     kwargs["stop"] = tuple(s.stop)
     kwargs["stop_token_ids"] = tuple(s.stop_token_ids)
     kwargs["ignore_eos"] = s.ignore_eos
@@ -42,6 +44,7 @@ def parse_request(request: pb.GenerateRequest, processor: RequestProcessor) -> P
         raise ValueError("one of prompt, prompt_token_ids or messages is required")
     try:
         params = sampling_from_proto(request.sampling)
+        params.check_min_tokens()
         processor.check_params(params)
     except ValueError as e:
         raise ValueError(f"sampling.{e}") from e

@@ -21,6 +21,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import StructuredOutputs
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
+from pdserve.engine.penalties import Penalties
 from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
 from pdserve.engine.sampler import PendingSample
 from pdserve.engine.sampling import SamplingParams
@@ -86,6 +87,7 @@ class Engine:
                                    frozenset(self.arch.eos_token_ids))
         self._spec: SpeculativeSteps | None = None
         self.structured = StructuredOutputs(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
+        self.penalties = Penalties(self.arch.vocab_size, self.arch.eos_token_ids, self.device)
         self._requests: dict[str, _Request] = {}
         self._on_kv_computed: KVComputed | None = None
         self._in_flight: _LaunchedStep | None = None  # the step queued last, not yet resolved
@@ -222,7 +224,7 @@ class Engine:
         """Speculate with `speculator` from the next step on (None: stop).
         `engine.speculative.build_speculator` makes one from `config.spec`."""
         self._spec = None if speculator is None else SpeculativeSteps(
-            speculator, self.scheduler, self.structured, uniform=self.runner.graphs is not None)
+            speculator, self.scheduler, self.structured, self.penalties, uniform=self.runner.graphs is not None)
 
     @property
     def speculator(self) -> Speculator | None:
@@ -296,8 +298,9 @@ class Engine:
         if self._on_kv_computed is not None:
             self._report_kv_computed(batch, self._on_kv_computed)
         verifying = {seq: logits.pop(seq) for seq in batch.seqs if seq.spec_token_ids}
-        self.structured.mask_logits(logits)
-        seqs, sample = self.runner.sample_async(logits)
+        seqs, sample = self.runner.sample_async(logits, self._to_sample)
+        if sample is not None:
+            self.penalties.record(seqs, sample.token_ids)
         rows = {seq: i for i, seq in enumerate(seqs)}
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             if seq in verifying:
@@ -306,6 +309,13 @@ class Engine:
             # Now, not at resolve: the next step's admissions must find this one's prefix.
             self.block_manager.cache_full_blocks(seq)
         return _LaunchedStep(batch, seqs, rows, sample, verifying, proposals)
+
+    def _to_sample(self, seqs: list[Sequence], rows: torch.Tensor) -> torch.Tensor:
+        """The logits to sample from: the model's rows [len(seqs), vocab] with penalties and bias
+        (a copy; the model's stay for the log-probabilities), then the grammars' masks (on both)."""
+        adjusted = self.penalties.adjusted(seqs, rows)
+        self.structured.mask_logits(seqs, *((rows,) if adjusted is rows else (rows, adjusted)))
+        return adjusted
 
     def _resolve(self, launched: _LaunchedStep) -> list[TokenDelta]:
         """Wait for a launched step's tokens and turn them into deltas."""
@@ -385,6 +395,7 @@ class Engine:
         if in_flight and not hold:
             self._in_flight.free_after.append(seq)
         self.structured.release(seq)
+        self.penalties.release(seq)
         if self._spec is not None:
             self._spec.release(seq)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,20 +83,23 @@ class StructuredOutputs:
     # The per-step mask ---------------------------------------------------------------
 
     @torch.inference_mode()  # the logits are inference tensors
-    def mask_logits(self, logits: Mapping[Sequence, torch.Tensor]) -> None:
-        """Mask, in place, each constrained sequence's logits [1, vocab] (rows about to be sampled)
-        to the tokens its grammar allows next. Unconstrained rows are left alone."""
-        seqs = [seq for seq in logits if seq.params.structured is not None]
-        if not seqs:
+    def mask_logits(self, seqs: list[Sequence], *logits: torch.Tensor) -> None:
+        """Mask, in place, each constrained sequence's row of each of `logits` ([len(seqs), vocab]
+        each, row i seqs[i]'s next token: the rows about to be sampled, and the model's own when
+        penalties made those a copy) to the tokens its grammar allows next. Unconstrained rows
+        are left alone."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.structured is not None]
+        if not rows:
             return
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
-        for i, seq in enumerate(seqs):
-            self._fill(self._synced(seq).matcher, bitmask, i)
-        allowed = _unpack(bitmask, self.vocab_size, logits[seqs[0]].device)
-        for i, seq in enumerate(seqs):
-            apply_mask(logits[seq], allowed[i:i + 1])
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for r, i in enumerate(rows):
+            self._fill(self._synced(seqs[i]).matcher, bitmask, r)
+        allowed = _unpack(bitmask, self.vocab_size, logits[0].device)
+        for r, i in enumerate(rows):
+            for t in logits:
+                apply_mask(t[i:i + 1], allowed[r:r + 1])
 
     # Speculation ----------------------------------------------------------------------
 
@@ -129,11 +131,15 @@ class StructuredOutputs:
         return _unpack(bitmask, self.vocab_size, torch.device("cpu"))
 
     @torch.inference_mode()  # the logits are inference tensors
-    def mask_proposal(self, seq: Sequence, logits: torch.Tensor, proposed_ids: list[int]) -> torch.Tensor:
-        """`logits` [K+1, vocab] of a verification pass, masked in place by `masks_for_proposal`."""
+    def mask_proposal(self, seq: Sequence, logits: torch.Tensor, proposed_ids: list[int],
+                      *more: torch.Tensor) -> torch.Tensor:
+        """`logits` [K+1, vocab] of a verification pass (and `more` of that shape: the penalized
+        copy the proposals are judged by), masked in place by `masks_for_proposal`."""
         allowed = self.masks_for_proposal(seq, proposed_ids)
         if allowed is not None:
-            apply_mask(logits, allowed.to(logits.device, non_blocking=True))
+            allowed = allowed.to(logits.device, non_blocking=True)
+            for t in (logits, *more):
+                apply_mask(t, allowed)
         return logits
 
     # Following the sequence ----------------------------------------------------------

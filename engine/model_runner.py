@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -13,6 +13,9 @@ from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
 from pdserve.engine.tensor_parallel import TensorParallelRanks
+
+# The logits to sample from, given the sequences and the model's rows for them (`sample_async`).
+Prepare = Callable[[list[Sequence], torch.Tensor], torch.Tensor]
 
 
 class StepLogits(Mapping[Sequence, torch.Tensor]):
@@ -110,14 +113,18 @@ class ModelRunner:
         out = pending.resolve()
         return {seq: (tok, lp) for seq, tok, lp in zip(seqs, out.token_ids, out.logprobs)}
 
-    def sample_async(self, logits: StepLogits) -> tuple[list[Sequence], PendingSample | None]:
-        """`sample` without waiting for the GPU: the sequences, and their tokens in that order."""
+    def sample_async(self, logits: StepLogits, prepare: Prepare | None = None
+                     ) -> tuple[list[Sequence], PendingSample | None]:
+        """`sample` without waiting for the GPU: the sequences, and their tokens in that order.
+        prepare(seqs, rows): what to sample from, given the model's rows [len(seqs), vocab]
+        (which the returned log-probabilities are of)."""
         if not logits:
             return [], None
         seqs = list(logits)
         assert all(logits.spans[s][1] == 1 for s in seqs), "sequences with proposed tokens are verified, not sampled"
-        return seqs, self.sampler.sample_async(logits.rows_of(seqs), [s.params for s in seqs],
-                                               [s.next_output_index for s in seqs])
+        rows = logits.rows_of(seqs)
+        return seqs, self.sampler.sample_async(rows if prepare is None else prepare(seqs, rows),
+                                               [s.params for s in seqs], [s.next_output_index for s in seqs], rows)
 
 
 def _decodes_first(batch: ScheduledBatch) -> list[int]:

@@ -79,10 +79,14 @@ class RequestProcessor:
         return ProcessedRequest(tuple(token_ids), dataclasses.replace(params, stop=()), params.stop)
 
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: stop token ids, stop strings and grammars, for this model."""
+        """What SamplingParams cannot check alone: stop token ids, logit_bias ids, stop strings and grammars,
+        for this model."""
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: unknown stop token ids {bad} (vocabulary size {self.vocab_size})")
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:4]} outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer; model {self.model_name!r} has none")
         if params.structured is not None:

@@ -108,11 +108,13 @@ class Sampler:
         the output index the token of row i will have (`Sequence.next_output_index`)."""
         return self.sample_async(logits, params, token_indices).resolve()
 
-    def sample_async(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int]
-                     ) -> PendingSample:
-        """`sample` without waiting for the GPU: everything is queued on the current stream."""
+    def sample_async(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int],
+                     model_logits: torch.Tensor | None = None) -> PendingSample:
+        """`sample` without waiting for the GPU: everything is queued on the current stream.
+        model_logits: what the log-probabilities are of, when `logits` were changed from them
+        (penalties and bias: `engine.penalties`); None: `logits`."""
         token_ids, _ = self.draw(logits, params, token_indices)
-        pending_lp = _logprobs_async(logits, token_ids, params)
+        pending_lp = _logprobs_async(logits if model_logits is None else model_logits, token_ids, params)
         return PendingSample(token_ids, HostCopy.of(token_ids), pending_lp)
 
     def draw(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int],

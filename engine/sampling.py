@@ -59,6 +59,18 @@ class SamplingParams:
         of the most likely alternatives (None: none).
     structured: the output must follow this grammar (JSON schema / any JSON object); the
         request ends (STOP) once it is complete. None: free text.
+    presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]: a token's logit is lowered by
+        presence_penalty once it occurs in the output so far, and by frequency_penalty for
+        each time it occurs there (the prompt does not count).
+    repetition_penalty: Hugging Face's (CTRL's), > 0: the logit of every token in the prompt
+        or the output is divided by it when positive, multiplied by it otherwise; 1 is off.
+    logit_bias: (token id, bias in [-100, 100]) pairs added to those tokens' logits
+        (OpenAI's); a dict is taken too. The request processor checks the ids against the
+        vocabulary.
+    min_tokens: EOS and the stop token ids cannot be sampled before this many tokens were
+        generated (vLLM's); a client's at most its max_tokens (`check_min_tokens`).
+    The penalties and the bias change what is sampled, not the log-probabilities returned
+    (the model's own, as vLLM's default); `engine/penalties.py` applies them on the device.
     """
 
     temperature: float = 1.0
@@ -72,6 +84,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured: StructuredOutput | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -90,10 +107,43 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
-        # Accept lists from callers while keeping the dataclass hashable and frozen.
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((int(token_id), float(value)) for token_id, value in bias))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"logit_bias: token ids and biases must be numbers: {e}") from e
+        bad = [(t, v) for t, v in bias if t < 0 or not -100.0 <= v <= 100.0]
+        if bad:
+            raise ValueError(f"logit_bias: token ids must be >= 0 and biases in [-100, 100], got {dict(bad[:4])}")
+        if len({t for t, _ in bias}) < len(bias):
+            raise ValueError("logit_bias: a token id is given twice")
+        # Accept lists (and a dict of biases) from callers while keeping the dataclass hashable and frozen.
+        object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def check_min_tokens(self) -> None:
+        """A client's request asks for at most max_tokens tokens at least. Checked where requests
+        come in (the frontends), not on construction: the prefill worker's share of a request
+        (max_tokens 1) and a migrated request's rest keep its min_tokens, which counts from its
+        first output token (`Sequence.next_output_index`)."""
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty, a bias or min_tokens changes this request's logits (a batch
+        where no row is pays nothing for them)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.grammar import StructuredOutputs
+from pdserve.engine.penalties import Penalties
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from pdserve.engine.speculator import Proposals, Speculator
@@ -39,10 +40,11 @@ class SpeculativeSteps:
     """
 
     def __init__(self, speculator: Speculator, scheduler: Scheduler, structured: StructuredOutputs,
-                 uniform: bool) -> None:
+                 penalties: Penalties, uniform: bool) -> None:
         self.speculator = speculator
         self._scheduler = scheduler
         self._structured = structured
+        self._penalties = penalties
         self._uniform = uniform
 
     def plan(self) -> tuple[int, Decoding]:
@@ -88,10 +90,14 @@ class SpeculativeSteps:
             return {}
         # The scheduler may have kept fewer than proposed (the token budget).
         num_proposed = [min(step.num_proposed[s], len(s.spec_token_ids)) for s in seqs]
+        rows = [step.rows[s] for s in seqs]
+        # Penalties and bias at each position (the proposals before it counted), on a copy: the
+        # accepted tokens' log-probabilities are the model's. The grammars' masks come last.
+        logits = [verifying[s] for s in seqs]
+        judged = self._penalties.adjusted_proposals(seqs, logits, step.proposals.token_ids, rows)
         if self._structured.has_active:
-            self._mask_proposals(seqs, num_proposed, verifying, step)
-        token_ids = self.speculator.verify(seqs, step.proposals, [step.rows[s] for s in seqs], num_proposed,
-                                           [verifying[s] for s in seqs])
+            self._mask_proposals(seqs, num_proposed, logits, judged, step)
+        token_ids = self.speculator.verify(seqs, step.proposals, rows, num_proposed, judged)
         return dict(zip(seqs, token_ids))
 
     def release(self, seq: Sequence) -> None:
@@ -112,16 +118,17 @@ class SpeculativeSteps:
                 limits.append(max(limit, 0))
         return seqs, limits
 
-    def _mask_proposals(self, seqs: list[Sequence], num_proposed: list[int],
-                        verifying: dict[Sequence, torch.Tensor], step: StepProposals) -> None:
-        """A constrained sequence's target logits masked, row by row, by what its grammar allows
+    def _mask_proposals(self, seqs: list[Sequence], num_proposed: list[int], logits: list[torch.Tensor],
+                        judged: list[torch.Tensor], step: StepProposals) -> None:
+        """A constrained sequence's target logits (the model's, and the penalized copy the
+        proposals are judged by when it has one) masked, row by row, by what its grammar allows
         after the proposals before it, so that a draft token outside the grammar is rejected
         (the proposals' ids come to the host for it: a read per constrained sequence)."""
-        for seq, n in zip(seqs, num_proposed):
+        for seq, n, model, adjusted in zip(seqs, num_proposed, logits, judged):
             if seq.params.structured is None:
                 continue
             ids = seq.spec_token_ids[:n]
             if ids and ids[0] == PLACEHOLDER_TOKEN_ID:
                 ids = step.proposals.token_ids[step.rows[seq], :n].tolist()
             # In place: the rows are a view of the step's logits, which the acceptance reads.
-            self._structured.mask_proposal(seq, verifying[seq][:n + 1], ids)
+            self._structured.mask_proposal(seq, model[:n + 1], ids, *(() if adjusted is model else (adjusted[:n + 1],)))

@@ -175,14 +175,22 @@ def post(srv, path: str, content: bytes | str, content_type: str = "application/
      "messages", "unknown roles"),
     ("/v1/chat/completions", '{"messages": [], "max_completion_tokens": 0}', "application/json", 400,
      "max_completion_tokens", ">= 1"),
-    ("/v1/completions", '{"prompt": "hi", "presence_penalty": 0.5}', "application/json", 400, "presence_penalty",
-     "not supported"),
-    ("/v1/completions", '{"prompt": "hi", "repetition_penalty": 1.2}', "application/json", 400,
-     "repetition_penalty", "not supported"),
+    ("/v1/completions", '{"prompt": "hi", "presence_penalty": 2.5}', "application/json", 400, "presence_penalty",
+     "[-2, 2]"),
+    ("/v1/completions", '{"prompt": "hi", "frequency_penalty": -3}', "application/json", 400, "frequency_penalty",
+     "[-2, 2]"),
+    ("/v1/completions", '{"prompt": "hi", "repetition_penalty": 0}', "application/json", 400,
+     "repetition_penalty", "> 0"),
+    ("/v1/completions", '{"prompt": "hi", "logit_bias": {"99999999": 5}}', "application/json", 400, "logit_bias",
+     "outside the vocabulary"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"11": 101}}',
+     "application/json", 400, "logit_bias", "[-100, 100]"),
+    ("/v1/completions", '{"prompt": "hi", "logit_bias": {"eleven": 1}}', "application/json", 400, "logit_bias",
+     "numbers"),
     ("/v1/completions", '{"prompt": "hi", "prompt_logprobs": 1}', "application/json", 400, "prompt_logprobs",
      "not supported"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "min_tokens": 5}',
-     "application/json", 400, "min_tokens", "not supported"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "min_tokens": 5, "max_tokens": 2}',
+     "application/json", 400, "min_tokens", "max_tokens=2"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}',
      "application/json", 400, "tool_choice", "not supported"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": '
@@ -197,6 +205,25 @@ def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(srv, clie
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
     assert words in error["message"], error
     assert client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0).choices[0].text
+
+
+def test_penalties_bias_and_min_tokens_reach_the_workers_over_http_and_grpc(srv, client, model, engine):
+    """The same penalized greedy tokens as the offline engine, through the prefill worker (the
+    first token, under min_tokens) and the decode worker (the rest, counting that first token).
+    Two tokens biased far above the model's own take turns under the penalties; EOS, biased
+    just below them, comes once the penalties have brought them under it, after min_tokens."""
+    eos = engine.arch.eos_token_ids[0]
+    bias = {11: 100.0, 12: 100.0, eos: 80.0}
+    params = SamplingParams(temperature=0.0, max_tokens=10, frequency_penalty=2.0, presence_penalty=2.0,
+                            repetition_penalty=1.5, logit_bias=bias, min_tokens=3)
+    want = engine.generate([PROMPT], params)[0]
+    assert sorted(want.token_ids[:2]) == [11, 12] and want.token_ids[2] in (11, 12) and want.token_ids[3:] == [eos]
+    assert collect(srv.target, PROMPT, params).token_ids == want.token_ids
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, frequency_penalty=2.0,
+                                    presence_penalty=2.0, logit_bias={str(k): v for k, v in bias.items()},
+                                    extra_body={"repetition_penalty": 1.5, "min_tokens": 3})
+    assert out.choices[0].text == want.text and out.usage.completion_tokens == len(want.token_ids)
+    assert out.choices[0].finish_reason == "stop"
 
 
 def test_unknown_model_through_the_client_is_not_found(client):

@@ -27,8 +27,7 @@ def test_neutral_values_pass_and_any_other_value_is_refused_by_name(body, client
     for name, neutral in body.NEUTRAL_ONLY.items():
         for value in neutral:
             assert body.model_validate({**required, name: value}).unsupported() is None, (name, value)
-    changed = {"frequency_penalty": 0.5, "presence_penalty": -1.0, "logit_bias": {"11": 5.0},
-               "repetition_penalty": 1.3, "min_tokens": 4, "prompt_logprobs": 0, "echo": True, "suffix": "!",
+    changed = {"prompt_logprobs": 0, "echo": True, "suffix": "!",
                "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
                "functions": [{"name": "f"}], "function_call": {"name": "f"}, "modalities": ["text", "audio"],
                "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
@@ -46,6 +45,20 @@ def test_fields_that_change_nothing_here_are_accepted(body, client_params, requi
         ignored |= {"parallel_tool_calls": False, "prompt_cache_retention": "24h", "prompt_cache_options": {}}
     ignored = {k: v for k, v in ignored.items() if k in body.model_fields}
     assert body.model_validate({**required, **ignored}).unsupported() is None
+
+
+@pytest.mark.parametrize("body, client_params, required", BODIES)
+def test_penalties_bias_and_min_tokens_are_carried_to_the_sampling_params(body, client_params, required):
+    from pdserve.cluster.openai_protocol import _sampling
+
+    req = body.model_validate({**required, "frequency_penalty": 0.5, "presence_penalty": -1.0,
+                               "logit_bias": {"11": 5.0, "7": -100}, "repetition_penalty": 1.3, "min_tokens": 4})
+    assert req.unsupported() is None
+    params = _sampling(req, 16, None)
+    assert (params.frequency_penalty, params.presence_penalty, params.repetition_penalty, params.min_tokens) == (
+        0.5, -1.0, 1.3, 4)
+    assert params.logit_bias == ((7, -100.0), (11, 5.0))
+    assert _sampling(body.model_validate({**required, "frequency_penalty": None}), 16, None).penalized is False
 
 
 def test_best_of_is_only_n():

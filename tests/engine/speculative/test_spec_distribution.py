@@ -10,6 +10,7 @@ distributions, computed from the target's full logprobs of every prefix.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -149,3 +150,36 @@ def test_the_test_fails_when_the_acceptance_rule_is_broken(engine, exact_margina
     finally:
         engine.set_speculator(None)
     assert chi_square_pvalue(second, exact_marginals[0]) < 1e-6
+
+
+def test_penalized_sampling_with_speculation_keeps_the_penalized_distribution(engine, exact_marginals):
+    """Frequency and presence penalties and a bias, judged per verified position with the
+    proposals before it counted: the 2nd and 3rd tokens against their exact penalized marginals
+    (these penalties and the bias add to the logits, so the model's log-probabilities give them;
+    the repetition penalty's per-position counting is held to its reference in test_penalties)."""
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, frequency_penalty=1.5,
+                            presence_penalty=1.0, logit_bias={3: 1.0})
+    bias = torch.zeros(VOCAB)
+    bias[3] = 1.0
+    engine.set_speculator(None)
+
+    def penalized(probs: torch.Tensor, output: list[int]) -> torch.Tensor:
+        counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=VOCAB).float()
+        return torch.softmax(probs.log() + bias - 1.5 * counts - 1.0 * (counts > 0).float(), dim=-1)
+
+    p1 = penalized(_next_token_probs(engine, [PROMPT])[0], [])
+    p2 = _next_token_probs(engine, [PROMPT + [a] for a in range(VOCAB)])
+    p3 = _next_token_probs(engine, [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]).view(VOCAB, VOCAB, -1)
+    p2 = torch.stack([penalized(p2[a], [a]) for a in range(VOCAB)])
+    p3 = torch.stack([torch.stack([penalized(p3[a, b], [a, b]) for b in range(VOCAB)]) for a in range(VOCAB)])
+    second, third = p1 @ p2, torch.einsum("a,ab,abc->c", p1, p2, p3)
+    engine.set_speculator(_speculator(engine, "uniform"))
+    try:
+        seeded = [dataclasses.replace(params, seed=s) for s in range(NUM_SAMPLES)]
+        outs = engine.generate([PROMPT] * NUM_SAMPLES, seeded)
+    finally:
+        engine.set_speculator(None)
+    counts = [torch.bincount(torch.tensor([o.token_ids[i] for o in outs]), minlength=VOCAB) for i in (1, 2)]
+    assert chi_square_pvalue(counts[0], second) > 1e-3
+    assert chi_square_pvalue(counts[1], third) > 1e-3
+    assert chi_square_pvalue(counts[1], exact_marginals[1]) < 1e-6  # the unpenalized distribution: refused
