@@ -11,10 +11,10 @@ A family writes its calls in its own syntax (what its chat template teaches it):
 
 `ToolCallStream` reads an answer's text deltas and splits them into content and calls: text
 that may still open a call is held back, so no marker reaches the content; a call whose text
-does not parse (malformed JSON, no name, arguments that are not an object) is returned as the
-content it was, never dropped. vLLM's and SGLang's parsers also stream each call's arguments
-as they are written; here a call comes out whole once its text is complete, which is simpler
-and what clients assemble anyway.
+does not parse (malformed JSON, no name, arguments that are not an object, a call cut by the
+answer's length) is returned as the content it was, never dropped. vLLM's and SGLang's parsers
+also stream each call's arguments as they are written; here a call comes out whole once its
+text is complete, which is simpler and what clients assemble anyway.
 
 `ToolFormat.structural_tag` is the format as an xgrammar structural tag, for `tool_choice`
 `required` or a named function: the answer is then only calls (one, or several with
@@ -73,22 +73,22 @@ class ToolFormat:
     def call_arguments(self) -> str:
         return f'", "{self.arguments_key}": '
 
-    def parse_region(self, body: str) -> list[ToolCall] | None:
-        """The calls of one region's text (between its markers), or None if it is not calls."""
+    def parse_region(self, body: str) -> tuple[list[ToolCall], str]:
+        """The calls at the start of one region's text (between its markers), and the text after
+        the last one that parses (an answer cut by its length ends in a call half written)."""
         decoder, calls, i = json.JSONDecoder(), [], 0
         while True:
             while i < len(body) and (body[i].isspace() or body[i] == ";"):
                 i += 1
-            if i == len(body):
-                return calls or None
             try:
-                obj, i = decoder.raw_decode(body, i)
+                obj, end = decoder.raw_decode(body, i)
             except json.JSONDecodeError:
-                return None
+                return calls, body[i:]
             call = _call(obj)
             if call is None:
-                return None
+                return calls, body[i:]
             calls.append(call)
+            i = end
 
     def structural_tag(self, functions: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
         """The xgrammar structural tag (JSON text) of answers made only of calls to `functions`
@@ -193,12 +193,15 @@ class ToolCallStream:
             return False
         body = self._pending if close < 0 else self._pending[:close]
         rest = "" if close < 0 else self._pending[close + len(end):]
-        calls = self.fmt.parse_region(body)
-        if calls is None:  # not calls after all: the text as it was
-            out.content += f"{marker}{body}{end if close >= 0 else ''}"
+        calls, unparsed = self.fmt.parse_region(body)
+        closing = end if close >= 0 else ""
+        if not calls:  # not calls after all: the text as it was
+            out.content += f"{marker}{body}{closing}"
         else:
             out.calls += calls
             self.num_calls += len(calls)
+            if unparsed:
+                out.content += f"{unparsed}{closing}"
         self._pending, self._in_region = rest, None
         return True
 

@@ -47,7 +47,8 @@ class ToolRequest:
     """A request's tools and what it asks of them.
 
     choice: "none" (no calls: the answer is text), "auto" (the model decides), "required"
-        (calls only, to any of the functions), "function" (calls to `function_name` only).
+        (calls only, to any of the functions), "function" (one call, to `function_name`: as
+        OpenAI's and vLLM's named tool choice).
     parallel: more than one call allowed (False: exactly one when calls are forced).
     """
 
@@ -88,7 +89,8 @@ class ToolRequest:
     def structured(self, fmt: ToolFormat) -> StructuredOutput:
         """The grammar of a forced answer: calls in `fmt`, to the allowed functions."""
         allowed = [f for f in self.functions if self.choice != "function" or f.name == self.function_name]
-        tag = fmt.structural_tag([(f.name, json.loads(f.parameters)) for f in allowed], self.parallel)
+        tag = fmt.structural_tag([(f.name, json.loads(f.parameters)) for f in allowed],
+                                 self.parallel and self.choice == "required")
         return StructuredOutput("structural_tag", structural_tag=tag)
 
 

@@ -74,6 +74,7 @@ def test_forced_choices_constrain_the_answer_in_the_parsers_format(tool_tokenize
         "name": "get_time"}}], tool_choice={"type": "function", "function": {"name": "get_time"}})
     tag = json.loads(named.params.structured.structural_tag)
     assert [t["begin"] for t in tag["format"]["tags"]] == ['<tool_call>{"name": "get_time", "arguments": ']
+    assert tag["format"]["stop_after_first"]  # a named function: one call, as OpenAI's
     assert named.tool_format is TOOL_FORMATS["hermes"]  # no parser: forced calls in the Hermes format
     none = chat(processor(tool_tokenizer), messages=[ASK], tools=[WEATHER], tool_choice="none")
     assert none.tool_format is None and none.params.structured is None
