@@ -124,7 +124,7 @@ def test_grpc_takes_chat_template_kwargs_and_streams_the_reasoning_apart(thinkin
     for i, token_id in enumerate(answer):
         reason = FinishReason.LENGTH if i == len(answer) - 1 else None
         delta = stream.add(TokenDelta("r", (token_id,), reason))
-        responses.append(GenerationService._response("r", delta, 10, i + 1, RequestReport(), splitter))
+        responses.append(GenerationService._response("r", delta, 10, i + 1, RequestReport(), splitter, None))
     assert "".join(r.reasoning for r in responses) == "Six sevens."
     assert "".join(r.text for r in responses) == "It is 42."
     assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
