@@ -97,7 +97,7 @@ class ToolRequest:
 def tool_request(tools: Sequence[Mapping[str, Any]] | None, tool_choice: str | Mapping[str, Any] | None,
                  parallel_tool_calls: bool | None) -> ToolRequest | None:
     """A ToolRequest from OpenAI's fields (None: no tools and no choice); ValueError naming the field."""
-    if not tools and tool_choice in (None, "none"):
+    if not tools and tool_choice in (None, "none", "auto"):  # nothing to call: a plain chat
         return None
     functions = tuple(_function(i, t) for i, t in enumerate(tools or ()))
     choice, name = _choice(tool_choice)
