@@ -21,6 +21,7 @@ from pdserve.engine.config import (
     WorkerConfig,
 )
 from pdserve.engine.loop import LoopConfig
+from pdserve.engine.tool_parsers import TOOL_FORMATS
 from pdserve.kv_transport.config import TransportSettings
 
 MODES = ("disaggregated", "colocated")
@@ -50,6 +51,11 @@ class ServerConfig:
         OpenAI clients' api_key). Without it, $PDSERVE_API_KEY; without either, no token is
         asked. The token is never logged. The health checks (gRPC health service, HTTP
         /health) answer without it, for probes.
+    chat_template: a Jinja chat template file used instead of the model's own (e.g. one that
+        renders tools, for a model whose template does not); "" keeps the model's.
+    tool_call_parser: the model's tool-call format, which chat requests with tool_choice auto
+        are parsed in: "hermes" (Qwen, Hermes: <tool_call> JSON) or "llama3_json" (Llama 3.1+);
+        "" refuses auto (forced tool choices still work).
     """
 
     host: str = "127.0.0.1"
@@ -63,8 +69,13 @@ class ServerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     api_key_file: str = ""
+    chat_template: str = ""
+    tool_call_parser: str = ""
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_FORMATS:
+            raise ValueError(f"ServerConfig.tool_call_parser must be one of {sorted(TOOL_FORMATS)} or \"\", "
+                             f"got {self.tool_call_parser!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("ServerConfig.tls_cert and tls_key go together: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
@@ -317,6 +328,19 @@ class ClientAuth:
     @property
     def mutual_tls(self) -> bool:
         return self.tls_client_ca is not None
+
+
+def read_chat_template(server: ServerConfig) -> str | None:
+    """The chat template file `server` names (None: the model's own); ValueError naming the flag."""
+    if not server.chat_template:
+        return None
+    try:
+        text = Path(server.chat_template).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the chat template (server.chat_template) {server.chat_template!r}: {e}") from e
+    if not text.strip():
+        raise ValueError(f"the chat template (server.chat_template) {server.chat_template!r} is empty")
+    return text
 
 
 def client_auth(server: ServerConfig) -> ClientAuth:

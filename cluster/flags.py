@@ -42,6 +42,8 @@ ALIASES: dict[str, str] = {
     "server.tls_key": "--tls-key",
     "server.tls_client_ca": "--tls-client-ca",
     "server.api_key_file": "--api-key-file",
+    "server.chat_template": "--chat-template",
+    "server.tool_call_parser": "--tool-call-parser",
     "pools.mode": "--mode",
     "pools.num_prefill": "--num-prefill",
     "pools.num_decode": "--num-decode",

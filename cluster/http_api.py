@@ -226,7 +226,8 @@ async def _events(run: _Run, first: tuple[Choice, TextDelta] | None, renderer: R
     item = first
     try:
         while item is not None:
-            yield f"data: {renderer.chunk(*item).model_dump_json()}\n\n"
+            for chunk in renderer.chunks(*item):
+                yield f"data: {chunk.model_dump_json()}\n\n"
             item = await run.next()
         if include_usage:
             yield f"data: {renderer.usage_chunk(run.choices).model_dump_json()}\n\n"

@@ -111,10 +111,25 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON object text, as OpenAI sends it
+
+
+class ToolCallIn(_Body):
+    """A call an earlier assistant turn made (the history of a tool-using chat)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -125,12 +140,14 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     # Keyword arguments for the model's chat template (vLLM's field), e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, object] | None = None
-    parallel_tool_calls: bool | None = None  # means nothing without tools
+    # Tool calling (engine/tools.py): functions, none / auto (the default with tools) / required /
+    # {"type": "function", "function": {"name": ...}}, and whether one answer may call several.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     prompt_cache_options: dict[str, object] | None = None  # the prefix cache keeps what it can, always
     prompt_cache_retention: str | None = None
     # Accepted only at their neutral values, as above.
-    tools: list[dict[str, object]] | None = None
-    tool_choice: str | dict[str, object] | None = None
     functions: list[dict[str, object]] | None = None  # the deprecated form of tools
     function_call: str | dict[str, object] | None = None
     modalities: list[str] | None = None
@@ -141,8 +158,8 @@ class ChatCompletionRequest(_GenerationRequest):
     web_search_options: dict[str, object] | None = None
     moderation: dict[str, object] | None = None
 
-    NEUTRAL_ONLY = {**_GenerationRequest.NEUTRAL_ONLY, "tools": (None, []), "tool_choice": (None, "none"),
-                    "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]),
+    NEUTRAL_ONLY = {**_GenerationRequest.NEUTRAL_ONLY, "functions": (None, []), "function_call": (None, "none"),
+                    "modalities": (None, ["text"]),
                     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
                     "web_search_options": (None,), "moderation": (None,)}
 
@@ -200,10 +217,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON object text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the answer was only tool calls
     reasoning_content: str | None = None  # a reasoning model's thinking (engine/reasoning.py)
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -222,10 +251,26 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionDeltaOut(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaOut(BaseModel):
+    """A call in stream chunks, as OpenAI streams them: its index, id, type and name first
+    (arguments ""), then its arguments under the same index."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDeltaOut
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -5,6 +5,7 @@ and stream chunks (completions and chat completions)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,9 @@ from pdserve.engine.reasoning import ReasoningSplitter
 from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sequence import FinishReason
+from pdserve.engine.tool_parsers import ToolCall, ToolCallStream
+from pdserve.engine.tools import tool_request
 
 
 @dataclass(slots=True)
@@ -52,8 +56,9 @@ def chat_choices(req: m.ChatCompletionRequest, processor: RequestProcessor) -> l
                            (req.top_logprobs or 0) if req.logprobs else None)
     except ValueError as e:
         raise ValueError(str(e).replace("max_tokens", max_field, 1).replace("logprobs", "top_logprobs", 1)) from e
+    tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
     processed = processor.process(messages=[_message(i, msg) for i, msg in enumerate(req.messages)], params=params,
-                                  chat_template_kwargs=req.chat_template_kwargs)
+                                  chat_template_kwargs=req.chat_template_kwargs, tools=tools)
     if max_tokens is None:
         rest = processor.max_model_len - len(processed.prompt_token_ids)
         processed = dataclasses.replace(processed, params=dataclasses.replace(processed.params, max_tokens=rest))
@@ -70,16 +75,42 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     return list(prompt)  # type: ignore[arg-type]
 
 
-def _message(i: int, msg: m.ChatMessage) -> dict[str, str]:
+def _message(i: int, msg: m.ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: text content ("" for none: templates concatenate it),
+    an assistant turn's calls with their arguments as objects (transformers' form, which
+    templates write with `tojson`), a tool turn's call id."""
     role = "system" if msg.role == "developer" else msg.role
+    message: dict[str, Any] = {"role": role, "content": _text(i, msg)}
+    if msg.tool_calls:
+        if role != "assistant":
+            raise ValueError(f"messages[{i}].tool_calls: only an assistant message carries tool calls")
+        message["tool_calls"] = [_history_call(i, j, call) for j, call in enumerate(msg.tool_calls)]
+    if msg.tool_call_id is not None:
+        message["tool_call_id"] = msg.tool_call_id
+    if msg.name is not None:
+        message["name"] = msg.name
+    return message
+
+
+def _text(i: int, msg: m.ChatMessage) -> str:
     if msg.content is None or isinstance(msg.content, str):
-        return {"role": role, "content": msg.content or ""}
+        return msg.content or ""
     parts = []
     for part in msg.content:
         if part.type != "text" or part.text is None:
             raise ValueError(f"messages[{i}].content: only text parts are supported, got {part.type!r}")
         parts.append(part.text)
-    return {"role": role, "content": "".join(parts)}
+    return "".join(parts)
+
+
+def _history_call(i: int, j: int, call: m.ToolCallIn) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {e}") from e
+    if not isinstance(arguments, dict):
+        raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object")
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 # The request fields that are SamplingParams' own, taken as they are when set.
@@ -129,6 +160,14 @@ def _finish(delta: TextDelta | RequestOutput) -> str | None:
     return None if delta.finish_reason is None else delta.finish_reason.value
 
 
+def _chat_finish(reason: FinishReason | None, num_calls: int) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" once an answer that made calls ends, unless it was
+    cut by its length (the client should know that its last call may be missing)."""
+    if reason is None:
+        return None
+    return "tool_calls" if num_calls and reason is not FinishReason.LENGTH else reason.value
+
+
 class CompletionRenderer:
     """/v1/completions bodies: a whole response, or one chunk per text delta."""
 
@@ -136,12 +175,12 @@ class CompletionRenderer:
         self.processor = processor
         self.head = {"id": response_id, "created": created, "model": model}
 
-    def chunk(self, choice: Choice, delta: TextDelta) -> m.CompletionResponse:
+    def chunks(self, choice: Choice, delta: TextDelta) -> list[m.CompletionResponse]:
         """`delta`, already added to `choice.output`, as a stream chunk."""
         text_offset = len(choice.output.text) - len(delta.text)
         logprobs = self._logprobs(delta.logprobs, text_offset) if choice.request.params.logprobs is not None else None
-        return m.CompletionResponse(**self.head, choices=[m.CompletionChoice(
-            index=choice.index, text=delta.text, logprobs=logprobs, finish_reason=_finish(delta))])
+        return [m.CompletionResponse(**self.head, choices=[m.CompletionChoice(
+            index=choice.index, text=delta.text, logprobs=logprobs, finish_reason=_finish(delta))])]
 
     def usage_chunk(self, choices: list[Choice]) -> m.CompletionResponse:
         return m.CompletionResponse(**self.head, choices=[], usage=usage(choices))
@@ -166,44 +205,74 @@ class CompletionRenderer:
 
 
 class ChatRenderer:
-    """/v1/chat/completions bodies: a whole response, or one chunk per text delta (the first of
-    each choice says role "assistant")."""
+    """/v1/chat/completions bodies: a whole response, or stream chunks for each text delta (the
+    first of each choice says role "assistant"). A reasoning model's thinking goes to
+    `reasoning_content`; with tools, calls the answer makes go to `tool_calls` (the request's
+    `tool_format`), and finish_reason is "tool_calls"."""
 
     def __init__(self, processor: RequestProcessor, response_id: str, created: int, model: str) -> None:
         self.processor = processor
         self.head = {"id": response_id, "created": created, "model": model}
         self._splitters: dict[int, ReasoningSplitter | None] = {}
+        self._tool_streams: dict[int, ToolCallStream | None] = {}
 
-    def chunk(self, choice: Choice, delta: TextDelta) -> m.ChatCompletionChunk:
-        """`delta`, already added to `choice.output`, as a stream chunk; a reasoning model's
-        thinking goes to `reasoning_content`."""
+    def chunks(self, choice: Choice, delta: TextDelta) -> list[m.ChatCompletionChunk]:
+        """`delta`, already added to `choice.output`, as stream chunks: its text, then each call
+        it completes (its id and name, then its arguments); finish_reason on the last."""
         first = choice.index not in self._splitters
         if first:
             self._splitters[choice.index] = self.processor.reasoning_splitter(choice.request.prompt_token_ids)
-        splitter = self._splitters[choice.index]
+            fmt = choice.request.tool_format
+            self._tool_streams[choice.index] = ToolCallStream(fmt) if fmt is not None else None
+        splitter, tool_stream = self._splitters[choice.index], self._tool_streams[choice.index]
+        final = delta.finish_reason is not None
         content, reasoning = delta.text, None
         if splitter is not None:
-            part = splitter.add(delta.text, final=delta.finish_reason is not None)
+            part = splitter.add(delta.text, final=final)
             content, reasoning = part.content, part.reasoning or None
-        return m.ChatCompletionChunk(**self.head, choices=[m.ChatChunkChoice(
-            index=choice.index, delta=m.ChatDelta(role="assistant" if first else None, content=content,
-                                                  reasoning_content=reasoning),
-            logprobs=self._logprobs(choice, delta.logprobs), finish_reason=_finish(delta))])
+        calls: list[ToolCall] = []
+        if tool_stream is not None:
+            tool_part = tool_stream.add(content, final=final)
+            content, calls = tool_part.content, tool_part.calls
+        deltas = [m.ChatDelta(role="assistant" if first else None, content=content, reasoning_content=reasoning)]
+        index = tool_stream.num_calls - len(calls) if tool_stream is not None else 0
+        for i, call in enumerate(calls, index):
+            deltas.append(m.ChatDelta(tool_calls=[m.ToolCallDeltaOut(
+                index=i, id=call.id, type="function", function=m.FunctionDeltaOut(name=call.name, arguments=""))]))
+            deltas.append(m.ChatDelta(tool_calls=[m.ToolCallDeltaOut(
+                index=i, function=m.FunctionDeltaOut(arguments=call.arguments))]))
+        finish = _chat_finish(delta.finish_reason, tool_stream.num_calls if tool_stream is not None else 0)
+        logprobs = self._logprobs(choice, delta.logprobs)
+        return [m.ChatCompletionChunk(**self.head, choices=[m.ChatChunkChoice(
+            index=choice.index, delta=d, logprobs=logprobs if i == 0 else None,
+            finish_reason=finish if i == len(deltas) - 1 else None)]) for i, d in enumerate(deltas)]
 
     def usage_chunk(self, choices: list[Choice]) -> m.ChatCompletionChunk:
         return m.ChatCompletionChunk(**self.head, choices=[], usage=usage(choices))
 
     def response(self, choices: list[Choice]) -> m.ChatCompletionResponse:
-        return m.ChatCompletionResponse(**self.head, usage=usage(choices), choices=[m.ChatChoice(
-            index=c.index, message=self._message(c), logprobs=self._logprobs(c, c.output.logprobs),
-            finish_reason=_finish(c.output)) for c in choices])
+        body = []
+        for c in choices:
+            message = self._message(c)
+            body.append(m.ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, c.output.logprobs),
+                                     finish_reason=_chat_finish(c.output.finish_reason, len(message.tool_calls or ()))))
+        return m.ChatCompletionResponse(**self.head, usage=usage(choices), choices=body)
 
     def _message(self, choice: Choice) -> m.AssistantMessage:
+        content, reasoning = choice.output.text, None
         splitter = self.processor.reasoning_splitter(choice.request.prompt_token_ids)
-        if splitter is None:
-            return m.AssistantMessage(content=choice.output.text)
-        part = splitter.add(choice.output.text, final=True)
-        return m.AssistantMessage(content=part.content, reasoning_content=part.reasoning or None)
+        if splitter is not None:
+            part = splitter.add(choice.output.text, final=True)
+            content, reasoning = part.content, part.reasoning or None
+        fmt = choice.request.tool_format
+        if fmt is None:
+            return m.AssistantMessage(content=content, reasoning_content=reasoning)
+        tool_part = ToolCallStream(fmt).add(content, final=True)
+        if not tool_part.calls:
+            return m.AssistantMessage(content=tool_part.content, reasoning_content=reasoning)
+        return m.AssistantMessage(content=tool_part.content.strip() or None, reasoning_content=reasoning,
+                                  tool_calls=[m.ToolCallOut(id=c.id, function=m.FunctionCallOut(
+                                      name=c.name, arguments=c.arguments)) for c in tool_part.calls])
 
     def _logprobs(self, choice: Choice, logprobs: list[TokenLogprobs] | tuple[TokenLogprobs, ...]
                   ) -> m.ChatLogprobs | None:

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.cluster.auth import BearerTokenInterceptor, HttpTls, grpc_server_credentials
-from pdserve.cluster.config import ServeConfig, client_auth, cluster_secret, fit_pools_to_gpus
+from pdserve.cluster.config import ServeConfig, client_auth, cluster_secret, fit_pools_to_gpus, read_chat_template
 from pdserve.cluster.coordinator import Coordinator
 from pdserve.cluster.frontend import Frontend
 from pdserve.cluster.http_api import HttpServer
@@ -29,6 +29,7 @@ from pdserve.cluster.service import GenerationService
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine.parallel import check_splits
 from pdserve.engine.request_processor import RequestProcessor
+from pdserve.engine.tools import tool_format
 from pdserve.engine.weights import load_tokenizer, resolve_model
 from pdserve.kv_transport import TransportConfig
 from pdserve.prefill_node.worker import PrefillWorker
@@ -89,12 +90,17 @@ def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool
 
 async def start_server(config: ServeConfig) -> Server:
     auth = client_auth(config.server)  # bad paths fail before anything starts
+    chat_template = read_chat_template(config.server)
     files = resolve_model(config.engine.model)  # converts a GGUF once, before the workers need it
     for role in ("decode",) if config.pools.mode == "colocated" else ("prefill", "decode"):
         check_splits(files.arch, config.pools.tp(role, config.engine),  # before any worker starts
                      config.engine.parallel.enable_expert_parallel)
     init_ray(config.ray.address, config.ray.node_ip_address)
     tokenizer = load_tokenizer(files)  # None for dummy weights: token ids in and out, no text
+    if chat_template is not None:
+        if tokenizer is None:
+            raise ValueError(f"server.chat_template: model {files.name!r} has no tokenizer to apply it with")
+        tokenizer.chat_template = chat_template  # the frontend's copy: workers never apply templates
     transport = None
     if config.pools.mode == "disaggregated":
         transport = TransportConfig.of(config.kv_transport, cluster_secret(), config.ray.node_ip_address)
@@ -106,7 +112,8 @@ async def start_server(config: ServeConfig) -> Server:
     await coordinator.start(config.health.interval_s)
     # Workers may cap the context below the model's (KV pool size): take the smallest.
     lens = [await w.actor.max_model_len.remote() for p in coordinator.pools() for w in p.workers]
-    processor = RequestProcessor(tokenizer, files.name, files.arch.vocab_size, min(lens))
+    processor = RequestProcessor(tokenizer, files.name, files.arch.vocab_size, min(lens),
+                                 tool_format(config.server.tool_call_parser))
 
     frontend = Frontend(coordinator, processor, metrics, config.server.default_timeout_s,
                         config.admission.retry_after_s)

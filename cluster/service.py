@@ -12,6 +12,7 @@ from pdserve.cluster.validation import parse_request
 from pdserve.engine.outputs import TextDelta
 from pdserve.engine.reasoning import ReasoningSplitter
 from pdserve.engine.sequence import FinishReason
+from pdserve.engine.tool_parsers import ToolCallStream
 from pdserve.proto.v1 import generation_pb2 as pb
 from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
 
@@ -47,10 +48,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         # A reasoning model's chat: its thinking apart from its answer (a raw prompt is the
         # caller's own template: its text as generated).
         splitter = self.processor.reasoning_splitter(parsed.prompt_token_ids) if request.HasField("messages") else None
+        tool_stream = ToolCallStream(parsed.tool_format) if parsed.tool_format is not None else None
         try:
             async for delta in self.frontend.generate(parsed, context.time_remaining(), report):
                 num_generated += len(delta.token_ids)
-                yield self._response(client_id, delta, num_prompt, num_generated, report, splitter)
+                yield self._response(client_id, delta, num_prompt, num_generated, report, splitter, tool_stream)
         except RequestFailed as e:
             if e.retry_after_s is not None:  # gRPC's retry pushback: a client's retry policy waits this long
                 context.set_trailing_metadata((("grpc-retry-pushback-ms", str(int(e.retry_after_s * 1000))),))
@@ -58,18 +60,27 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     @staticmethod
     def _response(client_id: str, delta: TextDelta, num_prompt: int, num_generated: int,
-                  report: RequestReport, splitter: ReasoningSplitter | None) -> pb.GenerateResponse:
-        text, reasoning = delta.text, ""
+                  report: RequestReport, splitter: ReasoningSplitter | None,
+                  tool_stream: ToolCallStream | None) -> pb.GenerateResponse:
+        text, reasoning, final = delta.text, "", delta.finish_reason is not None
         if splitter is not None:
-            part = splitter.add(delta.text, final=delta.finish_reason is not None)
+            part = splitter.add(delta.text, final=final)
             text, reasoning = part.content, part.reasoning
+        calls = []
+        if tool_stream is not None:
+            tool_part = tool_stream.add(text, final=final)
+            text, calls = tool_part.content, tool_part.calls
         resp = pb.GenerateResponse(request_id=client_id, token_ids=list(delta.token_ids), text=text,
                                    reasoning=reasoning)
+        for call in calls:
+            resp.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
         for lp in delta.logprobs:
             resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=list(lp.top_token_ids),
                               top_logprobs=list(lp.top_logprobs))
         if delta.finish_reason is not None:
             resp.finish_reason = _FINISH[delta.finish_reason]
+            if tool_stream is not None and tool_stream.num_calls and delta.finish_reason is not FinishReason.LENGTH:
+                resp.finish_reason = pb.FINISH_REASON_TOOL_CALLS
             resp.usage.prompt_tokens = num_prompt
             resp.usage.completion_tokens = num_generated
             resp.usage.cached_prompt_tokens = delta.num_cached_tokens

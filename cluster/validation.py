@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from google.protobuf import json_format
 
 from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
 from pdserve.engine.sampling import SamplingParams, StructuredOutput
+from pdserve.engine.tools import ToolRequest, tool_request
 from pdserve.proto.v1 import generation_pb2 as pb
 
 
@@ -49,10 +51,53 @@ def parse_request(request: pb.GenerateRequest, processor: RequestProcessor) -> P
     except ValueError as e:
         raise ValueError(f"sampling.{e}") from e
     if which == "messages":
-        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        chat = request.messages
+        messages = [_message(i, m) for i, m in enumerate(chat.messages)]
         kwargs = None
-        if request.messages.HasField("chat_template_kwargs"):
-            kwargs = json_format.MessageToDict(request.messages.chat_template_kwargs)
-        return processor.process(messages=messages, params=params, chat_template_kwargs=kwargs)
+        if chat.HasField("chat_template_kwargs"):
+            kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
+        return processor.process(messages=messages, params=params, chat_template_kwargs=kwargs, tools=_tools(chat))
     prompt = request.prompt if which == "prompt" else list(request.prompt_token_ids.ids)
     return processor.process(prompt, params=params, token_ids_field="prompt_token_ids")
+
+
+def _message(i: int, m: pb.ChatMessage) -> dict[str, Any]:
+    """A chat message as templates read it (as the OpenAI API's: engine/tools.py's forms)."""
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise ValueError(f"messages[{i}].tool_calls: only an assistant message carries tool calls")
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": _arguments(f"messages[{i}].tool_calls[{j}].arguments", c.arguments)}}
+            for j, c in enumerate(m.tool_calls)]
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _arguments(field: str, text: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(text or "{}")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{field} is not JSON: {e}") from e
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{field} must be a JSON object")
+    return arguments
+
+
+def _tools(chat: pb.ChatMessages) -> ToolRequest | None:
+    """The OpenAI form of the chat's tools, checked as the HTTP API's are (engine/tools.py)."""
+    tools = []
+    for i, t in enumerate(chat.tools):
+        function: dict[str, Any] = {"name": t.name, "description": t.description}
+        if t.parameters:
+            function["parameters"] = _arguments(f"tools[{i}].parameters", t.parameters)
+        tools.append({"type": "function", "function": function})
+    which = chat.tool_choice.WhichOneof("choice") if chat.HasField("tool_choice") else None
+    choice: str | dict[str, Any] | None = None
+    if which == "mode":
+        choice = chat.tool_choice.mode
+    elif which == "function":
+        choice = {"type": "function", "function": {"name": chat.tool_choice.function}}
+    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else None
+    return tool_request(tools, choice, parallel)

@@ -38,14 +38,28 @@ _XGRAMMAR_PREFIX = re.compile(r"^(\[[\d:]+\] \S+:\d+: )?(Check failed: .*? is fa
 def check_structured(structured: StructuredOutput) -> None:
     """Raises ValueError naming what is wrong when xgrammar cannot make a grammar of the schema
     (no tokenizer needed: the frontend checks requests before any engine sees them)."""
-    if structured.kind != "json_schema":
-        return
+    if structured.kind == "json_schema":
+        error = schema_error(structured.json_schema)
+        if error is not None:
+            raise ValueError(f"response_format: unsupported or invalid JSON schema: {error}")
+    elif structured.kind == "structural_tag":
+        import xgrammar as xgr
+
+        try:
+            xgr.Grammar.from_structural_tag(structured.structural_tag)
+        except Exception as e:  # the tools' schemas were checked one by one: this is ours
+            raise ValueError(f"tools: xgrammar cannot make a grammar of the tool calls: {_clean(e)}") from e
+
+
+def schema_error(json_schema: str) -> str | None:
+    """Why xgrammar cannot make a grammar of a JSON schema (JSON text), or None if it can."""
     import xgrammar as xgr
 
     try:
-        xgr.Grammar.from_json_schema(structured.json_schema, any_whitespace=False, separators=_SEPARATORS)
+        xgr.Grammar.from_json_schema(json_schema, any_whitespace=False, separators=_SEPARATORS)
     except Exception as e:  # xgrammar raises RuntimeError (and others) with the C++ message
-        raise ValueError(f"response_format: unsupported or invalid JSON schema: {_clean(e)}") from e
+        return _clean(e)
+    return None
 
 
 def _clean(e: Exception) -> str:
@@ -201,7 +215,9 @@ class StructuredOutputs:
                                                       stop_token_ids=list(self.stop_token_ids))
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=_CACHE_LIMIT_BYTES)
             self._no_control_bytes = _packed_tokens_without_control_bytes(info.decoded_vocab, self.vocab_size)
-        if structured.kind == "json_object":
+        if structured.kind == "structural_tag":
+            compiled = self._compiler.compile_structural_tag(structured.structural_tag)
+        elif structured.kind == "json_object":
             # Not strict: an object with any members (strict mode would allow only {}).
             compiled = self._compiler.compile_json_schema('{"type":"object"}', any_whitespace=False,
                                                           separators=_SEPARATORS, strict_mode=False)

@@ -18,8 +18,10 @@ from pdserve.engine.outputs import TextDelta, TokenDelta
 from pdserve.engine.reasoning import ReasoningSplitter, opens_thinking, thinks
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import FinishReason
+from pdserve.engine.tool_parsers import TOOL_FORMATS, ToolFormat
+from pdserve.engine.tools import ToolRequest
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 # apply_chat_template's own arguments: chat_template_kwargs may set the template's variables only.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "add_generation_prompt", "tokenize", "tokenizer",
                                        "chat_template", "return_dict", "return_tensors", "padding", "truncation",
@@ -33,6 +35,7 @@ class ProcessedRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams  # for the engine: stop strings removed
     stop: tuple[str, ...] = ()  # for the OutputStream
+    tool_format: ToolFormat | None = None  # the answer's tool calls are read in it (None: all text)
 
 
 class RequestProcessor:
@@ -40,29 +43,40 @@ class RequestProcessor:
 
     tokenizer: a transformers tokenizer, or None (dummy weights: token ids in and out, no text).
     max_model_len: the context; a prompt must leave room in it for one new token.
+    tool_format: the model's tool-call format (the server's --tool-call-parser): what `auto`
+        tool choice parses; None: `auto` is refused, and forced calls are written in the
+        Hermes format.
     Every bad request raises ValueError with a message that names what is wrong.
     """
 
-    def __init__(self, tokenizer: Any | None, model_name: str, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any | None, model_name: str, vocab_size: int, max_model_len: int,
+                 tool_format: ToolFormat | None = None) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.tool_format = tool_format
         self.thinks = thinks(tokenizer)  # a reasoning model: its answers split (engine/reasoning.py)
 
-    def process(self, prompt: str | Sequence[int] | None = None, messages: list[dict[str, str]] | None = None,
+    def process(self, prompt: str | Sequence[int] | None = None, messages: list[dict[str, Any]] | None = None,
                 params: SamplingParams | None = None, *, token_ids_field: str = "prompt",
-                chat_template_kwargs: Mapping[str, Any] | None = None) -> ProcessedRequest:
+                chat_template_kwargs: Mapping[str, Any] | None = None,
+                tools: ToolRequest | None = None) -> ProcessedRequest:
         """Validate and tokenize one request: a `prompt` (text or token ids) or chat `messages`
-        (with `chat_template_kwargs` for the template, e.g. {"enable_thinking": False}).
+        (with `chat_template_kwargs` for the template, e.g. {"enable_thinking": False}, and the
+        chat's `tools`).
 
         token_ids_field: what errors call a prompt given as token ids (gRPC: prompt_token_ids).
         """
         params = params or SamplingParams()
         if (prompt is None) == (messages is None):
             raise ValueError("give one of prompt or messages")
+        fmt = None
+        if tools is not None:
+            fmt, params = self._tools(tools, params)
         if messages is not None:
-            field, token_ids = "messages", self.apply_chat_template(messages, chat_template_kwargs)
+            kwargs = {**(chat_template_kwargs or {}), **(tools.template_kwargs() if tools is not None else {})}
+            field, token_ids = "messages", self.apply_chat_template(messages, kwargs)
         elif isinstance(prompt, str):
             field, token_ids = "prompt", self.encode(prompt)
         else:
@@ -76,7 +90,23 @@ class RequestProcessor:
         if bad:
             raise ValueError(f"{field} has token ids {bad[:4]} outside the vocabulary [0, {self.vocab_size})")
         self.check_params(params)
-        return ProcessedRequest(tuple(token_ids), dataclasses.replace(params, stop=()), params.stop)
+        return ProcessedRequest(tuple(token_ids), dataclasses.replace(params, stop=()), params.stop, fmt)
+
+    def _tools(self, tools: ToolRequest, params: SamplingParams) -> tuple[ToolFormat | None, SamplingParams]:
+        """The format the answer's calls are read in, and `params` with a forced choice's grammar."""
+        if tools.choice == "none":
+            return None, params
+        if tools.choice == "auto":
+            if self.tool_format is None:
+                raise ValueError("tool_choice auto (the default with tools) needs the server's tool-call parser: "
+                                 f"start it with --tool-call-parser ({' or '.join(TOOL_FORMATS)}), or ask for "
+                                 "tool_choice required or a named function")
+            return self.tool_format, params
+        if params.structured is not None:
+            raise ValueError(f"response_format cannot be combined with tool_choice {tools.choice}: both constrain "
+                             "the answer")
+        fmt = self.tool_format or TOOL_FORMATS["hermes"]
+        return fmt, dataclasses.replace(params, structured=tools.structured(fmt))
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: stop token ids, logit_bias ids, stop strings and grammars,
@@ -102,16 +132,16 @@ class RequestProcessor:
             raise ValueError("prompt is empty")
         return tokenizer.encode(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
+    def apply_chat_template(self, messages: list[dict[str, Any]],
                             template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """The token ids of `messages` in the model's chat template, ready for the assistant's
         turn; `template_kwargs` are the template's own variables (ValueError for one that
-        would change how it is applied)."""
+        would change how it is applied; `tools` only for a template that renders them)."""
         if not messages:
             raise ValueError("messages is empty")
         roles = {m.get("role", "") for m in messages} - set(CHAT_ROLES)
         if roles:
-            raise ValueError(f"messages has unknown roles {sorted(roles)}; use system, user or assistant")
+            raise ValueError(f"messages has unknown roles {sorted(roles)}; use system, user, assistant or tool")
         tokenizer = self._tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"model {self.model_name!r} has no chat template")
@@ -119,8 +149,20 @@ class RequestProcessor:
         reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {reserved}: the server applies the template")
+        self._check_renders_tools(tokenizer.chat_template, messages, bool(kwargs.get("tools")))
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         return tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_renders_tools(self, template: str, messages: list[dict[str, Any]], has_tools: bool) -> None:
+        """A template that never reads `tools` (or `tool_calls`) would drop them in silence:
+        refuse the request, naming what to do (a tool-capable template: --chat-template)."""
+        fix = "start the server with --chat-template PATH, a Jinja chat template that renders tools"
+        if has_tools and not _reads_variable(template, "tools"):
+            raise ValueError(f"tools: the chat template of model {self.model_name!r} does not render tools; {fix}")
+        for i, message in enumerate(messages):
+            if message.get("tool_calls") and "tool_calls" not in template:
+                raise ValueError(f"messages[{i}].tool_calls: the chat template of model {self.model_name!r} does "
+                                 f"not render tool calls; {fix}")
 
     def reasoning_splitter(self, prompt_token_ids: Sequence[int]) -> ReasoningSplitter | None:
         """A splitter of one answer into reasoning and content, for a reasoning model (None:
@@ -142,6 +184,19 @@ class RequestProcessor:
         if self.tokenizer is None:
             raise ValueError(f"model {self.model_name!r} has no tokenizer: send token ids")
         return self.tokenizer
+
+
+def _reads_variable(template: str, name: str) -> bool:
+    """Whether a Jinja template reads variable `name` from its caller (jinja2 ships with
+    transformers); a template that uses an extension jinja2 alone lacks: whether it names it."""
+    import jinja2
+    import jinja2.meta
+
+    try:
+        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return name in template
+    return name in jinja2.meta.find_undeclared_variables(ast)
 
 
 class OutputStream:

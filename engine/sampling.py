@@ -12,20 +12,26 @@ class StructuredOutput:
     """A constraint on the output's text (structured outputs), kept by grammar-constrained
     decoding (`engine/grammar.py`).
 
-    kind: "json_schema": JSON that follows `json_schema`; "json_object": any JSON object.
+    kind: "json_schema": JSON that follows `json_schema`; "json_object": any JSON object;
+        "structural_tag": text in the shape of an xgrammar structural tag (a chat's forced tool
+        calls, `engine/tools.py`).
     json_schema: the schema as compact JSON text, member order kept (the output follows it;
-        the grammar cache's key); "" for json_object.
+        the grammar cache's key); "" for the other kinds.
+    structural_tag: the structural tag as JSON text; "" for the other kinds.
     Checked against the grammar library by the request processor, not here.
     """
 
-    kind: Literal["json_schema", "json_object"]
+    kind: Literal["json_schema", "json_object", "structural_tag"]
     json_schema: str = ""
+    structural_tag: str = ""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("json_schema", "json_object"):
+        if self.kind not in ("json_schema", "json_object", "structural_tag"):
             raise ValueError(f"response_format: unknown type {self.kind!r}; use json_schema or json_object")
         if (self.kind == "json_schema") != bool(self.json_schema):
             raise ValueError("response_format: json_schema needs a schema (and json_object takes none)")
+        if (self.kind == "structural_tag") != bool(self.structural_tag):
+            raise ValueError("a structural_tag constraint needs its tag (and the other kinds take none)")
 
     @classmethod
     def from_schema(cls, schema: object) -> StructuredOutput:

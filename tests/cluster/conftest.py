@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +20,10 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import Engine
 from tests.cluster.streams import free_port
 from tests.conftest import SmallModel
+
+# A tool-capable chat template that renders chats without tools as the model's own does
+# (tests/engine/test_tools.py), so that the shared servers can serve tools with it.
+TOOL_TEMPLATE = Path(__file__).parents[1] / "engine" / "chatml_tools.jinja"
 
 
 @pytest.fixture(scope="session")
@@ -114,8 +119,12 @@ def disaggregated_server(ray_cluster, small_model: SmallModel) -> Iterator[Runni
     port: started once per xdist worker and shared by every module that runs this config
     unchanged (serving, HTTP, structured outputs, fuzz, bench), since a start is minutes on
     CI's loaded CPU. Its tests leave every block free (they wait for it), and read counters
-    as differences, so they do not depend on what ran before on it."""
-    srv = _start_server(small_model, pools={"mode": "disaggregated"}, server={"metrics_port": free_port()})
+    as differences, so they do not depend on what ran before on it. It serves tools
+    (test_tool_calls) with a tool-capable template and Llama 3's JSON tool-call format, which
+    change nothing for chats without tools."""
+    srv = _start_server(small_model, pools={"mode": "disaggregated"},
+                        server={"metrics_port": free_port(), "chat_template": str(TOOL_TEMPLATE),
+                                "tool_call_parser": "llama3_json"})
     yield srv
     _stop_server(srv)
 

@@ -191,8 +191,8 @@ def post(srv, path: str, content: bytes | str, content_type: str = "application/
      "not supported"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "min_tokens": 5, "max_tokens": 2}',
      "application/json", 400, "min_tokens", "max_tokens=2"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}',
-     "application/json", 400, "tool_choice", "not supported"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}',
+     "application/json", 400, "functions", "not supported"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": '
      '{"tokenize": true}}', "application/json", 400, "chat_template_kwargs", "may not set"),
     ("/v1/embeddings", '{"input": "hi"}', "application/json", 404, None, "Not Found"),

@@ -85,7 +85,7 @@ def test_a_thinking_answer_comes_back_as_reasoning_content_streamed_or_whole(thi
         reason = FinishReason.LENGTH if i == len(answer) - 1 else None
         delta = stream.add(TokenDelta(choice.output.request_id, (token_id,), reason))
         choice.output.add(delta)
-        chunks.append(renderer.chunk(choice, delta).choices[0].delta)
+        chunks.append(renderer.chunks(choice, delta)[0].choices[0].delta)
     assert "".join(c.reasoning_content or "" for c in chunks) == "Six sevens."
     assert "".join(c.content or "" for c in chunks) == "It is 42."
     message = renderer.response([choice]).choices[0].message
@@ -124,7 +124,7 @@ def test_grpc_takes_chat_template_kwargs_and_streams_the_reasoning_apart(thinkin
     for i, token_id in enumerate(answer):
         reason = FinishReason.LENGTH if i == len(answer) - 1 else None
         delta = stream.add(TokenDelta("r", (token_id,), reason))
-        responses.append(GenerationService._response("r", delta, 10, i + 1, RequestReport(), splitter))
+        responses.append(GenerationService._response("r", delta, 10, i + 1, RequestReport(), splitter, None))
     assert "".join(r.reasoning for r in responses) == "Six sevens."
     assert "".join(r.text for r in responses) == "It is 42."
     assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
