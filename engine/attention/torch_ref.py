@@ -12,6 +12,7 @@ prefix hit, a speculative verification) needs its diagonal bottom-right, where
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ from pdserve.engine.attention.base import AttentionMetadata
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.models.rope import Rope
 from pdserve.kernels import fp8
+
+if TYPE_CHECKING:
+    from pdserve.engine.models.layers import HeadNorm
 
 # torch's CPU flash-attention kernel, which also returns the log-sum-exp of each query's
 # scores (natural log, scaled) and broadcasts grouped KV heads as `enable_gqa` does.
@@ -109,7 +113,9 @@ class _TorchStep:
         self.meta, self.pool, self.scale, self.plan = meta, pool, scale, plan
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 rope: Rope) -> torch.Tensor:
+                 rope: Rope, head_norm: HeadNorm | None = None) -> torch.Tensor:
+        if head_norm is not None:
+            q, k = head_norm(q, k)
         q, k = rope(q, k)
         k_cache, v_cache = self.pool.layer(layer_idx)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]

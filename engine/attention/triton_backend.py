@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from pdserve.engine.attention.base import AttentionMetadata
@@ -11,6 +13,9 @@ from pdserve.kernels.flash_prefill import flash_prefill
 from pdserve.kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
 from pdserve.kernels.paged_decode import paged_decode, paged_verify, paged_verify_fits
 from pdserve.kernels.rotary import rotary_cache_write
+
+if TYPE_CHECKING:
+    from pdserve.engine.models.layers import HeadNorm
 
 # A step with earlier context runs on the Hopper kernel's paged entry point once its
 # longest chunk fills a query tile (128 rows; the kernel runs one program per SM). Below
@@ -46,13 +51,14 @@ class _TritonStep:
                                and meta.prefill_max_seqlen_q >= PAGED_PREFILL_MIN_QUERY_LEN)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 rope: Rope) -> torch.Tensor:
+                 rope: Rope, head_norm: HeadNorm | None = None) -> torch.Tensor:
         meta = self.meta
         k_cache, v_cache = self.pool.layer(layer_idx)
-        # q and k rotated in place, k and v written to the cache: one kernel. read_ahead: a
-        # step's inputs are uploaded before its first kernel, and earlier KV is final.
+        # q's and k's heads normalized (a family that does) and rotated in place, k and v written
+        # to the cache: one kernel. read_ahead: a step's inputs are uploaded before its first
+        # kernel, and earlier KV is final.
         rotary_cache_write(q, k, v, rope.positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
-                           read_ahead=True)
+                           read_ahead=True, head_norms=None if head_norm is None else head_norm.kernel_args())
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

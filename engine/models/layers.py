@@ -18,6 +18,7 @@ for bit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -34,10 +35,10 @@ from pdserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_supported
 
 class AttentionStep(Protocol):
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 rope: Rope) -> torch.Tensor:
+                 rope: Rope, head_norm: HeadNorm | None = None) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens, q and k not yet rotated
-        -> [T, Hq, D]. It rotates q and k by `rope` (in place or not), writes k, v into the
-        layer's cache and attends."""
+        -> [T, Hq, D]. It normalizes q's and k's heads by `head_norm` when given, rotates q
+        and k by `rope` (in place or not), writes k, v into the layer's cache and attends."""
         ...
 
 
@@ -66,6 +67,26 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class HeadNorm:
+    """Each q and k head RMS-normalized before the rotary embedding, one weight of head_dim
+    each shared by the heads (Qwen3's q_norm and k_norm). The attention step applies it: on
+    CUDA inside the rotary kernel (`kernels.rotary_cache_write`: four launches a layer fewer),
+    elsewhere with the modules' torch arithmetic (`__call__`)."""
+
+    q: RMSNorm
+    k: RMSNorm
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] -> new normalized ones."""
+        return self.q._torch_norm(q), self.k._torch_norm(k)
+
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(q weight, k weight, eps): `rotary_cache_write`'s head_norms."""
+        assert self.q.eps == self.k.eps, (self.q.eps, self.k.eps)
+        return self.q.weight, self.k.weight, self.q.eps
 
 
 class Linear(nn.Linear):
@@ -121,7 +142,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class Attention(nn.Module):
     """GQA attention of this rank's heads: fused q/k/v projection, the step's attention
-    callable (rotary, KV cache write, attention), row-parallel output projection."""
+    callable (the heads' norms of a family that has them, rotary, KV cache write,
+    attention), row-parallel output projection."""
 
     def __init__(self, arch: ModelArch, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -133,6 +155,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * arch.head_dim
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, arch.hidden_size, arch.o_bias, tp)
+        self.head_norm: HeadNorm | None = None  # a family that normalizes each head sets it
 
     def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionStep) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -140,14 +163,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.project_heads(q, k)
-        out = attn(self.layer_idx, q, k, v, rope)
+        out = attn(self.layer_idx, q, k, v, rope, self.head_norm)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
-
-    def project_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] before the rotary embedding: as they are here; a
-        family that normalizes each head first (Qwen3) overrides this."""
-        return q, k
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

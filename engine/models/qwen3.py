@@ -5,11 +5,9 @@ each, shared by the heads); Qwen3-MoE's Mixture-of-Experts block in the layers
 
 from __future__ import annotations
 
-import torch
-
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.decoder import CausalLM
-from pdserve.engine.models.layers import Attention, DecoderLayer, RMSNorm
+from pdserve.engine.models.layers import Attention, DecoderLayer, HeadNorm, RMSNorm
 from pdserve.engine.models.moe import mlp_of_layer
 from pdserve.engine.parallel import TensorParallel
 
@@ -19,10 +17,7 @@ class Qwen3Attention(Attention):
         super().__init__(arch, layer_idx, tp)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
-
-    def project_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        d = self.head_dim
-        return self.q_norm(q.reshape(-1, d)).view(q.shape), self.k_norm(k.reshape(-1, d)).view(k.shape)
+        self.head_norm = HeadNorm(self.q_norm, self.k_norm)
 
 
 class Qwen3ForCausalLM(CausalLM):

@@ -1,7 +1,9 @@
 """rotary_cache_write against the float64 rotation and the reference scatter: GQA head
 counts, head dims with and without a power-of-2 half, q, k and v as strided views of one
 fused qkv output whose row padding holds NaN that must stay untouched, int32/int64
-positions and slots, negative (padding) slots rotated but not written, block sizes 16/32."""
+positions and slots, negative (padding) slots rotated but not written, block sizes 16/32;
+with each head RMS-normalized first (Qwen3's q_norm and k_norm) against the torch module's
+norm of each head."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 
 from pdserve.kernels.fp8 import KV_FP8
 from pdserve.kernels.rotary import rotary_cache_write
-from tests.kernels.reference import ref_cache_write, ref_rotary, rope_tables, rounding_tolerance
+from tests.kernels.reference import ref_cache_write, ref_rms_norm, ref_rotary, rope_tables, rounding_tolerance
 
 COVERS = ("rotary_cache_write",)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -20,7 +22,7 @@ PAD = 3  # NaN elements after each token's fused q, k, v
 def _check(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
            index_dtype: torch.dtype, fused: bool, max_positions: int = 4096, block_size: int = 16,
            num_blocks: int = 4, read_ahead: bool = False, cache_dtype: torch.dtype | None = None,
-           scale: float = 1.0) -> None:
+           scale: float = 1.0, head_norms: bool = False) -> None:
     cos, sin = (t.to(DEVICE) for t in rope_tables(head_dim, max_positions))
     positions = torch.randint(0, max_positions, (num_tokens,), device=DEVICE).to(index_dtype)
     positions[0] = max_positions - 1
@@ -39,12 +41,20 @@ def _check(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, 
     v_cache = torch.full(shape, float("nan"), dtype=cache_dtype or dtype, device=DEVICE)
     slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens].to(index_dtype)
     slots[1::3] = -1  # padding tokens
-    q_ref, k_ref = ref_rotary(q, positions, cos, sin), ref_rotary(k, positions, cos, sin)
+    norms = None
+    q_in, k_in = q, k
+    if head_norms:
+        weights = (torch.rand(2, head_dim, device=DEVICE) + 0.5).to(dtype)
+        norms = (weights[0], weights[1], 1e-6)
+        q_in, k_in = ref_rms_norm(q, norms[0], norms[2])[0], ref_rms_norm(k, norms[1], norms[2])[0]
+    q_ref, k_ref = ref_rotary(q_in, positions, cos, sin), ref_rotary(k_in, positions, cos, sin)
     v_before = v.clone()
 
-    rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots, read_ahead=read_ahead)
+    rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots, read_ahead=read_ahead,
+                       head_norms=norms)
 
-    tol = rounding_tolerance(dtype)
+    # A norm first: its rounded value may differ from the reference's by an ulp (the sum's order).
+    tol = rounding_tolerance(dtype, roundings=3 if head_norms else 1)
     tol["atol"] *= scale  # values scale x larger, ulps too
     torch.testing.assert_close(q.double(), q_ref, **tol)
     if cache_dtype == KV_FP8:
@@ -107,6 +117,13 @@ def test_fp8_cache(dtype):
     _check(6, 9, 3, 64, dtype, torch.int64, fused=False, cache_dtype=KV_FP8, scale=200.0)
 
 
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (2, 2, 80)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_heads_normalized_first(num_q_heads, num_kv_heads, head_dim, dtype):
+    """Qwen3: each q and k head RMS-normalized by its weight before the rotation, in one kernel."""
+    _check(6, num_q_heads, num_kv_heads, head_dim, dtype, torch.int64, fused=True, head_norms=True)
+
+
 def test_no_tokens():
     cos, sin = (t.to(DEVICE) for t in rope_tables(64, 16))
     q = torch.empty(0, 2, 64, device=DEVICE)
@@ -120,6 +137,7 @@ def test_no_tokens():
 @pytest.mark.parametrize("num_tokens", [1, 8192])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_rotary_cache_write_gpu(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype):
+@pytest.mark.parametrize("head_norms", [False, True])
+def test_rotary_cache_write_gpu(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, head_norms):
     _check(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, torch.int64, fused=True,
-           max_positions=131072, num_blocks=1024)
+           max_positions=131072, num_blocks=1024, head_norms=head_norms)
