@@ -11,7 +11,7 @@ import pytest
 from pdserve.cluster.config import CoordinatorConfig
 from pdserve.cluster.errors import Overloaded
 from pdserve.cluster.pools import Pool, Worker
-from pdserve.cluster.router import KVClaim, LeastLoad, WorkerState
+from pdserve.cluster.router import KVClaim, LeastLoad, PromptBlocks, WorkerState
 from pdserve.cluster.seats import SeatLine
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import EngineLoad
@@ -35,7 +35,11 @@ def _line(num_blocks: int = 10, seats: int = 4, max_waiting: int = 2) -> SeatLin
 
 async def _seat(c: SeatLine, rid: str, need: int, front: bool = False) -> Worker:
     """A seat for `rid` and its claim on `need` blocks, as a disaggregated request takes them."""
-    return await c.take(rid, need, front, False, asyncio.get_running_loop().time() + 60)
+    return await c.take(rid, need, front, False, asyncio.get_running_loop().time() + 60, _prompt(need))
+
+
+def _prompt(num_blocks: int) -> PromptBlocks:
+    return PromptBlocks.of(list(range(num_blocks * BLOCK)), BLOCK)
 
 
 async def _settle() -> None:
@@ -67,7 +71,7 @@ def test_a_request_the_kv_left_cannot_hold_waits_and_only_one_beyond_the_queue_i
         assert not big.done() and not small.done() and c.num_queued == 2
 
         # The queue (2 per decode worker) is full: refused before its coroutine waits once.
-        coro = c.take("d", 1, False, False, asyncio.get_running_loop().time() + 60)
+        coro = c.take("d", 1, False, False, asyncio.get_running_loop().time() + 60, _prompt(1))
         with pytest.raises(Overloaded, match="2 requests are queued"):
             coro.send(None)
         assert c.num_queued == 2 and not big.done() and not small.done()
