@@ -72,11 +72,12 @@ class SeatLine:
                    prompt: PromptBlocks) -> Worker:
         """A decode worker with a free running seat and `need` KV blocks to reserve (`fits`),
         seated there with its claim on the blocks; of those that fit, the policy picks for
-        `prompt`. Requests wait for one in arrival order
-        (`front`: ahead of all, a retried one); one that would wait behind `max_queued()`
-        others is refused at once (Overloaded). The head re-checks whenever a seat or blocks
-        are freed, the load is read, or `config.seat_recheck_s` passed (a replaced worker's
-        seats). With no healthy decode worker, waits while `may_wait`, then WorkerUnavailable."""
+        `prompt` (prefix-aware: the one holding its prefix wins a close call). Requests wait
+        for one in arrival order (`front`: ahead of all, a retried one); one that would wait
+        behind `max_queued()` others is refused at once (Overloaded). The head re-checks
+        whenever a seat or blocks are freed, the load is read, or `config.seat_recheck_s`
+        passed (a replaced worker's seats). With no healthy decode worker, waits while
+        `may_wait`, then WorkerUnavailable."""
         me = asyncio.Event()
         if front:
             self._line.appendleft(me)
