@@ -77,7 +77,7 @@ class BlockManager:
         if num_full <= first:
             return
         hashes = seq.block_hashes(num_full)
-        stored = []
+        stored: list[BlockStored] = []
         for i in range(first, num_full):
             block_id, h = seq.block_ids[i], hashes[i]
             if self._hash_of_block[block_id] is None and h not in self._block_of_hash:
