@@ -143,8 +143,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         info = client.server_info()
         print(f"pdserve {info.version}, {info.mode}, model {info.model}")
         for w in info.workers:
+            cached = ", ".join(f"{tier} {n}" for tier, n in sorted(w.cached_blocks.items())) or "none"
             print(f"  {w.id:<12} {w.role:<8} {'healthy' if w.healthy else 'LOST':<8} running {w.running:>4}  "
-                  f"waiting {w.waiting:>4}  free KV blocks {w.free_kv_blocks}/{w.total_kv_blocks}")
+                  f"waiting {w.waiting:>4}  free KV blocks {w.free_kv_blocks}/{w.total_kv_blocks}  "
+                  f"cached blocks: {cached}")
     return 0
 
 

@@ -166,7 +166,9 @@ class PoolConfig:
         `parallel.tensor_parallel_size`); colocated uses decode_tp.
     prefill_resource/decode_resource: custom Ray node resources that pin each pool
         to labelled nodes ("" places anywhere).
-    routing: "prefix_aware" (default), "least_load" or "round_robin".
+    routing: "prefix_aware" (default: both pools placed on the KV index, where a request
+        costs least, `RouterConfig`), "least_load" or "round_robin" (the prefill pool by
+        that rule; decode workers then by least load).
     actor_max_concurrency: calls one worker actor runs at once (Ray's max_concurrency):
         each request in flight holds one or two (reserve, admit; the poll and pings are
         the worker's own), so it bounds what one decode worker can hold.
@@ -207,30 +209,32 @@ class PoolConfig:
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    """How the router weighs a worker's load. Its score (lower wins) is its requests in
-    flight + `kv_usage_weight` x the used fraction of its KV blocks + its queued prefill
-    tokens / `queued_tokens_per_request`.
+    """How the router weighs a worker. Its load score (lower wins) is its requests in flight
+    + `kv_usage_weight` x the used fraction of its KV blocks + its queued prefill tokens /
+    `queued_tokens_per_request`. Prefix-aware routing (`pools.routing`) adds, for a request,
+    `prompt_weight` x the prompt tokens the worker would still compute (the prompt less the
+    leading blocks the KV index says it holds) / `queued_tokens_per_request`, and takes the
+    cheapest worker (Dynamo's KV router: overlap-weighted prefill work plus load).
 
     kv_usage_weight: what a worker's fully used KV pool adds to its score.
-    queued_tokens_per_request: queued prefill tokens that weigh as much as one request.
-    max_imbalance: prefix-aware routing (`pools.routing`) takes the worker with the longest
-        cached prefix of the prompt unless its score exceeds the least loaded worker's by
-        more than this.
-    max_hashes_per_worker: block hashes the prefix-aware router remembers per worker.
+    queued_tokens_per_request: prompt tokens (queued, or a request's new ones) that weigh as
+        much as one request.
+    prompt_weight: how much a request's own prompt work weighs against the worker's load
+        (Dynamo's kv-overlap-score-weight): 0 routes by load alone, higher values follow
+        cached prefixes onto busier workers.
     """
 
     kv_usage_weight: float = 4.0
     queued_tokens_per_request: float = 4096.0
-    max_imbalance: float = 8.0
-    max_hashes_per_worker: int = 65536
+    prompt_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.kv_usage_weight < 0 or self.max_imbalance < 0:
+        if self.kv_usage_weight < 0 or self.prompt_weight < 0:
             raise ValueError(f"RouterConfig weights must be >= 0, got kv_usage_weight={self.kv_usage_weight}, "
-                             f"max_imbalance={self.max_imbalance}")
-        if self.queued_tokens_per_request <= 0 or self.max_hashes_per_worker < 1:
-            raise ValueError(f"RouterConfig.queued_tokens_per_request must be > 0 and max_hashes_per_worker >= 1, "
-                             f"got {self.queued_tokens_per_request}, {self.max_hashes_per_worker}")
+                             f"prompt_weight={self.prompt_weight}")
+        if self.queued_tokens_per_request <= 0:
+            raise ValueError(f"RouterConfig.queued_tokens_per_request must be > 0, "
+                             f"got {self.queued_tokens_per_request}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,15 +24,15 @@ import ray
 
 from pdserve.cluster.config import CoordinatorConfig, RouterConfig
 from pdserve.cluster.errors import Overloaded, TransportRefused, WorkerLost, WorkerUnavailable, cause
+from pdserve.cluster.kv_index import KVIndex
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ACTOR_LOST, Pool, Worker
-from pdserve.cluster.router import LeastLoad, RoutingPolicy
+from pdserve.cluster.router import PromptBlocks, RoutingPolicy, make_policy
 from pdserve.cluster.seats import SeatLine, may_wait
 from pdserve.cluster.token_streams import TokenStreams
-from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.engine import NoCapacity
 from pdserve.engine.messages import KVTransferInfo, WorkerRequest
-from pdserve.engine.outputs import TokenDelta
+from pdserve.engine.outputs import EngineLoad, TokenDelta
 from pdserve.kv_transport import HandshakeRefused, SlowPathRefused, TransferError
 
 logger = logging.getLogger(__name__)
@@ -99,16 +99,19 @@ class RequestReport:
 
 
 class Coordinator:
-    def __init__(self, prefill: Pool | None, decode: Pool, policy: RoutingPolicy, block_size: int,
+    def __init__(self, prefill: Pool | None, decode: Pool, routing: str, block_size: int,
                  metrics: Metrics, seats_per_worker: int, max_waiting_per_worker: int,
                  config: CoordinatorConfig | None = None, router: RouterConfig | None = None) -> None:
         self.prefill = prefill  # None: colocated, decode workers prefill themselves
         self.decode = decode
-        self.policy = policy
         self.block_size = block_size
         self.metrics = metrics
         self.config = config = config or CoordinatorConfig()
-        self._decode_policy = LeastLoad(router)
+        # What every worker's prefix cache holds, from the KV events their load reports carry.
+        self.kv_index = KVIndex()
+        self.policy = make_policy(routing, self.kv_index, router)  # `routing` places prefills
+        self._decode_policy = make_policy("prefix_aware" if routing == "prefix_aware" else "least_load",
+                                          self.kv_index, router)
         self.seats = SeatLine(decode, self._decode_policy, block_size, seats_per_worker, max_waiting_per_worker, config)
         self.streams = TokenStreams(decode, config.poll_wait_s)
         for pool in self.pools():
@@ -202,14 +205,14 @@ class Coordinator:
         rid = req.request_id
         started = time.perf_counter()
         hops: dict[str, float] = {} if report is None or migrated else report.hops
-        hashes = prefix_block_hashes(req.prompt_token_ids, self.block_size)
+        prompt = PromptBlocks.of(req.prompt_token_ids, self.block_size)
         give_up = asyncio.get_running_loop().time() + self.config.migration_wait_s
         if self.prefill is None:
-            decode = await self._pick_waiting(self.decode, [], self._decode_policy, migrated, give_up)
+            decode = await self._pick_waiting(self.decode, prompt, self._decode_policy, migrated, give_up)
             self.seats.seat(decode, rid)
         else:
             need = self.seats.kv_need(len(req.prompt_token_ids))
-            decode = await self.seats.take(rid, need, retried, migrated, give_up)
+            decode = await self.seats.take(rid, need, retried, migrated, give_up, prompt)
         hops["seat"] = time.perf_counter() - started
         self.streams.follow(decode)  # a replacement: not waiting for the health loop
         queue = self.streams.open(rid, decode)
@@ -225,7 +228,7 @@ class Coordinator:
                     raise WorkerLost(f"worker {decode.worker_id} was lost") from e
                 hops["submit"] = time.perf_counter() - submitted
             else:
-                first, admitting = await self._prefill(req, decode, hashes, migrated, give_up, report, hops)
+                first, admitting = await self._prefill(req, decode, prompt, migrated, give_up, report, hops)
                 finished = first.finished
                 yield first  # the decode worker admits the request meanwhile: not on the first token's path
                 if finished:
@@ -257,7 +260,7 @@ class Coordinator:
             else:
                 self.seats.free(decode, rid)
 
-    async def _prefill(self, req: WorkerRequest, decode: Worker, hashes: list[int], migrated: bool,
+    async def _prefill(self, req: WorkerRequest, decode: Worker, prompt: PromptBlocks, migrated: bool,
                        give_up: float, report: RequestReport | None,
                        hops: dict[str, float]) -> tuple[TokenDelta, asyncio.Future[None] | None]:
         """Reserve on `decode` and prefill elsewhere at once, hand the KV over; returns the
@@ -266,7 +269,7 @@ class Coordinator:
         that arrives before its reservation, so the reservation (a call that waits for the
         decode engine's current step) is not on the first token's path; a refused one
         cancels the prefill."""
-        prefill = await self._pick_waiting(self.prefill, hashes, self.policy, migrated, give_up)
+        prefill = await self._pick_waiting(self.prefill, prompt, self.policy, migrated, give_up)
         self.seats.seat(prefill, req.request_id)
         try:
             called = time.perf_counter()
@@ -320,18 +323,18 @@ class Coordinator:
             await self.decode.replace(decode)
             raise WorkerLost(f"decode worker {decode.worker_id} was lost") from e
 
-    async def _pick_waiting(self, pool: Pool, hashes: list[int], policy: RoutingPolicy, migrated: bool,
+    async def _pick_waiting(self, pool: Pool, prompt: PromptBlocks, policy: RoutingPolicy, migrated: bool,
                             give_up: float) -> Worker:
         """`_pick`, waiting for a healthy worker while `may_wait`."""
         while not pool.healthy() and may_wait(pool, migrated, give_up):
             await asyncio.sleep(self.config.seat_recheck_s)
-        return self._pick(pool, hashes, policy)
+        return self._pick(pool, prompt, policy)
 
-    def _pick(self, pool: Pool, hashes: list[int], policy: RoutingPolicy) -> Worker:
+    def _pick(self, pool: Pool, prompt: PromptBlocks, policy: RoutingPolicy) -> Worker:
         healthy = pool.healthy()
         if not healthy:
             raise WorkerUnavailable(f"no healthy {pool.role} worker")
-        state = policy.choose([w.state for w in healthy], hashes)
+        state = policy.choose([w.state for w in healthy], prompt)
         return next(w for w in healthy if w.state is state)
 
     async def _abort(self, worker: Worker, request_id: str, free_seat: bool = False) -> None:
@@ -347,7 +350,9 @@ class Coordinator:
     # Background ----------------------------------------------------------
 
     async def on_worker_lost(self, worker: Worker) -> None:
-        """Fail the requests a lost worker held (their callers see UNAVAILABLE)."""
+        """Fail the requests a lost worker held (their callers see UNAVAILABLE); its cached
+        blocks leave the KV index at once."""
+        self.kv_index.remove_worker(worker.worker_id)
         self.streams.fail(worker, WorkerLost(f"{worker.role} worker {worker.worker_id} was lost"))
         self.metrics.worker_lost(worker.role, worker.worker_id)
 
@@ -365,9 +370,26 @@ class Coordinator:
             workers = [w for p in self.pools() for w in p.healthy()]
             asked = asyncio.get_running_loop().time()
             loads = await asyncio.gather(*(w.actor.load.remote() for w in workers), return_exceptions=True)
-            for w, load in zip(workers, loads):
-                if not isinstance(load, BaseException) and w.state.healthy:  # not lost meanwhile
-                    w.state.load, w.state.load_asked_at = load, asked
-                    self.metrics.worker_load(w.role, w.worker_id, load)
+            reported = [(w, load) for w, load in zip(workers, loads)
+                        if not isinstance(load, BaseException) and w.state.healthy]  # not lost meanwhile
+            for w, load in reported:
+                w.state.load, w.state.load_asked_at = load, asked
+                self.metrics.worker_load(w.role, w.worker_id, load)
             self.seats.wake()  # blocks freed since the last load show now
+            await self._index_events(reported)
             await asyncio.sleep(self.config.load_refresh_s)
+
+    async def _index_events(self, reported: list[tuple[Worker, EngineLoad]]) -> None:
+        """Apply the KV events the loads carried; resync a worker that is out of sync (a gap,
+        a restart) from its snapshot before its next load is read, so that no events are
+        taken from it meanwhile and the replay from the snapshot's number misses none."""
+        index = self.kv_index
+        stale = [w for w, load in reported if load.kv_events is not None
+                 and not index.apply(w.worker_id, load.kv_events)]
+        snapshots = await asyncio.gather(*(w.actor.kv_snapshot.remote() for w in stale), return_exceptions=True)
+        for w, snapshot in zip(stale, snapshots):
+            if isinstance(snapshot, BaseException):
+                logger.warning("KV snapshot of %s failed: %s", w.worker_id, cause(snapshot))
+            elif w.state.healthy:
+                index.resync(w.worker_id, snapshot)
+        self.metrics.kv_index(index, [(w.role, w.worker_id) for w, _ in reported])

@@ -6,6 +6,7 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from pdserve.cluster.kv_index import KVIndex
 from pdserve.engine.messages import KVTransferInfo
 from pdserve.engine.outputs import EngineLoad
 
@@ -52,6 +53,20 @@ class Metrics:
                                 "choice; 0: off)", ["worker", "k"], registry=r)
         self.migrations = Counter("pdserve_request_migrations", "Requests continued on another worker after "
                                   "losing theirs", registry=r)
+        # The router's KV index (cluster/kv_index.py): its size, and how far it trails the events
+        # the workers sent (received but not applied: skipped while out of sync or already in
+        # a snapshot) and how often it resynced from a snapshot.
+        self.kv_index_blocks = Gauge("pdserve_kv_index_blocks", "Entries of the router's KV index (a block held "
+                                     "by a worker in a tier)", registry=r)
+        self.kv_cached_blocks = Gauge("pdserve_kv_cached_blocks", "Blocks a worker's cache holds, by tier, as the "
+                                      "router's KV index knows them", ["role", "worker", "tier"], registry=r)
+        self.kv_events_received = Gauge("pdserve_kv_events_received", "KV events the router has received",
+                                        registry=r)
+        self.kv_events_applied = Gauge("pdserve_kv_events_applied", "KV events the router has applied to its index",
+                                       registry=r)
+        self.kv_index_snapshots = Gauge("pdserve_kv_index_snapshots", "Workers resynced from a snapshot (after a gap "
+                                        "in their events or a restart)", registry=r)
+        self._tiers: dict[str, set[str]] = {}  # each worker's tier labels of kv_cached_blocks
         self.workers_lost = Counter("pdserve_workers_lost", "Workers found dead and replaced", ["role"], registry=r)
         self._spec_ks: dict[str, set[str]] = {}  # each worker's k labels of spec_steps
 
@@ -78,6 +93,19 @@ class Metrics:
                 self.spec_steps.labels(worker_id, str(k)).set(n)
                 self._spec_ks.setdefault(worker_id, set()).add(str(k))
 
+    def kv_index(self, index: KVIndex, workers: list[tuple[str, str]]) -> None:
+        """The index's size and event counts, and each (role, worker id)'s cached blocks by tier."""
+        self.kv_index_blocks.set(len(index))
+        self.kv_events_received.set(index.num_events_received)
+        self.kv_events_applied.set(index.num_events_applied)
+        self.kv_index_snapshots.set(index.num_snapshots)
+        for role, worker_id in workers:
+            blocks = index.blocks_of(worker_id)
+            tiers = self._tiers.setdefault(worker_id, set())
+            tiers.update(blocks)
+            for tier in tiers:  # a tier cleared since: 0
+                self.kv_cached_blocks.labels(role, worker_id, tier).set(blocks.get(tier, 0))
+
     def first_token_hops(self, hops: dict[str, float], ttft_s: float) -> None:
         """Observe each hop of a first token's path, and the rest of its `ttft_s` as "other"
         ("reserve" runs beside the prefill: it is not part of the sum)."""
@@ -95,5 +123,7 @@ class Metrics:
         for gauge in (self.spec_proposed, self.spec_accepted, self.spec_alpha, self.spec_mean_accepted):
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id)
+        for tier in self._tiers.pop(worker_id, ()):
+            self.kv_cached_blocks.remove(role, worker_id, tier)
         for k in self._spec_ks.pop(worker_id, ()):
             self.spec_steps.remove(worker_id, k)

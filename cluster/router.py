@@ -1,20 +1,42 @@
 """Placing requests on workers: pluggable policies over the workers' reported load.
 
-Prefix-aware routing keeps, per prefill worker, the block hashes of the prompts
-it was sent (the same chained hashes its prefix cache uses) in a bounded LRU:
-an approximation of that worker's cache, as SGLang's cache-aware router keeps.
+Prefix-aware routing reads the global KV index (`cluster/kv_index.py`: what every worker's
+cache holds, as its KV events say) and places a request where it costs least: the prompt
+tokens the worker would still compute (the prompt less the leading blocks it holds) plus
+the worker's load, as Dynamo's KV router weighs overlap against load. Prefill and decode
+workers are chosen alike; a decode worker that holds the prefix wins a close call.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.cluster.config import RouterConfig
+from pdserve.cluster.kv_index import KVIndex
+from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.outputs import EngineLoad
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBlocks:
+    """What routing knows of a prompt: its length and the chained hashes of its full blocks
+    (the hashes the workers' prefix caches find blocks by)."""
+
+    num_tokens: int
+    block_hashes: tuple[int, ...]
+    block_size: int
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], block_size: int) -> PromptBlocks:
+        return cls(len(token_ids), tuple(prefix_block_hashes(token_ids, block_size)), block_size)
+
+    def num_new_tokens(self, num_cached_blocks: int) -> int:
+        """Prompt tokens a worker holding its first `num_cached_blocks` blocks still computes
+        (at least one: an engine computes the last token to sample the next)."""
+        return max(1, self.num_tokens - num_cached_blocks * self.block_size)
 
 
 @dataclass(slots=True)
@@ -36,7 +58,6 @@ class WorkerState:
     load_asked_at: float = 0.0  # when `load` was asked for (event-loop time)
     # Decode seats taken here, by request id: the KV blocks each reserves (cluster.seats.SeatLine).
     claims: dict[str, KVClaim] = field(default_factory=dict)
-    cached_hashes: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
     def kv_headroom(self) -> int | None:
         """Blocks a new decode reservation may take here (None: no load reported yet): what
@@ -58,8 +79,8 @@ class WorkerState:
 
 
 class RoutingPolicy(Protocol):
-    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[int]) -> WorkerState:
-        """Pick one of `workers` (all healthy, non-empty) for a prompt with these block hashes."""
+    def choose(self, workers: Sequence[WorkerState], prompt: PromptBlocks) -> WorkerState:
+        """Pick one of `workers` (all healthy, non-empty) for `prompt`."""
         ...
 
 
@@ -67,7 +88,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[int]) -> WorkerState:
+    def choose(self, workers: Sequence[WorkerState], prompt: PromptBlocks) -> WorkerState:
         return workers[next(self._counter) % len(workers)]
 
 
@@ -75,52 +96,39 @@ class LeastLoad:
     def __init__(self, config: RouterConfig | None = None) -> None:
         self.config = config or RouterConfig()
 
-    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[int]) -> WorkerState:
-        return min(workers, key=lambda w: w.score(self.config))
+    def choose(self, workers: Sequence[WorkerState], prompt: PromptBlocks) -> WorkerState:
+        return min(workers, key=lambda w: (w.score(self.config), w.worker_id))
 
 
 class PrefixAware:
-    """Longest cached prefix wins unless that worker is much busier than the least busy one."""
+    """The cheapest worker on the KV index: its load score plus `prompt_weight` x the prompt
+    tokens it would still compute / `queued_tokens_per_request` (`RouterConfig`). Ties go to
+    the less loaded worker, then to the first by name: the same inputs, the same choice."""
 
-    def __init__(self, config: RouterConfig | None = None) -> None:
+    def __init__(self, index: KVIndex, config: RouterConfig | None = None) -> None:
+        self.index = index
         self.config = config or RouterConfig()
 
-    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[int]) -> WorkerState:
-        scores = {id(w): w.score(self.config) for w in workers}
-        least = min(workers, key=lambda w: scores[id(w)])
-        best, best_len = least, 0
-        for w in workers:
-            n = matched_blocks(w, block_hashes)
-            if n > best_len and scores[id(w)] - scores[id(least)] <= self.config.max_imbalance:
-                best, best_len = w, n
-        remember(best, block_hashes, self.config.max_hashes_per_worker)
-        return best
+    def choose(self, workers: Sequence[WorkerState], prompt: PromptBlocks) -> WorkerState:
+        cached = self.index.prefix_blocks(prompt.block_hashes)
+
+        def rank(w: WorkerState) -> tuple[float, float, str]:
+            score = w.score(self.config)
+            return self.cost(score, prompt.num_new_tokens(cached.get(w.worker_id, 0))), score, w.worker_id
+
+        return min(workers, key=rank)
+
+    def cost(self, score: float, num_new_tokens: int) -> float:
+        """A placement's cost, in requests: the worker's load score plus its new prompt work."""
+        return score + self.config.prompt_weight * num_new_tokens / self.config.queued_tokens_per_request
 
 
-def matched_blocks(worker: WorkerState, block_hashes: Sequence[int]) -> int:
-    n = 0
-    for h in block_hashes:
-        if h not in worker.cached_hashes:
-            break
-        n += 1
-    return n
-
-
-def remember(worker: WorkerState, block_hashes: Sequence[int], limit: int) -> None:
-    cache = worker.cached_hashes
-    for h in block_hashes:
-        cache[h] = None
-        cache.move_to_end(h)
-    while len(cache) > limit:
-        cache.popitem(last=False)
-
-
-def make_policy(name: str, config: RouterConfig | None = None) -> RoutingPolicy:
+def make_policy(name: str, index: KVIndex, config: RouterConfig | None = None) -> RoutingPolicy:
     config = config or RouterConfig()
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":
         return LeastLoad(config)
     if name == "prefix_aware":
-        return PrefixAware(config)
+        return PrefixAware(index, config)
     raise ValueError(f"unknown routing policy {name!r}; known: least_load, prefix_aware, round_robin")

@@ -18,7 +18,7 @@ import contextlib
 from pdserve.cluster.config import CoordinatorConfig
 from pdserve.cluster.errors import Overloaded, WorkerUnavailable
 from pdserve.cluster.pools import Pool, Worker
-from pdserve.cluster.router import KVClaim, RoutingPolicy
+from pdserve.cluster.router import KVClaim, PromptBlocks, RoutingPolicy
 
 
 def may_wait(pool: Pool, migrated: bool, give_up: float) -> bool:
@@ -68,13 +68,16 @@ class SeatLine:
         headroom = worker.state.kv_headroom()
         return worker.state.inflight < self.seats_per_worker and (headroom is None or need <= headroom)
 
-    async def take(self, request_id: str, need: int, front: bool, migrated: bool, give_up: float) -> Worker:
+    async def take(self, request_id: str, need: int, front: bool, migrated: bool, give_up: float,
+                   prompt: PromptBlocks) -> Worker:
         """A decode worker with a free running seat and `need` KV blocks to reserve (`fits`),
-        seated there with its claim on the blocks. Requests wait for one in arrival order
-        (`front`: ahead of all, a retried one); one that would wait behind `max_queued()`
-        others is refused at once (Overloaded). The head re-checks whenever a seat or blocks
-        are freed, the load is read, or `config.seat_recheck_s` passed (a replaced worker's
-        seats). With no healthy decode worker, waits while `may_wait`, then WorkerUnavailable."""
+        seated there with its claim on the blocks; of those that fit, the policy picks for
+        `prompt` (prefix-aware: the one holding its prefix wins a close call). Requests wait
+        for one in arrival order (`front`: ahead of all, a retried one); one that would wait
+        behind `max_queued()` others is refused at once (Overloaded). The head re-checks
+        whenever a seat or blocks are freed, the load is read, or `config.seat_recheck_s`
+        passed (a replaced worker's seats). With no healthy decode worker, waits while
+        `may_wait`, then WorkerUnavailable."""
         me = asyncio.Event()
         if front:
             self._line.appendleft(me)
@@ -89,7 +92,7 @@ class SeatLine:
                         raise WorkerUnavailable("no healthy decode worker")
                     free = [w for w in healthy if self.fits(w, need)]
                     if free:
-                        state = self.policy.choose([w.state for w in free], [])
+                        state = self.policy.choose([w.state for w in free], prompt)
                         worker = next(w for w in free if w.state is state)
                         self.seat(worker, request_id, need)
                         return worker

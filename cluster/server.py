@@ -24,7 +24,6 @@ from pdserve.cluster.interceptors import MalformedRequestInterceptor
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.pools import ActorSpec, Pool
 from pdserve.cluster.ray_driver import init_ray
-from pdserve.cluster.router import make_policy
 from pdserve.cluster.service import GenerationService
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine.parallel import check_splits
@@ -106,7 +105,7 @@ async def start_server(config: ServeConfig) -> Server:
         transport = TransportConfig.of(config.kv_transport, cluster_secret(), config.ray.node_ip_address)
     prefill, decode = _pools(config, transport)
     metrics = Metrics()
-    coordinator = Coordinator(prefill, decode, make_policy(config.pools.routing, config.router),
+    coordinator = Coordinator(prefill, decode, config.pools.routing,
                               config.engine.cache.block_size, metrics, config.engine.scheduler.max_num_seqs,
                               config.admission.max_waiting_per_worker, config.coordinator, config.router)
     await coordinator.start(config.health.interval_s)

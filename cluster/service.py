@@ -101,5 +101,6 @@ class GenerationService(pb_grpc.GenerationServicer):
                 info.workers.add(id=w.worker_id, role=w.role, healthy=w.state.healthy,
                                  running=load.num_running if load else 0, waiting=load.num_waiting if load else 0,
                                  free_kv_blocks=load.num_free_blocks if load else 0,
-                                 total_kv_blocks=load.num_blocks if load else 0)
+                                 total_kv_blocks=load.num_blocks if load else 0,
+                                 cached_blocks=self.coordinator.kv_index.blocks_of(w.worker_id))
         return info

@@ -4,22 +4,28 @@ Blocks are reference counted. A block whose count drops to zero goes to the
 free queue, but if it holds a full, hashed block it stays findable by its hash
 until it is reused (LRU eviction): a later request with the same prefix takes
 it back instead of recomputing it. Freed blocks without a hash are reused first.
+
+Given a `KVEventRecorder`, it reports every change of what its hashes find (a block stored,
+one evicted, all cleared): the router's index of the cluster's caches is built from them.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from pdserve.engine.kv_events import DEVICE_TIER, AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder
 from pdserve.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: KVEventRecorder | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.events = events
         self._ref_counts = [0] * num_blocks
         self._hash_of_block: list[int | None] = [None] * num_blocks
         self._block_of_hash: dict[int, int] = {}
@@ -71,11 +77,33 @@ class BlockManager:
         if num_full <= first:
             return
         hashes = seq.block_hashes(num_full)
-        for block_id, h in zip(seq.block_ids[first:num_full], hashes[first:]):
+        stored: list[BlockStored] = []
+        for i in range(first, num_full):
+            block_id, h = seq.block_ids[i], hashes[i]
             if self._hash_of_block[block_id] is None and h not in self._block_of_hash:
                 self._hash_of_block[block_id] = h
                 self._block_of_hash[h] = block_id
+                stored.append(BlockStored(h, hashes[i - 1] if i else None))
         seq.num_published_blocks = num_full
+        if self.events is not None:
+            self.events.record(stored)
+
+    def cached_hashes(self) -> tuple[int, ...]:
+        """The hashes every cached block is found by (a snapshot of what the events built)."""
+        return tuple(self._block_of_hash)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, so that no later prompt finds one (a cold start for a
+        benchmark, or after the weights changed). Only while no block is held (as vLLM's
+        reset): False, changing nothing, otherwise."""
+        if len(self._free) < self.num_blocks:
+            return False
+        for block_id in self._block_of_hash.values():
+            self._hash_of_block[block_id] = None
+        self._block_of_hash.clear()
+        if self.events is not None:
+            self.events.record([AllBlocksCleared(DEVICE_TIER)])
+        return True
 
     # Allocation ----------------------------------------------------------
 
@@ -146,5 +174,7 @@ class BlockManager:
         if h is not None:  # evict the cached content
             self._hash_of_block[block_id] = None
             del self._block_of_hash[h]
+            if self.events is not None:
+                self.events.record([BlockRemoved(h)])
         self._ref_counts[block_id] = 1
         return block_id

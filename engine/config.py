@@ -98,6 +98,9 @@ class CacheConfig:
     kv_copy_wait_s: bound on waiting for a KV copy into this engine's blocks (its CUDA event)
         before they are freed: a copy from a process that died may never complete, and the
         engine thread must keep serving.
+    kv_events_max_pending: KV events (`engine/kv_events.py`: blocks stored in or removed from
+        the prefix cache) kept for the router between two load reports. Beyond it the oldest
+        are dropped and the router, seeing the gap, resynchronizes from a snapshot.
     """
 
     block_size: int = 16
@@ -108,6 +111,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     kv_copy_wait_s: float = 10.0
+    kv_events_max_pending: int = 65536
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -124,6 +128,8 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.kv_copy_wait_s must be > 0, got {self.kv_copy_wait_s}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"CacheConfig.kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.kv_events_max_pending < 1:
+            raise ValueError(f"CacheConfig.kv_events_max_pending must be >= 1, got {self.kv_events_max_pending}")
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype the KV pool holds for a model computing in model_dtype."""

@@ -20,6 +20,7 @@ from pdserve.engine.assembly import assemble
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import StructuredOutputs
+from pdserve.engine.kv_events import DEVICE_TIER, KVEventRecorder, KVSnapshot
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
 from pdserve.engine.penalties import Penalties
 from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
@@ -81,8 +82,10 @@ class Engine:
         self.kv_shards, self.kv_wire_layout = parts.kv_shards, parts.kv_wire_layout
         self.max_model_len = parts.max_model_len
         self.processor = RequestProcessor(self.tokenizer, self.model_name, self.arch.vocab_size, self.max_model_len)
+        # What the prefix cache stored and evicted, for the router (taken with each load report).
+        self.kv_events = KVEventRecorder(config.cache.kv_events_max_pending)
         self.block_manager = BlockManager(self.pool.num_blocks, self.pool.layout.block_size,
-                                          config.cache.enable_prefix_caching)
+                                          config.cache.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    frozenset(self.arch.eos_token_ids))
         self._spec: SpeculativeSteps | None = None
@@ -213,6 +216,15 @@ class Engine:
             num_preemptions=sched.num_preemptions,
             spec=self.speculator.metrics.snapshot() if self.speculator is not None else None,
         )
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every block the prefix cache holds now, as of the KV events recorded so far."""
+        return self.kv_events.snapshot({DEVICE_TIER: self.block_manager.cached_hashes()})
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (`BlockManager.reset_prefix_cache`); False while
+        a request holds blocks."""
+        return self.block_manager.reset_prefix_cache()
 
     @property
     def has_unfinished(self) -> bool:

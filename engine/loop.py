@@ -13,6 +13,7 @@ thread still runs. A busy engine is alive; one whose loop stops turning is stuck
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -21,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from pdserve.engine.kv_events import KVSnapshot
 from pdserve.engine.outputs import EngineLoad, TokenDelta
 from pdserve.engine.sequence import FinishReason
 
@@ -168,7 +170,19 @@ class LoopWorker:
         self.loop = EngineLoop(engine, loop_config)
 
     async def load(self) -> EngineLoad:
-        return await self.loop.call(lambda e: e.load())
+        """The engine's load, carrying its KV events since the last call (taken: the cluster's
+        load loop is their one reader; a report lost on the way leaves a gap in their
+        numbers, which the router repairs with `kv_snapshot`)."""
+        return await self.loop.call(lambda e: dataclasses.replace(e.load(), kv_events=e.kv_events.take()))
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        """Every block the engine's prefix cache holds, and the event number it is as of."""
+        return await self.loop.call(lambda e: e.kv_snapshot())
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (reported as a cleared event); False while a
+        request holds blocks."""
+        return await self.loop.call(lambda e: e.reset_prefix_cache())
 
     async def max_model_len(self) -> int:
         return self.loop.engine.max_model_len

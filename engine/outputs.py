@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pdserve.engine.kv_events import KVEventBatch
 from pdserve.engine.sequence import FinishReason
 
 if TYPE_CHECKING:
@@ -91,3 +92,6 @@ class EngineLoad:
     prefix_hit_tokens: int
     num_preemptions: int
     spec: SpecMetrics | None = None  # speculation counters, when the engine speculates
+    # The prefix cache's events since the last report (a worker's load report carries them:
+    # `LoopWorker.load`; the engine's own `load()` leaves them for that).
+    kv_events: KVEventBatch | None = None

@@ -231,7 +231,14 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("id", "role", "healthy", "running", "waiting", "free_kv_blocks", "total_kv_blocks")
+    __slots__ = ("id", "role", "healthy", "running", "waiting", "free_kv_blocks", "total_kv_blocks", "cached_blocks")
+    class CachedBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +246,7 @@ class WorkerInfo(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     healthy: bool
@@ -246,7 +254,8 @@ class WorkerInfo(_message.Message):
     waiting: int
     free_kv_blocks: int
     total_kv_blocks: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ...) -> None: ...
+    cached_blocks: _containers.ScalarMap[str, int]
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., cached_blocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("version", "mode", "model", "workers")

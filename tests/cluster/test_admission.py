@@ -10,9 +10,11 @@ import pytest
 
 from pdserve.cluster.config import CoordinatorConfig
 from pdserve.cluster.errors import Overloaded
+from pdserve.cluster.kv_index import KVIndex
 from pdserve.cluster.pools import Pool, Worker
-from pdserve.cluster.router import KVClaim, LeastLoad, WorkerState
+from pdserve.cluster.router import KVClaim, LeastLoad, PrefixAware, PromptBlocks, WorkerState
 from pdserve.cluster.seats import SeatLine
+from pdserve.engine.kv_events import BlockStored, KVEventBatch
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import EngineLoad
 from pdserve.engine.sampling import SamplingParams
@@ -35,7 +37,11 @@ def _line(num_blocks: int = 10, seats: int = 4, max_waiting: int = 2) -> SeatLin
 
 async def _seat(c: SeatLine, rid: str, need: int, front: bool = False) -> Worker:
     """A seat for `rid` and its claim on `need` blocks, as a disaggregated request takes them."""
-    return await c.take(rid, need, front, False, asyncio.get_running_loop().time() + 60)
+    return await c.take(rid, need, front, False, asyncio.get_running_loop().time() + 60, _prompt(need))
+
+
+def _prompt(num_blocks: int) -> PromptBlocks:
+    return PromptBlocks.of(list(range(num_blocks * BLOCK)), BLOCK)
 
 
 async def _settle() -> None:
@@ -47,6 +53,24 @@ async def _settle() -> None:
 def test_a_request_reserves_its_prompts_blocks():
     req = WorkerRequest("r", tuple(range(33)), SamplingParams(max_tokens=100))
     assert _line().kv_need(len(req.prompt_token_ids)) == 3
+
+
+def test_of_the_decode_workers_that_fit_the_one_holding_the_prefix_takes_the_request():
+    async def scenario() -> None:
+        decode = Pool("decode", 2, None)
+        decode.workers = [Worker("decode", None, WorkerState(f"decode-{i}", load=_load(10)), None) for i in range(2)]
+        index = KVIndex()
+        prompt = _prompt(3)
+        index.apply("decode-1", KVEventBatch("d1", 0, tuple(
+            BlockStored(h, prompt.block_hashes[i - 1] if i else None) for i, h in enumerate(prompt.block_hashes))))
+        line = SeatLine(decode, PrefixAware(index), BLOCK, 4, 2, CoordinatorConfig())
+        # Both idle: by name decode-0 would take it; decode-1 holds the prompt's blocks.
+        assert (await _seat(line, "a", 3)).worker_id == "decode-1"
+        other = PromptBlocks.of(list(range(1000, 1000 + 3 * BLOCK)), BLOCK)
+        took = await line.take("b", 3, False, False, asyncio.get_running_loop().time() + 60, other)
+        assert took.worker_id == "decode-0"  # nothing cached anywhere: the less loaded one
+
+    asyncio.run(scenario())
 
 
 def test_kv_headroom_is_the_load_less_the_reservations_it_may_not_show():
@@ -67,7 +91,7 @@ def test_a_request_the_kv_left_cannot_hold_waits_and_only_one_beyond_the_queue_i
         assert not big.done() and not small.done() and c.num_queued == 2
 
         # The queue (2 per decode worker) is full: refused before its coroutine waits once.
-        coro = c.take("d", 1, False, False, asyncio.get_running_loop().time() + 60)
+        coro = c.take("d", 1, False, False, asyncio.get_running_loop().time() + 60, _prompt(1))
         with pytest.raises(Overloaded, match="2 requests are queued"):
             coro.send(None)
         assert c.num_queued == 2 and not big.done() and not small.done()

@@ -6,7 +6,9 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.cluster.kv_index import KVIndex
 from pdserve.cluster.metrics import Metrics
+from pdserve.engine.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from pdserve.engine.outputs import EngineLoad
 from pdserve.engine.speculator import SpecMetrics
 
@@ -36,6 +38,9 @@ def test_a_lost_workers_series_leave_and_the_others_stay():
     metrics.worker_load("decode", "decode-0", load(25, spec))
     metrics.worker_load("decode", "decode-1", load(50, spec))
     metrics.worker_load("prefill", "prefill-0", load(100))
+    index = KVIndex()
+    index.apply("decode-0", KVEventBatch("d0", 0, (BlockStored(1, None), BlockStored(2, 1))))
+    metrics.kv_index(index, [("decode", "decode-0")])
     before = series(metrics)
     assert before[("pdserve_kv_block_usage_ratio", (("role", "decode"), ("worker", "decode-0")))] == 0.75
     assert {"pdserve_running_sequences", "pdserve_spec_steps", "pdserve_spec_acceptance_alpha"} <= \
@@ -50,3 +55,21 @@ def test_a_lost_workers_series_leave_and_the_others_stay():
 
     metrics.worker_lost("prefill", "prefill-9")  # never reported a load: nothing to drop, still counted
     assert series(metrics)[("pdserve_workers_lost_total", (("role", "prefill"),))] == 1
+
+
+def test_the_kv_index_its_events_and_each_workers_cached_blocks_by_tier():
+    metrics, index = Metrics(), KVIndex()
+    index.apply("prefill-0", KVEventBatch("p0", 0, (BlockStored(1, None), BlockStored(2, 1))))
+    index.apply("decode-0", KVEventBatch("d0", 0, (BlockStored(1, None),)))
+    index.apply("decode-0", KVEventBatch("d0", 3, ()))  # a gap: out of sync
+    workers = [("prefill", "prefill-0"), ("decode", "decode-0")]
+    metrics.kv_index(index, workers)
+    found = series(metrics)
+    assert found[("pdserve_kv_index_blocks", ())] == 3
+    assert found[("pdserve_kv_events_received", ())] == found[("pdserve_kv_events_applied", ())] == 3
+    assert found[("pdserve_kv_cached_blocks", (("role", "prefill"), ("tier", "device"), ("worker", "prefill-0")))] == 2
+    index.apply("prefill-0", KVEventBatch("p0", 2, (AllBlocksCleared(),)))
+    metrics.kv_index(index, workers)
+    found = series(metrics)
+    assert found[("pdserve_kv_cached_blocks", (("role", "prefill"), ("tier", "device"), ("worker", "prefill-0")))] == 0
+    assert found[("pdserve_kv_index_blocks", ())] == 1

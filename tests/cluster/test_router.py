@@ -1,12 +1,16 @@
-"""Routing policies over reported loads, weighed as RouterConfig says."""
+"""Routing policies over reported loads and the KV index, weighed as RouterConfig says."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdserve.cluster.config import RouterConfig, config_from_dict
-from pdserve.cluster.router import WorkerState, make_policy
+from pdserve.cluster.kv_index import KVIndex
+from pdserve.cluster.router import PromptBlocks, WorkerState, make_policy
+from pdserve.engine.kv_events import BlockStored, KVEventBatch
 from pdserve.engine.outputs import EngineLoad
+
+NO_PROMPT = PromptBlocks(0, (), 16)
 
 
 def _worker(worker_id: str, free_blocks: int, queued_tokens: int, inflight: int = 0) -> WorkerState:
@@ -17,26 +21,58 @@ def _worker(worker_id: str, free_blocks: int, queued_tokens: int, inflight: int 
     return WorkerState(worker_id, load, inflight=inflight)
 
 
+def _holding(worker_id: str, prompt: PromptBlocks, num_blocks: int) -> KVIndex:
+    """An index in which `worker_id` holds the first `num_blocks` blocks of `prompt`."""
+    index = KVIndex()
+    hashes = prompt.block_hashes[:num_blocks]
+    index.apply(worker_id, KVEventBatch("i", 0, tuple(
+        BlockStored(h, hashes[i - 1] if i else None) for i, h in enumerate(hashes))))
+    return index
+
+
 def test_the_weights_come_from_the_config():
     full_kv, long_queue = _worker("a", free_blocks=0, queued_tokens=0), _worker("b", free_blocks=100,
                                                                                 queued_tokens=8192)
     # Defaults: a full pool weighs 4, 8,192 queued tokens weigh 2.
-    assert make_policy("least_load").choose([full_kv, long_queue], []) is long_queue
+    assert make_policy("least_load", KVIndex()).choose([full_kv, long_queue], NO_PROMPT) is long_queue
     kv_light = RouterConfig(kv_usage_weight=1.0)
-    assert make_policy("least_load", kv_light).choose([full_kv, long_queue], []) is full_kv
+    assert make_policy("least_load", KVIndex(), kv_light).choose([full_kv, long_queue], NO_PROMPT) is full_kv
     assert full_kv.score(kv_light) == 1.0 and long_queue.score(kv_light) == 2.0
 
 
-def test_prefix_aware_keeps_the_prefix_within_the_configured_imbalance():
-    hashes = [11, 12, 13]
-    cached, idle = _worker("cached", 100, 0, inflight=3), _worker("idle", 100, 0)
-    cached.cached_hashes.update(dict.fromkeys(hashes))
-    assert make_policy("prefix_aware").choose([cached, idle], hashes) is cached
-    assert make_policy("prefix_aware", RouterConfig(max_imbalance=2.0)).choose([cached, idle], hashes) is idle
+def test_prefix_aware_weighs_the_prompt_work_left_against_the_load():
+    prompt = PromptBlocks.of(list(range(8192 + 1)), 16)  # 512 full blocks and one token
+    index = _holding("cached", prompt, 512)
+    cached, idle = _worker("cached", 100, 0, inflight=1), _worker("idle", 100, 0)
+    # In requests: cached 1 + 1 / 4096 (one new token), idle 8193 / 4096 = 2.0002: cached wins...
+    policy = make_policy("prefix_aware", index)
+    assert policy.choose([cached, idle], prompt) is cached
+    # ... unless it is busier than the prompt's work is worth,
+    cached.inflight = 3
+    assert policy.choose([cached, idle], prompt) is idle
+    # or the prompt weighs more.
+    assert make_policy("prefix_aware", index, RouterConfig(prompt_weight=2.0)).choose([cached, idle], prompt) is cached
+    # Half the prompt cached saves half its work (1 request): a load of 2 more loses it.
+    half = make_policy("prefix_aware", _holding("cached", prompt, 256))
+    cached.inflight = 2
+    assert half.choose([cached, idle], prompt) is idle
+    cached.inflight = 0
+    assert half.choose([cached, idle], prompt) is cached
+
+
+def test_ties_go_to_the_less_loaded_then_to_the_first_by_name():
+    prompt = PromptBlocks.of(list(range(64)), 16)
+    index = KVIndex()
+    b, a = _worker("b", 100, 0), _worker("a", 100, 0)
+    policy = make_policy("prefix_aware", index, RouterConfig(prompt_weight=0.0))
+    assert policy.choose([b, a], prompt) is a
+    assert make_policy("least_load", index).choose([b, a], prompt) is a
+    a.inflight = 1
+    assert policy.choose([b, a], prompt) is b
 
 
 @pytest.mark.parametrize("values", [{"kv_usage_weight": -1}, {"queued_tokens_per_request": 0},
-                                    {"max_hashes_per_worker": 0}])
+                                    {"prompt_weight": -0.5}, {"max_hashes_per_worker": 100}])
 def test_bad_router_config_is_refused(values):
-    with pytest.raises(ValueError, match="RouterConfig"):
+    with pytest.raises(ValueError, match="RouterConfig|router"):
         config_from_dict({"router": values})

@@ -103,10 +103,10 @@ def test_none_unsets_an_optional_field_the_file_set(tmp_path) -> None:
 
 def test_flags_override_the_file_which_overrides_the_defaults(tmp_path, monkeypatch, capsys) -> None:
     f = tmp_path / "c.yaml"
-    f.write_text("server: {port: 6000, http_port: 6001}\nrouter: {max_imbalance: 2}\n")
+    f.write_text("server: {port: 6000, http_port: 6001}\nrouter: {prompt_weight: 2}\n")
     assert main(["serve", "--config", str(f), "--check-config", "--http-port", "7001"]) == 0
     out = capsys.readouterr().out
-    assert "port=6000" in out and "http_port=7001" in out and "max_imbalance=2" in out
+    assert "port=6000" in out and "http_port=7001" in out and "prompt_weight=2" in out
     assert "metrics_port=9400" in out  # the default
 
 

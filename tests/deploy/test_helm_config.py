@@ -101,6 +101,13 @@ def test_colocated_mode_has_no_prefill_group(render: Render, tmp_path: Path,
     assert (pools.mode, pools.num_prefill, pools.num_decode) == ("colocated", 0, 2)
 
 
+def test_router_weights_and_the_kv_event_bound_reach_the_config(render: Render, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render(sets=("config.router.prompt_weight=2", "config.engine.cache.kv_events_max_pending=1024"))
+    config = served_config(docs, tmp_path, monkeypatch)
+    assert config.router.prompt_weight == 2 and config.engine.cache.kv_events_max_pending == 1024
+
+
 def test_tensor_parallel_workers_take_all_their_gpus(render: Render, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     docs = render(sets=("config.pools.mode=colocated", "config.engine.parallel.tensor_parallel_size=2",

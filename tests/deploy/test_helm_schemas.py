@@ -128,6 +128,9 @@ BAD_VALUES = {
     "unknown model source": ("config.engine.model.source=ftp://x", "config.engine.model.source: Does not match"),
     "unknown pool mode": ("config.pools.mode=split", "config.pools.mode: config.pools.mode must be one of"),
     "pool sizes set by hand": ("config.pools.num_decode=3", "Additional property num_decode is not allowed"),
+    # The router's LRU guess of each worker's cache is gone (it routes on the KV index now).
+    "a removed router field": ("config.router.max_hashes_per_worker=100",
+                               "Additional property max_hashes_per_worker is not allowed"),
 }
 
 
