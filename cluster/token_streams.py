@@ -47,6 +47,20 @@ class TokenStreams:
             if stream.decode is worker:
                 stream.queue.put_nowait(error)
 
+    def move(self, worker: Worker, error: Exception) -> None:
+        """`worker` drains past its deadline: its requests' streams end with `error` (a
+        WorkerLost: their coordinators continue them elsewhere) behind the deltas already
+        queued; its poller goes on, for whatever the worker still sends before it stops."""
+        for stream in self._streams.values():
+            if stream.decode is worker:
+                stream.queue.put_nowait(error)
+
+    def forget(self, worker: Worker) -> None:
+        """`worker` has left: its poller stops."""
+        task = self._pollers.pop(worker.worker_id, None)
+        if task is not None:
+            task.cancel()
+
     def stop(self) -> None:
         for task in self._pollers.values():
             task.cancel()
