@@ -108,11 +108,16 @@ class Elastic:
             worker.phase = Phase.DRAINING
             task = asyncio.create_task(self._drain(pool, worker, deadline))
             self._drains[worker_id] = task
-            task.add_done_callback(lambda _: self._drains.pop(worker_id, None))
+            task.add_done_callback(lambda t: self._drained(worker_id, t))
         task = self._drains.get(worker_id)
         if wait and task is not None:
             await asyncio.shield(task)  # the caller leaving does not stop the drain
         return WorkerInfo.of(worker)
+
+    def _drained(self, worker_id: str, task: asyncio.Task[None]) -> None:
+        self._drains.pop(worker_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("admin: the drain of %s failed", worker_id, exc_info=task.exception())
 
     async def stop(self) -> None:
         """Cancel the drains under way (the server stops every worker next)."""

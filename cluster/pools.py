@@ -201,6 +201,8 @@ class Pool:
                 logger.exception("could not replace %s worker %s", self.role, worker.worker_id)
                 return
             self.workers[self.workers.index(worker)] = fresh
+            worker.phase = Phase.GONE
+            self.gone.append(worker)
             self.num_replaced += 1
         finally:
             self.replacing -= 1
