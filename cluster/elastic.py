@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 
 from pdserve.cluster.config import DrainConfig
@@ -103,8 +104,8 @@ class Elastic:
                 raise AdminRefused(f"{pool.role} worker {worker_id} is lost and being replaced")
             self._check_may_leave(pool, worker)
             deadline = self.config.deadline_s if deadline_s is None else deadline_s
-            if deadline < 0:
-                raise ValueError(f"deadline_s must be >= 0, got {deadline}")
+            if not (math.isfinite(deadline) and deadline >= 0):  # NaN would never come
+                raise ValueError(f"deadline_s must be a number of seconds >= 0, got {deadline}")
             worker.phase = Phase.DRAINING
             task = asyncio.create_task(self._drain(pool, worker, deadline))
             self._drains[worker_id] = task

@@ -90,6 +90,19 @@ def test_admin_calls_need_the_admin_token(srv, admin):
         ("decode", pb.WORKER_PHASE_SERVING), ("decode", pb.WORKER_PHASE_SERVING), ("prefill", pb.WORKER_PHASE_SERVING)]
 
 
+@pytest.mark.parametrize("call, code, words", [
+    (lambda a: a.drain("decode-7", timeout_s=30), grpc.StatusCode.NOT_FOUND, "no worker 'decode-7'"),
+    (lambda a: a.drain("decode-0", deadline_s=-1, timeout_s=30), grpc.StatusCode.INVALID_ARGUMENT, "deadline_s"),
+    (lambda a: a.add_worker("mixed", timeout_s=30), grpc.StatusCode.INVALID_ARGUMENT, "prefill, decode"),
+    (lambda a: a.remove_worker("decode", "prefill-0", timeout_s=30), grpc.StatusCode.NOT_FOUND, "no decode worker"),
+], ids=["unknown worker", "negative deadline", "role of another mode", "worker of another role"])
+def test_a_refused_admin_call_says_why_and_changes_nothing(srv, admin, call, code, words):
+    with pytest.raises(grpc.RpcError) as refused:
+        call(admin)
+    assert refused.value.code() == code and words in refused.value.details()
+    assert set(_phases(admin).values()) == {pb.WORKER_PHASE_SERVING}
+
+
 def test_a_drained_decode_worker_finishes_its_streams_and_leaves(srv, admin, engine, tokenizer):
     """Six greedy streams over two decode workers; one worker is drained (a long deadline):
     no request is refused, every stream ends with the engine's tokens (none moved), the
