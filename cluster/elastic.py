@@ -128,14 +128,16 @@ class Elastic:
 
     def _check_may_leave(self, pool: Pool, worker: Worker) -> None:
         """Refuse to drain the last serving worker of its role while requests need it: those
-        it holds, and (decode) those waiting for a seat."""
+        on its pool's workers (a draining one's move to a serving one past its deadline), and
+        (decode) those waiting for a seat."""
         if any(w is not worker for w in pool.serving()):
             return
+        num_running = sum(w.state.inflight for w in pool.workers)
         num_queued = self.coordinator.seats.num_queued if pool is self.coordinator.decode else 0
-        if worker.state.inflight or num_queued:
+        if num_running or num_queued:
             raise AdminRefused(
                 f"{pool.role} worker {worker.worker_id} is the last serving {pool.role} worker and "
-                f"{worker.state.inflight} request(s) run on it, {num_queued} wait for one: add a "
+                f"{num_running} request(s) run on {pool.role} workers, {num_queued} wait for one: add a "
                 f"{pool.role} worker first (AddWorker), or drain it once they are done")
 
     async def _drain(self, pool: Pool, worker: Worker, deadline_s: float) -> None:

@@ -43,14 +43,12 @@ class TokenStreams:
     def fail(self, worker: Worker, error: Exception) -> None:
         """`worker` is lost: its requests' streams end with `error`; its poller is forgotten."""
         self._pollers.pop(worker.worker_id, None)
-        for stream in self._streams.values():
-            if stream.decode is worker:
-                stream.queue.put_nowait(error)
+        self.move(worker, error)
 
     def move(self, worker: Worker, error: Exception) -> None:
-        """`worker` drains past its deadline: its requests' streams end with `error` (a
-        WorkerLost: their coordinators continue them elsewhere) behind the deltas already
-        queued; its poller goes on, for whatever the worker still sends before it stops."""
+        """`worker`'s requests' streams end with `error` behind the deltas already queued: a
+        WorkerLost, which their coordinators answer by continuing them elsewhere (a drain past
+        its deadline calls this alone: its poller goes on while the worker lives)."""
         for stream in self._streams.values():
             if stream.decode is worker:
                 stream.queue.put_nowait(error)
