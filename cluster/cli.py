@@ -176,8 +176,12 @@ def _print_worker(w) -> None:  # w: admin_pb2.WorkerStatus
 
 
 def cmd_workers(args: argparse.Namespace) -> int:
+    def show() -> None:
+        for w in admin.workers():
+            _print_worker(w)
+
     with _admin(args) as admin:
-        return _admin_call(lambda: [_print_worker(w) for w in admin.workers()])
+        return _admin_call(show)
 
 
 def cmd_drain(args: argparse.Namespace) -> int:

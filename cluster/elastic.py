@@ -106,7 +106,7 @@ class Elastic:
             deadline = self.config.deadline_s if deadline_s is None else deadline_s
             if not (math.isfinite(deadline) and deadline >= 0):  # NaN would never come
                 raise ValueError(f"deadline_s must be a number of seconds >= 0, got {deadline}")
-            worker.phase = Phase.DRAINING
+            pool.drain(worker)
             task = asyncio.create_task(self._drain(pool, worker, deadline))
             self._drains[worker_id] = task
             task.add_done_callback(lambda t: self._drained(worker_id, t))

@@ -114,6 +114,11 @@ class Pool:
         self.workers.append(worker)
         return worker
 
+    def drain(self, worker: Worker) -> None:
+        """`worker` takes no new request from now on (`serving()` leaves it out); it stays live,
+        pinged and polled, until `remove`. The pool is the one writer of a worker's phase."""
+        worker.phase = Phase.DRAINING
+
     async def remove(self, worker: Worker) -> None:
         """`worker` leaves: no longer listed as live, its actor stopped and its resources freed.
         The caller has let its requests finish or move (`cluster.elastic`)."""
