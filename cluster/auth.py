@@ -7,6 +7,10 @@ it in the TLS handshake, before any request is read.
 Tokens: a gRPC server interceptor and an ASGI middleware. Both compare in constant time
 and let the health checks through (probes carry no token). The token itself is never
 logged or echoed.
+
+The admin API (the gRPC `Admin` service) has a token of its own, checked by
+`AdminTokenInterceptor` alone: the clients' token opens no admin call, and the admin token
+no client call.
 """
 
 from __future__ import annotations
@@ -24,8 +28,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pdserve.cluster.config import ClientAuth, ServerConfig
 
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+ADMIN_METHOD_PREFIX = "/pdserve.v1.Admin/"
 HEALTH_PATHS = ("/health",)
 _MESSAGE = "missing or wrong bearer token (Authorization: Bearer <token>)"
+_ADMIN_OFF = ("the admin API is off: start the server with --admin-token-file FILE (server.admin_token_file), "
+              "FILE holding a token of its own, and call it with that token")
+_ADMIN_MESSAGE = "missing or wrong admin token (authorization: Bearer <admin token>, pdserve --admin-token-file)"
+_NOT_ADMIN = "the clients' token opens no admin call: admin calls need the admin token (--admin-token-file)"
 
 
 def grpc_server_credentials(auth: ClientAuth) -> grpc.ServerCredentials:
@@ -79,22 +88,54 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(HEALTH_METHOD_PREFIX):
-            return handler
-        metadata: Sequence[tuple[str, Any]] = details.invocation_metadata or ()
-        if any(k == "authorization" and _matches(v, self._token) for k, v in metadata):
+        if handler is None or details.method.startswith((HEALTH_METHOD_PREFIX, ADMIN_METHOD_PREFIX)):
+            return handler  # the admin API: AdminTokenInterceptor's
+        if _presents(details, self._token):
             return handler
         return _refusing(handler)
 
 
-def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
+class AdminTokenInterceptor(grpc.aio.ServerInterceptor):
+    """The admin service's calls need `authorization: Bearer <admin token>`: without a token
+    or with a wrong one UNAUTHENTICATED, with the clients' token PERMISSION_DENIED (a client,
+    not an admin); with no admin token configured (None) every admin call is refused,
+    saying how to turn the API on. Other calls pass untouched."""
+
+    def __init__(self, admin_token: str | None, client_token: str | None) -> None:
+        self._admin_token = admin_token
+        self._client_token = client_token
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(ADMIN_METHOD_PREFIX):
+            return handler
+        if self._admin_token is None:
+            return _refusing(handler, grpc.StatusCode.PERMISSION_DENIED, _ADMIN_OFF)
+        if _presents(details, self._admin_token):
+            return handler
+        if self._client_token is not None and _presents(details, self._client_token):
+            return _refusing(handler, grpc.StatusCode.PERMISSION_DENIED, _NOT_ADMIN)
+        return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, _ADMIN_MESSAGE)
+
+
+def _presents(details: grpc.HandlerCallDetails, token: str) -> bool:
+    """Whether the call's metadata carries `authorization: Bearer <token>`."""
+    metadata: Sequence[tuple[str, Any]] = details.invocation_metadata or ()
+    return any(k == "authorization" and _matches(v, token) for k, v in metadata)
+
+
+def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
+              message: str = _MESSAGE) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that answers `code` with `message`."""
 
     async def unary(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
+        await context.abort(code, message)
 
     async def stream(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
+        await context.abort(code, message)
         yield  # an async generator, as a streaming handler is
 
     codec = {"request_deserializer": handler.request_deserializer,

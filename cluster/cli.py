@@ -150,6 +150,93 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin(args: argparse.Namespace):  # -> pdserve.cluster.admin_client.AdminClient
+    """An admin client for --target with the TLS files and admin token its flags name."""
+    from pdserve.cluster.admin_client import AdminClient
+    from pdserve.cluster.credentials import admin_from_args
+
+    return AdminClient(args.target, admin_from_args(args))
+
+
+def _admin_call(call) -> int:  # call: () -> None
+    """Run an admin call; a refused one is one line on stderr, exit status 1."""
+    import grpc
+
+    try:
+        call()
+    except grpc.RpcError as e:
+        print(f"pdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_worker(w) -> None:  # w: admin_pb2.WorkerStatus
+    from pdserve.cluster.admin_client import PHASE_NAMES
+
+    print(f"  {w.name:<12} {w.role:<8} {PHASE_NAMES.get(w.phase, '?'):<9} running {w.running:>4}  "
+          f"queued {w.queued:>4}  in flight {w.inflight:>4}")
+
+
+def cmd_workers(args: argparse.Namespace) -> int:
+    def show() -> None:
+        for w in admin.workers():
+            _print_worker(w)
+
+    with _admin(args) as admin:
+        return _admin_call(show)
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    with _admin(args) as admin:
+        return _admin_call(lambda: _print_worker(admin.drain(args.worker, args.deadline, not args.no_wait,
+                                                             args.timeout)))
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    if (args.add is None) == (args.remove is None) or (args.add or args.remove or 0) < 1:
+        raise ValueError("give one of --add N and --remove N, N >= 1")
+
+    def scale() -> None:
+        for _ in range(args.add or 0):
+            _print_worker(admin.add_worker(args.role, args.timeout))
+        for _ in range(args.remove or 0):
+            _print_worker(admin.remove_worker(args.role, "", args.deadline, not args.no_wait, args.timeout))
+
+    with _admin(args) as admin:
+        return _admin_call(scale)
+
+
+def _add_admin_parsers(sub) -> None:  # sub: the subparsers of build_parser
+    from pdserve.cluster.credentials import add_admin_credential_args
+
+    def admin_parser(name: str, help_text: str, func) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--target", default="127.0.0.1:50051", help="host:port of the server's gRPC API")
+        p.add_argument("--timeout", type=float, default=900.0, help="bound on the call, seconds")
+        add_admin_credential_args(p)
+        p.set_defaults(func=func)
+        return p
+
+    def drain_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--deadline", type=float, default=None,
+                       help="seconds its requests may run on before they move to another worker "
+                            "(default: the server's drain.deadline_s)")
+        p.add_argument("--no-wait", action="store_true", help="answer once the drain has begun, not once it is gone")
+
+    admin_parser("workers", "list a server's workers: role, phase (serving, draining, gone), load (admin API)",
+                 cmd_workers)
+    drain = admin_parser("drain", "drain a worker and stop it: its requests finish, or move past the deadline "
+                                  "(admin API)", cmd_drain)
+    drain.add_argument("worker", help="the worker's name, as `pdserve workers` lists it")
+    drain_args(drain)
+    scale = admin_parser("scale", "add or remove workers of a role at run time (admin API)", cmd_scale)
+    scale.add_argument("--role", required=True, help="prefill or decode (mixed on a colocated server)")
+    scale.add_argument("--add", type=int, default=None, metavar="N", help="start N more workers")
+    scale.add_argument("--remove", type=int, default=None, metavar="N",
+                       help="drain and stop N workers, the least loaded first")
+    drain_args(scale)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.cluster.config_tree import config_fields
     from pdserve.cluster.credentials import add_credential_args
@@ -189,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--target", default="127.0.0.1:50051")
     add_credential_args(info)
     info.set_defaults(func=cmd_info)
+    _add_admin_parsers(sub)
     return parser
 
 

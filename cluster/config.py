@@ -51,6 +51,11 @@ class ServerConfig:
         OpenAI clients' api_key). Without it, $PDSERVE_API_KEY; without either, no token is
         asked. The token is never logged. The health checks (gRPC health service, HTTP
         /health) answer without it, for probes.
+    admin_token_file: a file holding the admin API's own bearer token (the gRPC `Admin`
+        service: list, drain, add and remove workers; `pdserve workers | drain | scale`),
+        which must differ from the clients' token; the clients' token is no admin token.
+        "" turns the admin API off (its calls are refused, saying how to turn it on). Never
+        logged.
     chat_template: a Jinja chat template file used instead of the model's own (e.g. one that
         renders tools, for a model whose template does not); "" keeps the model's.
     tool_call_parser: the model's tool-call format, which chat requests with tool_choice auto
@@ -69,6 +74,7 @@ class ServerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     api_key_file: str = ""
+    admin_token_file: str = ""
     chat_template: str = ""
     tool_call_parser: str = ""
 
@@ -151,6 +157,31 @@ class CoordinatorConfig:
         for name in counts:
             if getattr(self, name) < 0:
                 raise ValueError(f"CoordinatorConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class DrainConfig:
+    """How a worker leaves a running server (the admin API's Drain and RemoveWorker): it takes
+    no new request, the requests it holds finish there (KV on its way to it lands first) or,
+    past the drain's deadline, continue on another worker as a lost worker's do (a re-prefill
+    of prompt plus streamed tokens), then its actor is stopped.
+
+    deadline_s: how long its requests may run on before they move, when the call names no deadline.
+    check_s: how often a drain looks whether its worker is idle yet.
+    stop_timeout_s: bound on the moved requests letting go of the worker (their aborts there)
+        before its actor is stopped regardless.
+    """
+
+    deadline_s: float = 300.0
+    check_s: float = 0.1
+    stop_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.deadline_s < 0:
+            raise ValueError(f"DrainConfig.deadline_s must be >= 0, got {self.deadline_s}")
+        for name in ("check_s", "stop_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"DrainConfig.{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +325,7 @@ class ServeConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    drain: DrainConfig = field(default_factory=DrainConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
@@ -324,6 +356,7 @@ class ClientAuth:
     tls_private_key: bytes | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
     tls_client_ca: bytes | None = field(default=None, repr=False)
+    admin_token: str | None = field(default=None, repr=False)  # None: the admin API is off
 
     @property
     def tls(self) -> bool:
@@ -371,13 +404,19 @@ def client_auth(server: ServerConfig) -> ClientAuth:
         token: str | None = read(server.api_key_file, "API key file (server.api_key_file)").decode().strip()
     else:
         token = env.read(API_KEY_ENV) or None
-    return ClientAuth(cert, key, token, client_ca)
+    admin = None
+    if server.admin_token_file:
+        admin = read(server.admin_token_file, "admin token file (server.admin_token_file)").decode().strip()
+        if admin == token:
+            raise ValueError("the admin token (server.admin_token_file) must differ from the clients' token "
+                             "(server.api_key_file or $PDSERVE_API_KEY): a client could run the admin API")
+    return ClientAuth(cert, key, token, client_ca, admin)
 
 
 _SECTIONS: dict[str, type] = {
     "server": ServerConfig, "pools": PoolConfig, "ray": RayConfig, "kv_transport": TransportSettings,
     "health": HealthConfig, "admission": AdmissionConfig, "coordinator": CoordinatorConfig,
-    "router": RouterConfig, "worker": WorkerConfig, "loop": LoopConfig,
+    "drain": DrainConfig, "router": RouterConfig, "worker": WorkerConfig, "loop": LoopConfig,
 }
 _ENGINE_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                                      "parallel": ParallelConfig,

@@ -325,17 +325,18 @@ class Coordinator:
 
     async def _pick_waiting(self, pool: Pool, prompt: PromptBlocks, policy: RoutingPolicy, migrated: bool,
                             give_up: float) -> Worker:
-        """`_pick`, waiting for a healthy worker while `may_wait`."""
-        while not pool.healthy() and may_wait(pool, migrated, give_up):
+        """`_pick`, waiting for a serving worker while `may_wait`."""
+        while not pool.serving() and may_wait(pool, migrated, give_up):
             await asyncio.sleep(self.config.seat_recheck_s)
         return self._pick(pool, prompt, policy)
 
     def _pick(self, pool: Pool, prompt: PromptBlocks, policy: RoutingPolicy) -> Worker:
-        healthy = pool.healthy()
-        if not healthy:
+        """One of `pool`'s serving workers (a draining one takes no new request)."""
+        serving = pool.serving()
+        if not serving:
             raise WorkerUnavailable(f"no healthy {pool.role} worker")
-        state = policy.choose([w.state for w in healthy], prompt)
-        return next(w for w in healthy if w.state is state)
+        state = policy.choose([w.state for w in serving], prompt)
+        return next(w for w in serving if w.state is state)
 
     async def _abort(self, worker: Worker, request_id: str, free_seat: bool = False) -> None:
         """Abort `request_id` on `worker`; then, if `free_seat`, free its seat and claim there."""

@@ -82,19 +82,37 @@ class ClientCredentials:
 
 def add_credential_args(p: argparse.ArgumentParser) -> None:
     """The flags `from_args` reads, for every client command."""
+    _add_tls_args(p)
+    p.add_argument("--api-key-file", default=None, help="file with the server's bearer token "
+                                                        "(default: $PDSERVE_API_KEY, if set)")
+
+
+def add_admin_credential_args(p: argparse.ArgumentParser) -> None:
+    """The flags `admin_from_args` reads, for the admin commands (`pdserve workers | drain | scale`)."""
+    _add_tls_args(p)
+    p.add_argument("--admin-token-file", default=None,
+                   help="file with the server's admin token (its --admin-token-file), not the clients' token")
+
+
+def _add_tls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default=None, help="PEM file of the CA (or self-signed certificate) the "
                                                   "server's certificate must chain to: connect over TLS")
     p.add_argument("--tls-client-cert", default=None,
                    help="PEM certificate (chain) to present to a server that asks for one (mutual TLS)")
     p.add_argument("--tls-client-key", default=None, help="PEM private key of --tls-client-cert")
-    p.add_argument("--api-key-file", default=None, help="file with the server's bearer token "
-                                                        "(default: $PDSERVE_API_KEY, if set)")
 
 
 def from_args(args: argparse.Namespace) -> ClientCredentials:
     """The credentials the flags of `add_credential_args` name; the token from --api-key-file or
     $PDSERVE_API_KEY, read where the server reads its own."""
     token = client_auth(ServerConfig(api_key_file=args.api_key_file or "")).api_key
+    return ClientCredentials(args.tls_ca, args.tls_client_cert, args.tls_client_key, token)
+
+
+def admin_from_args(args: argparse.Namespace) -> ClientCredentials:
+    """The credentials of an admin call: the TLS files as `from_args`, the admin token (read
+    where the server reads its own) as the bearer token."""
+    token = client_auth(ServerConfig(admin_token_file=args.admin_token_file or "")).admin_token
     return ClientCredentials(args.tls_ca, args.tls_client_cert, args.tls_client_key, token)
 
 

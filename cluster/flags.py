@@ -42,6 +42,7 @@ ALIASES: dict[str, str] = {
     "server.tls_key": "--tls-key",
     "server.tls_client_ca": "--tls-client-ca",
     "server.api_key_file": "--api-key-file",
+    "server.admin_token_file": "--admin-token-file",
     "server.chat_template": "--chat-template",
     "server.tool_call_parser": "--tool-call-parser",
     "pools.mode": "--mode",

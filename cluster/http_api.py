@@ -112,7 +112,8 @@ class OpenAIApi:
         return _json(m.ModelList(data=[card]))
 
     async def health(self, request: Request) -> Response:
-        down = [pool.role for pool in self.frontend.coordinator.pools() if not pool.healthy()]
+        # A pool whose workers all drain takes no request either.
+        down = [pool.role for pool in self.frontend.coordinator.pools() if not pool.serving()]
         if down:
             return ApiError(Status.UNAVAILABLE, f"no healthy {' or '.join(down)} worker").response()
         return Response('{"status":"ok"}', media_type="application/json")

@@ -117,6 +117,10 @@ class Metrics:
         """Count a lost worker and drop its series: its replacement reports under an id of its
         own, and a dead worker's last load must not stay on /metrics as if it were live."""
         self.workers_lost.labels(role).inc()
+        self.worker_left(role, worker_id)
+
+    def worker_left(self, role: str, worker_id: str) -> None:
+        """Drop the series of a worker that is no longer live (lost, or drained and stopped)."""
         for gauge in (self.running, self.waiting, self.kv_usage, self.prefix_queried, self.prefix_hits):
             with contextlib.suppress(KeyError):
                 gauge.remove(role, worker_id)

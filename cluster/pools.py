@@ -1,4 +1,5 @@
-"""Ray pools of prefill and decode actors: placement, start, health checks, replacement.
+"""Ray pools of prefill and decode actors: placement, start, health checks, replacement, and
+workers joining (`add`) and leaving (`remove`) at run time.
 
 Each actor has a concurrency group of its own for pings (`HEALTH_GROUP`): Ray runs it
 on a separate thread and event loop, so a ping never waits behind the engine or
@@ -9,6 +10,8 @@ when `WorkerHealth` finds it wedged (no answers) or stuck (no progress).
 from __future__ import annotations
 
 import asyncio
+import collections
+import enum
 import itertools
 import logging
 import time
@@ -33,6 +36,18 @@ HEALTH_GROUP = "health"
 # may be busy in a long step, and a TimeoutError raised inside a call is that call's.
 ACTOR_LOST = (RayActorError,)
 
+# Workers that left, kept for the admin API's listing (the newest this many).
+NUM_GONE_KEPT = 64
+
+
+class Phase(enum.Enum):
+    """Where a worker stands in its pool: takes new requests, finishes the ones it has
+    (draining, `cluster.elastic`), or has left (its actor stopped)."""
+
+    SERVING = "serving"
+    DRAINING = "draining"
+    GONE = "gone"
+
 
 @dataclass(slots=True)
 class Worker:
@@ -41,6 +56,7 @@ class Worker:
     state: WorkerState
     health: WorkerHealth
     address: PeerAddress | None = None
+    phase: Phase = Phase.SERVING
 
     @property
     def worker_id(self) -> str:
@@ -60,14 +76,16 @@ class ActorSpec:
 
 
 class Pool:
-    """A fixed-size set of actors of one role. Dead actors are replaced."""
+    """The actors of one role: `size` of them at the start, more or fewer as workers are added
+    and removed. A serving actor that dies is replaced; a draining one is not (it was leaving)."""
 
     def __init__(self, role: str, size: int, spec: ActorSpec, health: HealthConfig | None = None) -> None:
         self.role = role
-        self.size = size
+        self.size = size  # workers started with the pool
         self.spec = spec
         self.health = health or HealthConfig()
-        self.workers: list[Worker] = []
+        self.workers: list[Worker] = []  # serving and draining
+        self.gone: collections.deque[Worker] = collections.deque(maxlen=NUM_GONE_KEPT)
         # Told of a lost worker before it is replaced (the coordinator fails its requests).
         self.on_lost: Callable[[Worker], Awaitable[None]] | None = None
         self._ids = itertools.count()
@@ -75,10 +93,43 @@ class Pool:
         self.replacing = 0  # replacements under way: a request finding no healthy worker may wait for one
 
     def healthy(self) -> list[Worker]:
+        """The live workers, draining ones included (they are pinged, polled and read)."""
         return [w for w in self.workers if w.state.healthy]
+
+    def serving(self) -> list[Worker]:
+        """The live workers that take new requests: not draining."""
+        return [w for w in self.workers if w.state.healthy and w.phase is Phase.SERVING]
+
+    def find(self, worker_id: str) -> Worker | None:
+        """The worker of that id, live or gone (None: not of this pool)."""
+        return next((w for w in (*self.workers, *self.gone) if w.worker_id == worker_id), None)
 
     async def start(self) -> None:
         self.workers = list(await asyncio.gather(*(self._spawn() for _ in range(self.size))))
+
+    async def add(self) -> Worker:
+        """One more worker, started as the pool's first ones are (`_spawn`), serving once its
+        actor is ready: the caller registers it where requests are placed."""
+        worker = await self._spawn()
+        self.workers.append(worker)
+        return worker
+
+    def drain(self, worker: Worker) -> None:
+        """`worker` takes no new request from now on (`serving()` leaves it out); it stays live,
+        pinged and polled, until `remove`. The pool is the one writer of a worker's phase."""
+        worker.phase = Phase.DRAINING
+
+    async def remove(self, worker: Worker) -> None:
+        """`worker` leaves: no longer listed as live, its actor stopped and its resources freed.
+        The caller has let its requests finish or move (`cluster.elastic`)."""
+        if worker.phase is Phase.GONE:
+            return
+        worker.phase = Phase.GONE
+        worker.state.healthy = False  # its poller and the load loop let go of it
+        self.workers.remove(worker)
+        self.gone.append(worker)
+        await self._stop_actor(worker)
+        logger.info("%s worker %s left its pool", self.role, worker.worker_id)
 
     async def _spawn(self) -> Worker:
         """A started worker. Ray at times reports an actor dead before its constructor ran (it never
@@ -137,6 +188,12 @@ class Pool:
         if not worker.state.healthy:
             return
         worker.state.healthy = False
+        if worker.phase is not Phase.SERVING:  # it was leaving: its requests move, nobody takes its place
+            logger.warning("%s worker %s is lost while draining (%s)", self.role, worker.worker_id, reason)
+            if self.on_lost is not None:
+                await self.on_lost(worker)
+            await self.remove(worker)
+            return
         logger.warning("%s worker %s is lost (%s); replacing it", self.role, worker.worker_id, reason)
         self.replacing += 1
         try:
@@ -149,14 +206,19 @@ class Pool:
                 logger.exception("could not replace %s worker %s", self.role, worker.worker_id)
                 return
             self.workers[self.workers.index(worker)] = fresh
+            worker.phase = Phase.GONE
+            self.gone.append(worker)
             self.num_replaced += 1
         finally:
             self.replacing -= 1
 
     async def stop(self) -> None:
         for w in self.workers:
-            try:
-                await asyncio.wait_for(w.actor.shutdown.remote(), self.health.ping_timeout_s)
-            except Exception:  # noqa: BLE001 - best effort, the actor is killed next
-                pass
-            ray.kill(w.actor, no_restart=True)
+            await self._stop_actor(w)
+
+    async def _stop_actor(self, worker: Worker) -> None:
+        try:
+            await asyncio.wait_for(worker.actor.shutdown.remote(), self.health.ping_timeout_s)
+        except Exception:  # noqa: BLE001 - best effort, the actor is killed next
+            pass
+        ray.kill(worker.actor, no_restart=True)

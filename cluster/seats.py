@@ -22,7 +22,7 @@ from pdserve.cluster.router import KVClaim, PromptBlocks, RoutingPolicy
 
 
 def may_wait(pool: Pool, migrated: bool, give_up: float) -> bool:
-    """Whether a request finding no healthy worker in `pool` waits on: until `give_up`
+    """Whether a request finding no serving worker in `pool` waits on: until `give_up`
     (`config.migration_wait_s` after it began), while a lost worker is being replaced, or
     in any case for a `migrated` request (its lost worker's replacement may not have
     begun yet). With nothing being replaced a new request is refused at once."""
@@ -42,15 +42,15 @@ class SeatLine:
         self._line: collections.deque[asyncio.Event] = collections.deque()
 
     def capacity(self) -> int:
-        """Requests the pools take at once: per healthy decode worker, its running seats
-        and a bounded queue of requests waiting for one."""
-        return len(self.decode.healthy()) * (self.seats_per_worker + self.max_waiting_per_worker)
+        """Requests the pools take at once: per serving decode worker (healthy, not draining),
+        its running seats and a bounded queue of requests waiting for one."""
+        return len(self.decode.serving()) * (self.seats_per_worker + self.max_waiting_per_worker)
 
     def max_queued(self) -> int:
         """Requests that may wait for a decode seat (or the KV blocks to use one) at once: a
-        queue per healthy decode worker and per one being replaced (requests that find no
-        healthy worker wait for its replacement, `may_wait`)."""
-        return (len(self.decode.healthy()) + self.decode.replacing) * self.max_waiting_per_worker
+        queue per serving decode worker and per one being replaced (requests that find no
+        serving worker wait for its replacement, `may_wait`)."""
+        return (len(self.decode.serving()) + self.decode.replacing) * self.max_waiting_per_worker
 
     @property
     def num_queued(self) -> int:
@@ -76,7 +76,8 @@ class SeatLine:
         for one in arrival order (`front`: ahead of all, a retried one); one that would wait
         behind `max_queued()` others is refused at once (Overloaded). The head re-checks
         whenever a seat or blocks are freed, the load is read, or `config.seat_recheck_s`
-        passed (a replaced worker's seats). With no healthy decode worker, waits while
+        passed (a replaced worker's seats). A draining worker takes no one. With no serving
+        decode worker, waits while
         `may_wait`, then WorkerUnavailable."""
         me = asyncio.Event()
         if front:
@@ -87,10 +88,10 @@ class SeatLine:
         try:
             while True:
                 if self._line[0] is me:
-                    healthy = self.decode.healthy()
-                    if not healthy and not may_wait(self.decode, migrated, give_up):
+                    serving = self.decode.serving()
+                    if not serving and not may_wait(self.decode, migrated, give_up):
                         raise WorkerUnavailable("no healthy decode worker")
-                    free = [w for w in healthy if self.fits(w, need)]
+                    free = [w for w in serving if self.fits(w, need)]
                     if free:
                         state = self.policy.choose([w.state for w in free], prompt)
                         worker = next(w for w in free if w.state is state)

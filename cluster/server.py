@@ -15,9 +15,11 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.cluster.auth import BearerTokenInterceptor, HttpTls, grpc_server_credentials
+from pdserve.cluster.admin_service import AdminService
+from pdserve.cluster.auth import AdminTokenInterceptor, BearerTokenInterceptor, HttpTls, grpc_server_credentials
 from pdserve.cluster.config import ServeConfig, client_auth, cluster_secret, fit_pools_to_gpus, read_chat_template
 from pdserve.cluster.coordinator import Coordinator
+from pdserve.cluster.elastic import Elastic
 from pdserve.cluster.frontend import Frontend
 from pdserve.cluster.http_api import HttpServer
 from pdserve.cluster.interceptors import MalformedRequestInterceptor
@@ -32,11 +34,12 @@ from pdserve.engine.tools import tool_format
 from pdserve.engine.weights import load_tokenizer, resolve_model
 from pdserve.kv_transport import TransportConfig
 from pdserve.prefill_node.worker import PrefillWorker
-from pdserve.proto.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.proto.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
 @dataclass(slots=True)
@@ -45,6 +48,7 @@ class Server:
 
     grpc_server: grpc.aio.Server
     coordinator: Coordinator
+    elastic: Elastic
     health: health.aio.HealthServicer
     metrics: Metrics
     port: int
@@ -60,6 +64,7 @@ class Server:
         if self.http is not None:
             await self.http.stop()
         await self.grpc_server.stop(grace=self.shutdown_grace_s)
+        await self.elastic.stop()
         await self.coordinator.stop()
 
 
@@ -116,15 +121,19 @@ async def start_server(config: ServeConfig) -> Server:
 
     frontend = Frontend(coordinator, processor, metrics, config.server.default_timeout_s,
                         config.admission.retry_after_s)
-    # The token is checked before a request is parsed; a request that does not parse is INVALID_ARGUMENT.
-    interceptors = [BearerTokenInterceptor(auth.api_key)] if auth.api_key else []
+    # The tokens are checked before a request is parsed; a request that does not parse is
+    # INVALID_ARGUMENT. The admin service answers to its own token only (AdminTokenInterceptor).
+    interceptors = [AdminTokenInterceptor(auth.admin_token, auth.api_key)]
+    interceptors += [BearerTokenInterceptor(auth.api_key)] if auth.api_key else []
     server = grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()])
     service = GenerationService(frontend)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    elastic = Elastic(coordinator, config.drain, metrics)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(elastic), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.server.host}:{config.server.port}"
     if auth.tls:
         port = server.add_secure_port(address, grpc_server_credentials(auth))
@@ -147,11 +156,12 @@ async def start_server(config: ServeConfig) -> Server:
     if config.server.metrics_port:
         metrics.serve(config.server.host, config.server.metrics_port)
     tls = ("on, client certificates required" if auth.mutual_tls else "on") if auth.tls else "off"
-    logger.info("pdserve serving %s on %s:%d, HTTP %s (%s, %s; TLS %s, bearer token %s)", files.name,
+    logger.info("pdserve serving %s on %s:%d, HTTP %s (%s, %s; TLS %s, bearer token %s, admin API %s)", files.name,
                 config.server.host, port, http.port if http else "off", coordinator.mode,
                 "GPU" if torch.cuda.is_available() else "CPU", tls,
-                "asked" if auth.api_key else "not asked")
-    return Server(server, coordinator, health_servicer, metrics, port, frontend, http, config.server.shutdown_grace_s)
+                "asked" if auth.api_key else "not asked", "on" if auth.admin_token else "off")
+    return Server(server, coordinator, elastic, health_servicer, metrics, port, frontend, http,
+                  config.server.shutdown_grace_s)
 
 
 async def serve_forever(config: ServeConfig) -> None:

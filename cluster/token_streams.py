@@ -43,9 +43,21 @@ class TokenStreams:
     def fail(self, worker: Worker, error: Exception) -> None:
         """`worker` is lost: its requests' streams end with `error`; its poller is forgotten."""
         self._pollers.pop(worker.worker_id, None)
+        self.move(worker, error)
+
+    def move(self, worker: Worker, error: Exception) -> None:
+        """`worker`'s requests' streams end with `error` behind the deltas already queued: a
+        WorkerLost, which their coordinators answer by continuing them elsewhere (a drain past
+        its deadline calls this alone: its poller goes on while the worker lives)."""
         for stream in self._streams.values():
             if stream.decode is worker:
                 stream.queue.put_nowait(error)
+
+    def forget(self, worker: Worker) -> None:
+        """`worker` has left: its poller stops."""
+        task = self._pollers.pop(worker.worker_id, None)
+        if task is not None:
+            task.cancel()
 
     def stop(self) -> None:
         for task in self._pollers.values():

@@ -54,6 +54,7 @@ SLOWEST_MODULES = (
     "tests/cluster/test_api_tools.py",  # ~150
     "tests/kernels/test_flash_prefill.py",  # ~150
     "tests/cluster/test_serving.py",  # ~130
+    "tests/cluster/test_elastic.py",  # ~80 alone (its own server of three workers, two more added)
     "tests/engine/test_new_families.py",
     "tests/engine/test_tensor_parallel.py",
     "tests/engine/test_engine.py",

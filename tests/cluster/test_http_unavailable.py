@@ -21,7 +21,7 @@ from pdserve.engine.request_processor import RequestProcessor
 class _LostPool:
     role: str = "decode"
 
-    def healthy(self) -> list[object]:
+    def serving(self) -> list[object]:
         return []
 
 

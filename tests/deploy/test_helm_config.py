@@ -223,6 +223,16 @@ def test_tls_and_an_api_key_from_secrets(render: Render, tmp_path: Path, monkeyp
     assert (default.tls_cert, default.api_key_file) == ("", "")
 
 
+def test_an_admin_token_from_a_secret(render: Render, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render(sets=("auth.adminTokenSecret=pdserve-admin",))
+    assert served_config(docs, tmp_path, monkeypatch).server.admin_token_file == "/etc/pdserve-admin-token/admin-token"
+    mounts = {m["name"]: m["mountPath"] for m in head_container(docs)["volumeMounts"]}
+    assert mounts["admin-token"] == "/etc/pdserve-admin-token"
+    volumes = {v["name"]: v for v in one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["volumes"]}
+    assert volumes["admin-token"]["secret"]["secretName"] == "pdserve-admin"
+    assert served_config(render(), tmp_path, monkeypatch).server.admin_token_file == ""  # off by default
+
+
 def test_client_certificates_from_a_ca_secret(render: Render, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     docs = render(sets=("auth.tlsSecret=pdserve-tls", "auth.clientCaSecret=pdserve-client-ca"))

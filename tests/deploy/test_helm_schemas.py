@@ -97,7 +97,7 @@ def test_rendered_manifests_validate(render: Render, values: str) -> None:
 
 
 def test_manifests_with_client_authentication_validate(render: Render) -> None:
-    docs = render(sets=("auth.tlsSecret=t", "auth.clientCaSecret=c", "auth.apiKeySecret=k"))
+    docs = render(sets=("auth.tlsSecret=t", "auth.clientCaSecret=c", "auth.apiKeySecret=k", "auth.adminTokenSecret=a"))
     for doc in docs:
         validate(doc)
     for name, template in pod_templates(one(docs, "RayCluster")).items():
@@ -155,6 +155,7 @@ def test_mismatched_gpus_per_worker_fail(helm: str) -> None:
 # values.schema.json refuses them under config: (a value there would be overwritten).
 CHART_OWNED = {
     "server.host", "server.tls_cert", "server.tls_key", "server.tls_client_ca", "server.api_key_file",
+    "server.admin_token_file",
     "pools.num_prefill", "pools.num_decode", "pools.gpus_per_worker", "pools.prefill_resource",
     "pools.decode_resource", "ray.address", "ray.node_ip_address",
 }
@@ -260,7 +261,7 @@ def test_the_schema_takes_every_default_and_refuses_what_the_config_refuses() ->
 
 
 def test_chart_owned_fields_are_the_ones_the_chart_sets(render: Render) -> None:
-    docs = render(sets=("auth.tlsSecret=t", "auth.clientCaSecret=c", "auth.apiKeySecret=k"))
+    docs = render(sets=("auth.tlsSecret=t", "auth.clientCaSecret=c", "auth.apiKeySecret=k", "auth.adminTokenSecret=a"))
     rendered = yaml.safe_load(one(docs, "ConfigMap")["data"]["config.yaml"])
     for path in CHART_OWNED:
         section, name = path.split(".")

@@ -69,6 +69,9 @@ GPUs per worker over its tensor-parallel size. */}}
 {{- if .Values.auth.apiKeySecret -}}
 {{- $_ := set (get $cfg "server") "api_key_file" (printf "/etc/pdserve-api-key/%s" .Values.auth.apiKeySecretKey) -}}
 {{- end -}}
+{{- if .Values.auth.adminTokenSecret -}}
+{{- $_ := set (get $cfg "server") "admin_token_file" (printf "/etc/pdserve-admin-token/%s" .Values.auth.adminTokenSecretKey) -}}
+{{- end -}}
 {{- $_ := set $cfg "ray" (dict "address" "auto" "node_ip_address" (include "pdserve.podIpPlaceholder" .)) -}}
 {{- toYaml $cfg -}}
 {{- end -}}
