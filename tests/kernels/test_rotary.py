@@ -53,8 +53,13 @@ def _check(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, 
     rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots, read_ahead=read_ahead,
                        head_norms=norms)
 
-    # A norm first: its rounded value may differ from the reference's by an ulp (the sum's order).
-    tol = rounding_tolerance(dtype, roundings=3 if head_norms else 1)
+    tol = rounding_tolerance(dtype)
+    if head_norms:
+        # The norm's fp32 sum of squares runs in another order than the reference's, so a
+        # normalized element's rounding to the dtype flips now and then (13 of 33.5 M at 8k
+        # tokens in bf16 on the H100): an ulp of a value near 1, which the rotation mixes into
+        # both halves. Bounded by a few ulps of 1, not relatively (the sum may be near 0).
+        tol = {"rtol": 3 * torch.finfo(dtype).eps, "atol": max(1e-5, 4 * torch.finfo(dtype).eps)}
     tol["atol"] *= scale  # values scale x larger, ulps too
     torch.testing.assert_close(q.double(), q_ref, **tol)
     if cache_dtype == KV_FP8:
