@@ -188,6 +188,12 @@ class RequestProcessor:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (an echoed prompt); without a tokenizer, their `token_text`s."""
+        if self.tokenizer is None:
+            return "".join(self.token_text(t) for t in token_ids)
+        return self.tokenizer.decode(list(token_ids))
+
     def output_stream(self, request: ProcessedRequest) -> OutputStream:
         return OutputStream(self.tokenizer, request.prompt_token_ids, request.stop, request.prompt_only)
 
