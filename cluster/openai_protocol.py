@@ -191,11 +191,15 @@ class CompletionRenderer:
     def chunks(self, choice: Choice, delta: TextDelta) -> list[m.CompletionResponse]:
         """`delta`, already added to `choice.output`, as a stream chunk."""
         text_offset = len(choice.output.text) - len(delta.text)
-        logprobs = None
+        logprobs = prompt_logprobs = None
         if choice.request.params.logprobs is not None:
             logprobs = self._logprobs([lp.token_id for lp in delta.logprobs], delta.logprobs, text_offset)
+        num_prompt_top = choice.request.params.prompt_logprobs
+        if num_prompt_top is not None and delta.prompt_logprobs:  # the first chunk, as vLLM streams them
+            prompt_logprobs = self._prompt_logprobs(delta.prompt_logprobs, num_prompt_top)
         return [m.CompletionResponse(**self.head, choices=[m.CompletionChoice(
-            index=choice.index, text=delta.text, logprobs=logprobs, finish_reason=_finish(delta))])]
+            index=choice.index, text=delta.text, logprobs=logprobs, finish_reason=_finish(delta),
+            prompt_logprobs=prompt_logprobs)])]
 
     def usage_chunk(self, choices: list[Choice]) -> m.CompletionResponse:
         return m.CompletionResponse(**self.head, choices=[], usage=usage(choices))

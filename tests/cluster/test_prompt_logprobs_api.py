@@ -90,6 +90,10 @@ def test_vllm_prompt_logprobs(client, model, prompt_ids, small_model, tokenizer)
                                         extra_body={"prompt_logprobs": 3})
         assert out.usage.prompt_tokens_details.cached_tokens == 0
     entries = out.choices[0].model_extra["prompt_logprobs"]
+    streamed = client.completions.create(model=model, prompt=prompt_ids * 3, max_tokens=2, temperature=0,
+                                         stream=True, extra_body={"prompt_logprobs": 3})
+    firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in streamed if c.choices]
+    assert firsts[0] == entries and not any(firsts[1:]), "the first chunk carries them, as vLLM streams them"
     ids = prompt_ids * 3
     ref = hf_logprobs(small_model, ids)
     assert len(entries) == len(ids) and entries[0] is None
