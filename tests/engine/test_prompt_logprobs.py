@@ -13,7 +13,7 @@ from pdserve.engine.sampling import SamplingParams
 from tests.engine.prompts import prompt_ids
 
 TOLERANCE = 1e-4
-CHUNK = 64  # the engine's token budget per step: longer prompts are computed in chunks
+CHUNK = 32  # the engine's token budget per step: longer prompts are computed in chunks
 NUM_TOP = 5
 
 
@@ -47,8 +47,8 @@ def assert_matches_hf(entries: list[TokenLogprobs | None], prompt: list[int], re
 
 
 def test_a_chunked_prompt_beside_other_requests_matches_hf(chunked_engine, hf_model, tokenizer):
-    prompt = prompt_ids(tokenizer, 3 * CHUNK + 17, variant=5)
-    others = [prompt_ids(tokenizer, n, variant=20 + n) for n in (40, 90)]
+    prompt = prompt_ids(tokenizer, 2 * CHUNK + 17, variant=5)
+    others = [prompt_ids(tokenizer, n, variant=20 + n) for n in (20, 40)]
     params = [SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=NUM_TOP)] + \
         [SamplingParams(temperature=0, max_tokens=3)] * 2
     outs = chunked_engine.generate([prompt, *others], params)
