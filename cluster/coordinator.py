@@ -48,12 +48,14 @@ def _continuation(req: WorkerRequest, generated: list[int], attempt: int) -> Wor
     """`req` from where its stream stands: the tokens streamed so far join the prompt and
     leave the budget (and count as its output for sampling: a seeded request goes on as
     it would have). A fresh id per attempt, so that nothing of an earlier one (a late
-    delta, a transfer, an abort) can touch it."""
+    delta, a transfer, an abort) can touch it. The prompt's log-probabilities came with the
+    first token: once that is streamed, they are not asked for again."""
     remaining = req.params.max_tokens - len(generated)
     if remaining < 1:
         raise WorkerUnavailable(f"request {req.request_id}: nothing left to generate after a lost worker")
+    prompt_logprobs = None if generated else req.params.prompt_logprobs
     return WorkerRequest(f"{req.request_id}~{attempt}", (*req.prompt_token_ids, *generated),
-                         dataclasses.replace(req.params, max_tokens=remaining),
+                         dataclasses.replace(req.params, max_tokens=remaining, prompt_logprobs=prompt_logprobs),
                          req.num_prior_output_tokens + len(generated))
 
 

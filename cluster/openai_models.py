@@ -78,12 +78,13 @@ class _GenerationRequest(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
     repetition_penalty: float | None = None  # vLLM's (HF's definition)
     min_tokens: int | None = None  # vLLM's
-    # Accepted only at their neutral values (what the engine does anyway): any other value is
-    # refused by name (`unsupported`), never dropped in silence.
-    prompt_logprobs: int | None = None  # vLLM's
+    # vLLM's: each prompt token's log-probability, rank and this many top alternatives (completions).
+    prompt_logprobs: int | None = None
 
-    # Each field above that is accepted only at one of its neutral values, and those values.
-    NEUTRAL_ONLY: ClassVar[dict[str, tuple[Any, ...]]] = {"prompt_logprobs": (None,)}
+    # Each field that is accepted only at one of its neutral values (what the engine does
+    # anyway), and those values: any other value is refused by name (`unsupported`), never
+    # dropped in silence.
+    NEUTRAL_ONLY: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot do, or None."""
@@ -92,17 +93,19 @@ class _GenerationRequest(_Body):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 only with echo: the prompt alone (how lm-eval asks for log-likelihoods)
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion, in the text and the logprobs
     suffix: str | None = None
     best_of: int | None = None
 
-    NEUTRAL_ONLY = {**_GenerationRequest.NEUTRAL_ONLY, "echo": (False,), "suffix": (None, "")}
+    NEUTRAL_ONLY = {**_GenerationRequest.NEUTRAL_ONLY, "suffix": (None, "")}
 
     def unsupported(self) -> str | None:
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
+        if self.echo and self.stream:
+            return "echo"  # with stream
         return _GenerationRequest.unsupported(self)
 
 
@@ -157,8 +160,10 @@ class ChatCompletionRequest(_GenerationRequest):
     verbosity: str | None = None
     web_search_options: dict[str, object] | None = None
     moderation: dict[str, object] | None = None
+    echo: bool = False  # vLLM's (the last message echoed): not here
 
-    NEUTRAL_ONLY = {**_GenerationRequest.NEUTRAL_ONLY, "functions": (None, []), "function_call": (None, "none"),
+    NEUTRAL_ONLY = {**_GenerationRequest.NEUTRAL_ONLY, "prompt_logprobs": (None,), "echo": (False,),
+                    "functions": (None, []), "function_call": (None, "none"),
                     "modalities": (None, ["text"]),
                     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
                     "web_search_options": (None,), "moderation": (None,)}
@@ -179,10 +184,21 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs; with echo the prompt's tokens come first, the first one's
+    log-probability and alternatives null."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -190,6 +206,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's, with prompt_logprobs: null for the first prompt token, then {token id: entry} of
+    # the prompt's token and its top alternatives.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

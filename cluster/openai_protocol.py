@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.cluster import openai_models as m
 from pdserve.engine.outputs import RequestOutput, TextDelta
 from pdserve.engine.reasoning import ReasoningSplitter
-from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
+from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor, prompt_only
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import FinishReason
@@ -28,6 +29,7 @@ class Choice:
     prompt_index: int
     sample: int
     request: ProcessedRequest
+    echo: bool = False  # completions' echo: the prompt comes first in the text and the logprobs
     output: RequestOutput = field(init=False)
 
     def __post_init__(self) -> None:
@@ -38,10 +40,20 @@ class Choice:
 
 
 def completion_choices(req: m.CompletionRequest, processor: RequestProcessor) -> list[Choice]:
-    """Raises ValueError naming the bad field."""
+    """Raises ValueError naming the bad field. With echo and logprobs the prompt's tokens get
+    theirs (`prompt_logprobs`, at least `logprobs` alternatives); max_tokens 0 (echo only)
+    runs with 1 and drops its token (`prompt_only`)."""
     prompts = _prompts(req.prompt)
-    params = _sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-    return _expand([processor.process(p, params=params) for p in prompts], req.n)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    if max_tokens == 0 and not req.echo:
+        raise ValueError("max_tokens must be >= 1 (0 only with echo), got 0")
+    params = _sampling(req, 1 if max_tokens == 0 else max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
+    requests = [processor.process(p, params=params) for p in prompts]
+    if max_tokens == 0:
+        requests = [prompt_only(r) for r in requests]
+    return _expand(requests, req.n, req.echo)
 
 
 def chat_choices(req: m.ChatCompletionRequest, processor: RequestProcessor) -> list[Choice]:
@@ -124,10 +136,11 @@ def _sampling(req: m.CompletionRequest | m.ChatCompletionRequest, max_tokens: in
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     structured = req.response_format.structured() if req.response_format is not None else None
     return SamplingParams(**kwargs, max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
-                          ignore_eos=req.ignore_eos, logprobs=logprobs, structured=structured)
+                          ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+                          structured=structured)
 
 
-def _expand(requests: list[ProcessedRequest], n: int) -> list[Choice]:
+def _expand(requests: list[ProcessedRequest], n: int, echo: bool = False) -> list[Choice]:
     """n choices per prompt; with a seed, sample i draws from seed + i (reproducible, and distinct).
     Raises ValueError when a request's min_tokens exceeds its max_tokens (known only now for a
     chat without max_tokens: the rest of the context)."""
@@ -139,7 +152,7 @@ def _expand(requests: list[ProcessedRequest], n: int) -> list[Choice]:
             sample = request
             if seed is not None and i:
                 sample = dataclasses.replace(request, params=dataclasses.replace(request.params, seed=seed + i))
-            choices.append(Choice(len(choices), p, i, sample))
+            choices.append(Choice(len(choices), p, i, sample, echo))
     return choices
 
 
@@ -178,30 +191,68 @@ class CompletionRenderer:
     def chunks(self, choice: Choice, delta: TextDelta) -> list[m.CompletionResponse]:
         """`delta`, already added to `choice.output`, as a stream chunk."""
         text_offset = len(choice.output.text) - len(delta.text)
-        logprobs = self._logprobs(delta.logprobs, text_offset) if choice.request.params.logprobs is not None else None
+        logprobs = prompt_logprobs = None
+        if choice.request.params.logprobs is not None:
+            logprobs = self._logprobs([lp.token_id for lp in delta.logprobs], delta.logprobs, text_offset)
+        num_prompt_top = choice.request.params.prompt_logprobs
+        if num_prompt_top is not None and delta.prompt_logprobs:  # the first chunk, as vLLM streams them
+            prompt_logprobs = self._prompt_logprobs(delta.prompt_logprobs, num_prompt_top)
         return [m.CompletionResponse(**self.head, choices=[m.CompletionChoice(
-            index=choice.index, text=delta.text, logprobs=logprobs, finish_reason=_finish(delta))])]
+            index=choice.index, text=delta.text, logprobs=logprobs, finish_reason=_finish(delta),
+            prompt_logprobs=prompt_logprobs)])]
 
     def usage_chunk(self, choices: list[Choice]) -> m.CompletionResponse:
         return m.CompletionResponse(**self.head, choices=[], usage=usage(choices))
 
     def response(self, choices: list[Choice]) -> m.CompletionResponse:
-        return m.CompletionResponse(**self.head, usage=usage(choices), choices=[m.CompletionChoice(
-            index=c.index, text=c.output.text, finish_reason=_finish(c.output),
-            logprobs=self._logprobs(c.output.logprobs, 0) if c.request.params.logprobs is not None else None)
-            for c in choices])
+        return m.CompletionResponse(**self.head, usage=usage(choices), choices=[self._choice(c) for c in choices])
 
-    def _logprobs(self, logprobs: list[TokenLogprobs] | tuple[TokenLogprobs, ...],
-                  text_offset: int) -> m.CompletionLogprobs:
-        tokens = [self.processor.token_text(lp.token_id) for lp in logprobs]
+    def _choice(self, c: Choice) -> m.CompletionChoice:
+        """A whole choice; with echo, the prompt (and its tokens' logprobs) before the completion."""
+        num_top = c.request.params.logprobs
+        prompt_text = self.processor.decode(c.request.prompt_token_ids) if c.echo else ""
+        logprobs = None
+        if num_top is not None:
+            token_ids = [*c.request.prompt_token_ids, *c.output.token_ids] if c.echo else c.output.token_ids
+            entries = [*c.output.prompt_logprobs, *c.output.logprobs] if c.echo else c.output.logprobs
+            logprobs = self._logprobs(token_ids, entries, 0, num_top)
+        prompt_logprobs = None
+        if c.request.params.prompt_logprobs is not None and c.output.prompt_logprobs:
+            prompt_logprobs = self._prompt_logprobs(c.output.prompt_logprobs, c.request.params.prompt_logprobs)
+        return m.CompletionChoice(index=c.index, text=prompt_text + c.output.text, finish_reason=_finish(c.output),
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None], text_offset: int,
+                  num_top: int | None = None) -> m.CompletionLogprobs:
+        """OpenAI's legacy form of `token_ids` and their entries: one with no log-probability (an
+        echoed prompt's first token) is null; `num_top` bounds the alternatives (a prompt's may
+        have more: vLLM's prompt_logprobs asked for beside)."""
+        assert len(token_ids) == len(logprobs), "a log-probability entry for every token"
+        tokens = [self.processor.token_text(t) for t in token_ids]
         offsets = []
         for token in tokens:
             offsets.append(text_offset)
             text_offset += len(token)
         return m.CompletionLogprobs(
-            tokens=tokens, token_logprobs=[lp.logprob for lp in logprobs], text_offset=offsets,
-            top_logprobs=[{self.processor.token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
-                          for lp in logprobs])
+            tokens=tokens, token_logprobs=[lp.logprob if lp is not None else None for lp in logprobs],
+            text_offset=offsets,
+            top_logprobs=[None if lp is None else {self.processor.token_text(t): v for t, v in zip(
+                lp.top_token_ids[:num_top], lp.top_logprobs[:num_top])} for lp in logprobs])
+
+    def _prompt_logprobs(self, entries: Sequence[TokenLogprobs | None], num_top: int
+                         ) -> list[dict[int, m.PromptLogprob] | None]:
+        """vLLM's form: {token id: logprob, rank, decoded token} of the prompt's token and its top alternatives."""
+        out: list[dict[int, m.PromptLogprob] | None] = []
+        for lp in entries:
+            if lp is None:
+                out.append(None)
+                continue
+            ranked = {lp.token_id: m.PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                                   decoded_token=self.processor.token_text(lp.token_id))}
+            for rank, (t, v) in enumerate(zip(lp.top_token_ids[:num_top], lp.top_logprobs[:num_top]), start=1):
+                ranked.setdefault(t, m.PromptLogprob(logprob=v, rank=rank, decoded_token=self.processor.token_text(t)))
+            out.append(ranked)
+        return out
 
 
 class ChatRenderer:

@@ -76,7 +76,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             resp.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
         for lp in delta.logprobs:
             resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=list(lp.top_token_ids),
-                              top_logprobs=list(lp.top_logprobs))
+                              top_logprobs=list(lp.top_logprobs), rank=lp.rank)
+        for lp in delta.prompt_logprobs[1:]:  # nothing predicts the first
+            assert lp is not None
+            resp.prompt_logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=list(lp.top_token_ids),
+                                     top_logprobs=list(lp.top_logprobs), rank=lp.rank)
         if delta.finish_reason is not None:
             resp.finish_reason = _FINISH[delta.finish_reason]
             if tool_stream is not None and tool_stream.num_calls and delta.finish_reason is not FinishReason.LENGTH:

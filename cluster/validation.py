@@ -8,7 +8,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
+from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor, prompt_only
 from pdserve.engine.sampling import SamplingParams, StructuredOutput
 from pdserve.engine.tools import ToolRequest, tool_request
 from pdserve.proto.v1 import generation_pb2 as pb
@@ -18,7 +18,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
     """Unset fields take SamplingParams' defaults; bad values raise ValueError naming the field."""
     kwargs: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "logprobs", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "min_tokens"):
+                 "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs"):
         if s.HasField(name):
             kwargs[name] = getattr(s, name)
     kwargs["logit_bias"] = dict(s.logit_bias)
@@ -44,8 +44,17 @@ def parse_request(request: pb.GenerateRequest, processor: RequestProcessor) -> P
     which = request.WhichOneof("input")
     if which is None:
         raise ValueError("one of prompt, prompt_token_ids or messages is required")
+    sampling = request.sampling
+    # max_tokens 0 asks for the prompt's log-probabilities alone: run with 1, its token dropped.
+    only_prompt = sampling.HasField("max_tokens") and sampling.max_tokens == 0
+    if only_prompt and not sampling.HasField("prompt_logprobs"):
+        raise ValueError("sampling.max_tokens must be >= 1 (0 only with prompt_logprobs), got 0")
     try:
-        params = sampling_from_proto(request.sampling)
+        if only_prompt:
+            sampling = pb.SamplingParams()
+            sampling.CopyFrom(request.sampling)
+            sampling.max_tokens = 1
+        params = sampling_from_proto(sampling)
         params.check_min_tokens()
         processor.check_params(params)
     except ValueError as e:
@@ -56,9 +65,13 @@ def parse_request(request: pb.GenerateRequest, processor: RequestProcessor) -> P
         kwargs = None
         if chat.HasField("chat_template_kwargs"):
             kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
-        return processor.process(messages=messages, params=params, chat_template_kwargs=kwargs, tools=_tools(chat))
-    prompt = request.prompt if which == "prompt" else list(request.prompt_token_ids.ids)
-    return processor.process(prompt, params=params, token_ids_field="prompt_token_ids")
+    if which == "messages":
+        processed = processor.process(messages=messages, params=params, chat_template_kwargs=kwargs,
+                                      tools=_tools(chat))
+    else:
+        prompt = request.prompt if which == "prompt" else list(request.prompt_token_ids.ids)
+        processed = processor.process(prompt, params=params, token_ids_field="prompt_token_ids")
+    return prompt_only(processed) if only_prompt else processed
 
 
 def _message(i: int, m: pb.ChatMessage) -> dict[str, Any]:

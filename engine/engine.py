@@ -23,8 +23,9 @@ from pdserve.engine.grammar import StructuredOutputs
 from pdserve.engine.kv_events import DEVICE_TIER, KVEventRecorder, KVSnapshot
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
 from pdserve.engine.penalties import Penalties
+from pdserve.engine.prompt_logprobs import PromptChunk, PromptLogprobs
 from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
-from pdserve.engine.sampler import PendingSample
+from pdserve.engine.sampler import PendingSample, TokenLogprobs
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import FinishReason, Sequence
@@ -58,6 +59,7 @@ class _LaunchedStep:
     sample: PendingSample | None
     verifying: dict[Sequence, torch.Tensor]  # logits [1 + K, vocab] of the sequences that proposed K tokens
     proposals: StepProposals | None = None
+    prompt: dict[Sequence, PromptChunk] = field(default_factory=dict)  # prompt log-probabilities computed
     free_after: list[Sequence] = field(default_factory=list)  # finished meanwhile: free once resolved
     batch_seqs: set[Sequence] = field(default_factory=set)
 
@@ -92,6 +94,8 @@ class Engine:
         self.structured = StructuredOutputs(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
         self.penalties = Penalties(self.arch.vocab_size, self.arch.eos_token_ids, self.device)
         self._requests: dict[str, _Request] = {}
+        # Requests that asked for prompt log-probabilities, until their first token carries them.
+        self._prompt_logprobs: dict[str, PromptLogprobs] = {}
         self._on_kv_computed: KVComputed | None = None
         self._in_flight: _LaunchedStep | None = None  # the step queued last, not yet resolved
         self._ids = itertools.count()
@@ -136,6 +140,11 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, request.prompt_token_ids, request.params, self.pool.layout.block_size,
                        num_prior_output_tokens=_checked_prior(num_prior_output_tokens, request))
+        if request.params.prompt_logprobs is not None:
+            if self.ranks is not None:
+                raise ValueError("prompt_logprobs is not supported under tensor parallelism (the other ranks "
+                                 "would have to compute the prompt's logits too)")
+            self._prompt_logprobs[request_id] = PromptLogprobs(seq.num_prompt_tokens)
         self._requests[request_id] = _Request(seq, hold_kv)
         self.scheduler.add(seq)
         return request_id
@@ -306,7 +315,8 @@ class Engine:
             width = proposals.proposals.token_ids.shape[1]
             in_flight = InFlightTokens(proposals.proposals.token_ids.view(-1),
                                        {seq: row * width for seq, row in proposals.rows.items()})
-        logits = self.runner.compute_logits(batch, in_flight)
+        wanted = [seq for seq in batch.seqs if seq.request_id in self._prompt_logprobs] if self._prompt_logprobs else ()
+        logits = self.runner.compute_logits(batch, in_flight, wanted)
         if self._on_kv_computed is not None:
             self._report_kv_computed(batch, self._on_kv_computed)
         verifying = {seq: logits.pop(seq) for seq in batch.seqs if seq.spec_token_ids}
@@ -320,7 +330,7 @@ class Engine:
             self.scheduler.launched(seq, num_new, samples=seq in rows)
             # Now, not at resolve: the next step's admissions must find this one's prefix.
             self.block_manager.cache_full_blocks(seq)
-        return _LaunchedStep(batch, seqs, rows, sample, verifying, proposals)
+        return _LaunchedStep(batch, seqs, rows, sample, verifying, proposals, logits.prompt)
 
     def _to_sample(self, seqs: list[Sequence], rows: torch.Tensor) -> torch.Tensor:
         """The logits to sample from: the model's rows [len(seqs), vocab] with penalties and bias
@@ -334,6 +344,10 @@ class Engine:
         out = launched.sample.resolve() if launched.sample is not None else None
         self._free_deferred(launched)
         verified = self._spec.verify(launched.verifying, launched.proposals) if self._spec is not None else {}
+        for seq, chunk in launched.prompt.items():
+            collecting = self._prompt_logprobs.get(seq.request_id)
+            if collecting is not None and not seq.is_finished:
+                collecting.add(chunk)
         deltas = []
         for seq in launched.batch.seqs:
             if seq.is_finished:  # finished or aborted while the step ran
@@ -383,6 +397,7 @@ class Engine:
 
     def _accept_token(self, seq: Sequence, token_id: int, logprobs: Any) -> TokenDelta:
         """A sampled token into its sequence (the scheduler places it and applies the stop rules)."""
+        prompt_logprobs = self._take_prompt_logprobs(seq)  # before _finish forgets them
         pos, reason = self.scheduler.take_token(seq, token_id)
         if reason is not FinishReason.STOP and self.structured.accept(seq):
             reason = FinishReason.STOP  # the grammar is complete
@@ -390,10 +405,19 @@ class Engine:
             self._finish(seq, reason, num_tokens=pos + 1)  # a token sampled after the last one is dropped
         held = tuple(seq.block_ids) if seq.request_id in self.scheduler.held else ()
         return TokenDelta(seq.request_id, (token_id,), reason, (logprobs,) if logprobs else (),
-                          seq.num_prompt_tokens, seq.num_cached_tokens, held)
+                          seq.num_prompt_tokens, seq.num_cached_tokens, held, prompt_logprobs)
+
+    def _take_prompt_logprobs(self, seq: Sequence) -> tuple[TokenLogprobs | None, ...]:
+        """A request's prompt log-probabilities, for the delta of its first token (then forgotten)."""
+        collecting = self._prompt_logprobs.get(seq.request_id)
+        if collecting is None or not collecting.complete:
+            return ()
+        del self._prompt_logprobs[seq.request_id]
+        return tuple(collecting.entries)
 
     def _finish(self, seq: Sequence, reason: FinishReason, num_tokens: int | None = None) -> None:
         req = self._requests.pop(seq.request_id)
+        self._prompt_logprobs.pop(seq.request_id, None)
         copy = self.scheduler.pending_copy(seq)
         wait_s = self.config.cache.kv_copy_wait_s
         if copy is not None and not _wait_for_copy(copy, wait_s):  # free the blocks after the copy into them
@@ -489,4 +513,4 @@ def _merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
     last = deltas[-1]
     return TokenDelta(last.request_id, tuple(t for d in deltas for t in d.token_ids), last.finish_reason,
                       tuple(lp for d in deltas for lp in d.logprobs), last.num_prompt_tokens, last.num_cached_tokens,
-                      last.held_block_ids)
+                      last.held_block_ids, deltas[0].prompt_logprobs)

@@ -54,10 +54,19 @@ class Executor:
         every row with `every_row`, as a graph captures them), None when it names none (a
         step of mid-prompt chunks). Under tensor parallelism every rank calls this with the
         same step, and the logits' all-gather happens on all of them or none."""
-        step = self.backend.begin_step(inputs.meta, self.pool, self.scale)
-        hidden = self.model(inputs.input_ids, inputs.positions, step)
+        hidden = self.hidden(inputs)
         if every_row:
             return self.model.compute_logits(hidden)
+        return self.logits(hidden, inputs)
+
+    def hidden(self, inputs: StepInputs) -> torch.Tensor:
+        """`forward` up to the final hidden states [num_tokens, hidden] (a step that also wants
+        other rows' logits: prompt log-probabilities, `engine/prompt_logprobs.py`)."""
+        step = self.backend.begin_step(inputs.meta, self.pool, self.scale)
+        return self.model(inputs.input_ids, inputs.positions, step)
+
+    def logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
+        """The logits of the rows `inputs.logits_indices` names (None: none)."""
         if not inputs.logits_indices.numel():
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))

@@ -30,6 +30,9 @@ class TokenDelta:
     # The last delta of a `hold_kv` request: the blocks holding its KV, in position order,
     # so that whoever sends them needs no call into the engine; free with Engine.release.
     held_block_ids: tuple[int, ...] = ()
+    # The first delta of a request that asked for them (`SamplingParams.prompt_logprobs`): one
+    # entry per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -50,6 +53,7 @@ class TextDelta:
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()
     num_cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # as TokenDelta's
 
     @property
     def finished(self) -> bool:
@@ -67,8 +71,11 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     def add(self, delta: TextDelta) -> None:
+        self.prompt_logprobs.extend(delta.prompt_logprobs)
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
         self.logprobs.extend(delta.logprobs)

@@ -36,6 +36,17 @@ class ProcessedRequest:
     params: SamplingParams  # for the engine: stop strings removed
     stop: tuple[str, ...] = ()  # for the OutputStream
     tool_format: ToolFormat | None = None  # the answer's tool calls are read in it (None: all text)
+    # max_tokens 0 (the prompt's log-probabilities alone, as lm-eval asks for log-likelihoods):
+    # the engine runs it with max_tokens 1 (the prompt's forward samples anyway) and its
+    # OutputStream drops that token, ending the request by length. See `prompt_only`.
+    prompt_only: bool = False
+
+
+def prompt_only(request: ProcessedRequest) -> ProcessedRequest:
+    """`request` (made with max_tokens 1) as a request for no new token (max_tokens 0)."""
+    if request.params.max_tokens != 1:
+        raise ValueError("a prompt-only request runs with max_tokens 1")
+    return dataclasses.replace(request, prompt_only=True)
 
 
 class RequestProcessor:
@@ -177,8 +188,14 @@ class RequestProcessor:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (an echoed prompt); without a tokenizer, their `token_text`s."""
+        if self.tokenizer is None:
+            return "".join(self.token_text(t) for t in token_ids)
+        return self.tokenizer.decode(list(token_ids))
+
     def output_stream(self, request: ProcessedRequest) -> OutputStream:
-        return OutputStream(self.tokenizer, request.prompt_token_ids, request.stop)
+        return OutputStream(self.tokenizer, request.prompt_token_ids, request.stop, request.prompt_only)
 
     def _tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -205,12 +222,18 @@ class OutputStream:
     Text that could still begin a stop string is held back until it cannot (or the request
     ends). A delta that completes a stop string comes back cut (see `TextDelta`) with
     finish_reason STOP while the engine still runs the request: the caller aborts it.
+    prompt_only: the request's one token is dropped (`ProcessedRequest.prompt_only`).
     """
 
-    def __init__(self, tokenizer: Any | None, prompt_token_ids: Sequence[int], stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Any | None, prompt_token_ids: Sequence[int], stop: tuple[str, ...],
+                 prompt_only: bool = False) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, stop) if tokenizer is not None else None
+        self._prompt_only = prompt_only
 
     def add(self, delta: TokenDelta) -> TextDelta:
+        if self._prompt_only:
+            return TextDelta(delta.request_id, (), "", FinishReason.LENGTH, (), delta.num_cached_tokens,
+                             delta.prompt_logprobs)
         token_ids, reason = delta.token_ids, delta.finish_reason
         text = ""
         if self._detokenizer is not None:
@@ -220,4 +243,4 @@ class OutputStream:
                     break
             text = self._detokenizer.take_delta(reason is not None)
         return TextDelta(delta.request_id, token_ids, text, reason, delta.logprobs[:len(token_ids)],
-                         delta.num_cached_tokens)
+                         delta.num_cached_tokens, delta.prompt_logprobs)

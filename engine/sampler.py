@@ -20,12 +20,14 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
-    """Log-probability (under the model, before temperature) of the sampled token and the top alternatives."""
+    """Log-probability (under the model, before temperature) of a token (sampled, or a prompt's)
+    and the top alternatives; `rank`: 1 + how many tokens the model found likelier (vLLM's)."""
 
     token_id: int
     logprob: float
     top_token_ids: tuple[int, ...]
     top_logprobs: tuple[float, ...]
+    rank: int
 
 
 @dataclass(slots=True)
@@ -80,14 +82,16 @@ class _PendingLogprobs:
     rows: list[int]  # batch rows that asked for logprobs
     num_top: list[int]  # how many alternatives each of them wants
     chosen: torch.Tensor  # [len(rows)] float32: logprob of the sampled token
+    ranks: torch.Tensor  # [len(rows)] int64: its rank
     top_ids: torch.Tensor  # [len(rows), max num_top]
     top_vals: torch.Tensor
 
     def resolve(self, token_ids: list[int]) -> list[TokenLogprobs | None]:
         out: list[TokenLogprobs | None] = [None] * len(token_ids)
-        chosen, top_ids, top_vals = self.chosen.tolist(), self.top_ids.tolist(), self.top_vals.tolist()
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
+        top_ids, top_vals = self.top_ids.tolist(), self.top_vals.tolist()
         for j, (i, n) in enumerate(zip(self.rows, self.num_top)):
-            out[i] = TokenLogprobs(token_ids[i], chosen[j], tuple(top_ids[j][:n]), tuple(top_vals[j][:n]))
+            out[i] = TokenLogprobs(token_ids[i], chosen[j], tuple(top_ids[j][:n]), tuple(top_vals[j][:n]), ranks[j])
         return out
 
 
@@ -255,10 +259,11 @@ def _logprobs_async(logits: torch.Tensor, token_ids: torch.Tensor, params: list[
     num_top = [params[i].logprobs or 0 for i in rows]
     k = max(num_top)
     top_vals, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-    chosen = logp.gather(1, token_ids.index_select(0, index)[:, None])[:, 0]
+    chosen = logp.gather(1, token_ids.index_select(0, index)[:, None])
+    ranks = (logp > chosen).sum(dim=-1) + 1
 
     def to_host(t: torch.Tensor) -> torch.Tensor:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu)
         return host.copy_(t, non_blocking=on_gpu)
 
-    return _PendingLogprobs(rows, num_top, to_host(chosen), to_host(top_ids), to_host(top_vals))
+    return _PendingLogprobs(rows, num_top, to_host(chosen[:, 0]), to_host(ranks), to_host(top_ids), to_host(top_vals))

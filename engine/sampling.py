@@ -6,6 +6,10 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
+# The most alternatives a request may ask for per token, sampled or prompt (vLLM's default
+# max_logprobs): each costs a top-k over the vocabulary and a host copy.
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
@@ -63,6 +67,10 @@ class SamplingParams:
     stop: strings that end generation; the text is cut before the stop string.
     logprobs: also return the log-probability of each sampled token and this many
         of the most likely alternatives (None: none).
+    prompt_logprobs: also return the log-probability of each prompt token after the first
+        (under the tokens before it) and this many of the most likely alternatives (None:
+        none; vLLM's). Such a request computes its whole prompt: a prefix-cache hit has KV but
+        no logits (`Engine`, `engine/prompt_logprobs.py`).
     structured: the output must follow this grammar (JSON schema / any JSON object); the
         request ends (STOP) once it is complete. None: free text.
     presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]: a token's logit is lowered by
@@ -89,6 +97,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -107,8 +116,10 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
         if any(not s for s in self.stop):

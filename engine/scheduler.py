@@ -177,7 +177,9 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            prefix = bm.match_prefix(seq)
+            # A request that asks for its prompt's log-probabilities computes its whole prompt
+            # (as vLLM does): cached blocks hold KV, not the logits of their positions.
+            prefix = bm.match_prefix(seq) if seq.params.prompt_logprobs is None else []
             num_cached = len(prefix) * bm.block_size
             num_new = seq.num_tokens - num_cached
             if num_new > budget:

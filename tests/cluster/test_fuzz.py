@@ -45,7 +45,8 @@ def sampling(draw) -> pb.SamplingParams:
     msg = pb.SamplingParams(stop=draw(st.lists(text, max_size=3)), stop_token_ids=draw(st.lists(int64, max_size=3)),
                             ignore_eos=draw(st.booleans()))
     for name, values in (("temperature", float32), ("top_p", float32), ("min_p", float32), ("top_k", small_ints),
-                         ("max_tokens", small_ints), ("seed", int64), ("logprobs", small_ints)):
+                         ("max_tokens", small_ints), ("seed", int64), ("logprobs", small_ints),
+                         ("prompt_logprobs", small_ints)):
         if draw(st.booleans()):
             setattr(msg, name, draw(values))
     return msg
