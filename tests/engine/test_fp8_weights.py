@@ -223,3 +223,42 @@ def test_cuda_fp8_checkpoint_matches_hf_dequantized(name, tmp_path):
     save_fp8_checkpoint(hf, tmp_path, strategy, config, scale_name, input_scales)
     engine = Engine(EngineConfig(model=ModelConfig(source=str(tmp_path), device="cuda", dtype="float32")))
     _assert_matches_hf(engine, hf, f"{name} on CUDA")
+
+
+def _shard(folder: Path, rank: int, size: int):
+    from pdserve.engine.parallel import ShardPlan, SingleRank, TensorParallel
+    from pdserve.engine.weights import load_model, resolve_model
+
+    files = resolve_model(ModelConfig(source=str(folder), device="cpu", dtype="float32"))
+    tp = TensorParallel(ShardPlan.of(files.arch, rank, size), SingleRank())  # loading only: no collectives
+    return load_model(files, 64, torch.device("cpu"), torch.float32, 0, tp)
+
+
+def _weight(model, layer: str) -> torch.Tensor:
+    module = model.get_submodule(layer)
+    return fp8.dequantize(module.weight, module.weight_scale, module.fp8_blocked)
+
+
+def test_tensor_parallel_shards_take_their_rows_and_columns_with_their_scales(channel_checkpoint):
+    """Two ranks' shards of a per-channel checkpoint, dequantized, are the slices of one rank's:
+    q/k/v and gate/up rows (scales sliced with them), o and down columns (every row's scale)."""
+    whole, shards = _shard(channel_checkpoint, 0, 1), [_shard(channel_checkpoint, r, 2) for r in (0, 1)]
+    attn, mlp = "layers.1.self_attn", "layers.1.mlp"
+    q, kv, inter = 64, 32, 128  # SMALL: 4 heads of 16, 2 KV heads, intermediate 128
+    qkv = _weight(whole, f"{attn}.qkv_proj").split([q, kv, kv])
+    gate_up = _weight(whole, f"{mlp}.gate_up_proj").split([inter, inter])
+    for rank, shard in enumerate(shards):
+        parts = [p.chunk(2)[rank] for p in qkv]
+        torch.testing.assert_close(_weight(shard, f"{attn}.qkv_proj"), torch.cat(parts), atol=0, rtol=0)
+        parts = [p.chunk(2)[rank] for p in gate_up]
+        torch.testing.assert_close(_weight(shard, f"{mlp}.gate_up_proj"), torch.cat(parts), atol=0, rtol=0)
+        for layer in (f"{attn}.o_proj", f"{mlp}.down_proj"):
+            torch.testing.assert_close(_weight(shard, layer), _weight(whole, layer).chunk(2, dim=1)[rank],
+                                       atol=0, rtol=0)
+
+
+def test_tensor_parallel_slices_off_a_scale_block_are_refused(tmp_path):
+    """BLOCKED's k_proj is 128 rows: two ranks' halves would split a 128-row scale block."""
+    save_fp8_checkpoint(_hf("qwen3", BLOCKED), tmp_path, "block", FP8_BLOCK_CONFIG, "weight_scale_inv")
+    with pytest.raises(ValueError, match="k_proj.weight_scale_inv': this rank's slice starts at 64 along dim 0"):
+        _shard(tmp_path, 1, 2)
