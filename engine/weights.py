@@ -27,6 +27,7 @@ from pdserve.engine.config import DEFAULT_MODEL, ModelConfig
 from pdserve.engine.models import fp8
 from pdserve.engine.models.arch import DUMMY_SHAPES, ModelArch
 from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.models.loading import normalize
 from pdserve.engine.models.registry import arch_of, checkpoint_tensors, model_class
 from pdserve.engine.parallel import TensorParallel
 
@@ -93,7 +94,7 @@ def load_model(files: ModelFiles, max_positions: int, device: torch.device, dtyp
     model.to_empty(device=device)
     model.tie_weights()
     weights = iter_weights(files, files.arch, seed, device, dtype)
-    model.load_weights(fp8.quantized_online(weights) if scheme is not None and scheme.online else weights)
+    model.load_weights(fp8.quantized_online(normalize(weights)) if scheme is not None and scheme.online else weights)
     return model.eval()
 
 

@@ -1,7 +1,8 @@
 """FP8 weights: which checkpoints hold them, online quantization, and the product.
 
 A model with FP8 weights holds the linear layers of its decoder layers (q/k/v, o, gate/up,
-down: `LAYERS`) as float8_e4m3fn with float32 scales, w = w8 * scale; the embedding, the
+down: `LAYERS`; an MoE layer's experts, `moe.FusedExperts`, per channel only) as
+float8_e4m3fn with float32 scales, w = w8 * scale; the embedding, the
 norms, the router and the LM head stay in the model's dtype (what vLLM's and SGLang's FP8
 methods do: those are small, or sensitive, or both). A layer's scales are one of:
 - per output channel, [N, 1]: online quantization (`--quantization fp8`: each row's
@@ -58,14 +59,14 @@ def resolve_scheme(quantization_config: dict[str, Any] | None, quantization: str
     """The scheme a model runs: its checkpoint's (config.json's `quantization_config`), else
     online per-channel when `quantization` is "fp8", else None (no FP8 weights).
 
-    Raises ValueError naming the field of a layout pdserve does not run, and for a
-    Mixture-of-Experts model (its experts' fused kernel has no FP8 weights yet)."""
+    Raises ValueError naming the field of a layout pdserve does not run, and for block
+    scales in a Mixture-of-Experts model (kernels.fused_moe scales per channel only)."""
     scheme = checkpoint_scheme(quantization_config) if quantization_config else None
     if scheme is None and quantization == "fp8":
         scheme = Fp8Scheme(blocked=False, online=True, source="online (per channel)")
-    if scheme is not None and is_moe:
-        raise ValueError(f"FP8 weights ({scheme.source}) are not supported for Mixture-of-Experts models yet: "
-                         "the experts (w13, w2) and kernels.fused_moe have no FP8 path")
+    if scheme is not None and scheme.blocked and is_moe:
+        raise ValueError(f"FP8 weights with block scales ({scheme.source}) are not supported for "
+                         "Mixture-of-Experts models yet: kernels.fused_moe scales experts (w13, w2) per channel only")
     return scheme
 
 
@@ -152,9 +153,10 @@ def _check_float8(args: dict[str, Any], where: str) -> None:
 
 
 def is_layer_weight(name: str) -> bool:
-    """Whether a checkpoint tensor is the weight of a layer that FP8 quantizes."""
+    """Whether a (normalized) checkpoint tensor is the weight of a layer that FP8 quantizes:
+    a dense or shared-expert projection, or one expert's gate, up or down."""
     parts = name.split(".")
-    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in CHECKPOINT_LAYERS and "experts" not in parts
+    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in CHECKPOINT_LAYERS
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,9 +169,9 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def quantized_online(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """A float checkpoint's tensors as a per-channel FP8 checkpoint holds them: each layer
-    weight quantized (`quantize_per_channel`) and followed by its `weight_scale`; the rest,
-    and weights already FP8, as they are."""
+    """A float checkpoint's tensors (normalized: `loading.normalize`, experts one by one) as a
+    per-channel FP8 checkpoint holds them: each layer weight quantized (`quantize_per_channel`)
+    and followed by its `weight_scale`; the rest, and weights already FP8, as they are."""
     for name, tensor in weights:
         if is_layer_weight(name) and tensor.dtype != FP8:
             quantized, scale = quantize_per_channel(tensor)

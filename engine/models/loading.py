@@ -139,12 +139,12 @@ def load(model: nn.Module, arch: ModelArch, plan: ShardPlan, weights: Iterable[t
         if kind is not None:
             scale_param = where.name + "_scale"
             if scale_param not in params:
-                raise ValueError(f"unexpected weight {name!r} (no FP8 layer {where.name.removesuffix('.weight')!r})")
+                raise ValueError(f"unexpected weight {name!r} (no FP8 layer {where.name.rsplit('.', 1)[0]!r})")
             if kind != "weight_scale":
                 _check_scalar_scale(name, tensor, kind)
                 continue
             key = where.key.replace(where.name, scale_param, 1)
-            blocked = model.get_submodule(where.name.removesuffix(".weight")).fp8_blocked
+            blocked = model.get_submodule(where.name.rsplit(".", 1)[0]).fp8_blocked
             where, tensor = _scale_placement(name, tensor, where, scale_param, params[scale_param], blocked)
         else:
             key = where.key
@@ -200,11 +200,12 @@ def _scale_placement(name: str, tensor: torch.Tensor, weight: Placement, target:
     if not blocked:
         src = weight.src if weight.src is not None and weight.src[0] == 0 else None  # a column slice: every row
         if tensor.numel() == 1:
-            rows = src[1] + src[2] if src is not None else weight.rows[1] if weight.rows else param.shape[0]
+            held = param.shape[1] if weight.expert is not None else param.shape[0]  # [E, rows, 1] or [rows, 1]
+            rows = src[1] + src[2] if src is not None else weight.rows[1] if weight.rows else held
             tensor = tensor.reshape(1, 1).expand(rows, 1)
         elif tensor.dim() == 1:
             tensor = tensor.unsqueeze(1)
-        return Placement(target, rows=weight.rows, src=src), tensor
+        return Placement(target, expert=weight.expert, rows=weight.rows, src=src), tensor
     block = fp8.SCALE_BLOCK
     if weight.rows is not None and weight.rows[0] % block:
         raise ValueError(f"block scales {name!r}: its rows start at row {weight.rows[0]} of the fused "
@@ -233,7 +234,7 @@ def expected_keys(model: nn.Module, arch: ModelArch, plan: ShardPlan) -> set[str
     params = dict(model.named_parameters())
     keys: set[str] = set()
     for name, param in params.items():
-        if name.endswith(".weight_scale"):
+        if name.endswith("_scale"):  # an FP8 layer's weight_scale, FP8 experts' w13_scale / w2_scale
             weight = name.removesuffix("_scale")
             keys |= {key.replace(weight, name, 1) for key in _keys(weight, params[weight], arch, plan)}
         else:

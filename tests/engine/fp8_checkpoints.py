@@ -76,21 +76,38 @@ def save_fp8_checkpoint(hf_model, folder: Path, strategy: str, quantization_conf
             continue
         parts = name.split(".")
         if parts[-1] == "weight" and parts[-2] in LAYERS:
-            q, scale = quantize(tensor.float(), strategy)
-            tensors[name] = q
-            tensors[name.removesuffix("weight") + scale_name] = scale
-            if input_scales:
-                tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor([0.01])
-            with torch.no_grad():
-                tensor.copy_(dequantize(q, scale))
+            parts_of = {name: tensor}
+        elif parts[-2:] in (["experts", "gate_up_proj"], ["experts", "down_proj"]):  # transformers 5's [E, out, in]
+            parts_of = _expert_weights(name, tensor)
         else:
             tensors[name] = tensor.contiguous()
+            continue
+        for part, weight in parts_of.items():
+            q, scale = quantize(weight.float(), strategy)
+            tensors[part] = q
+            tensors[part.removesuffix("weight") + scale_name] = scale
+            if input_scales:
+                tensors[part.removesuffix("weight") + "input_scale"] = torch.tensor([0.01])
+            with torch.no_grad():
+                weight.copy_(dequantize(q, scale))
     folder.mkdir(parents=True, exist_ok=True)
     hf_model.config.save_pretrained(str(folder))
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = quantization_config
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(folder / "model.safetensors"))
+
+
+def _expert_weights(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stacked expert tensor as per-expert checkpoint weights (views: writing them writes it),
+    named as llm-compressor saves MoE models (`experts.{e}.gate_proj.weight` ...)."""
+    prefix = name.removesuffix(name.split(".")[-1])
+    if name.endswith("down_proj"):
+        return {f"{prefix}{e}.down_proj.weight": tensor[e] for e in range(tensor.shape[0])}
+    half = tensor.shape[1] // 2
+    return {f"{prefix}{e}.{part}.weight": tensor[e, rows]
+            for e in range(tensor.shape[0]) for part, rows in (("gate_proj", slice(0, half)),
+                                                               ("up_proj", slice(half, None)))}
 
 
 def rewrite(folder: Path, tensors: dict[str, torch.Tensor] | None = None, config: dict | None = None) -> None:

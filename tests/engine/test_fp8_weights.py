@@ -1,8 +1,9 @@
 """FP8 weights against transformers on the same checkpoint, both dequantized to float32.
 
 Checkpoints are made here (tests/engine/fp8_checkpoints.py): compressed-tensors per tensor
-(with static input scales), per channel and per 128 x 128 block, and quant_method "fp8" with
-DeepSeek-V3's block `weight_scale_inv`; Llama and Qwen3 layers. Our engine holds the e4m3
+(with static input scales; also a Qwen3-MoE's experts, one by one), per channel and per
+128 x 128 block, and quant_method "fp8" with DeepSeek-V3's block `weight_scale_inv`; Llama,
+Qwen3 and Qwen3-MoE layers. Our engine holds the e4m3
 weights and their scales and, on the CPU, dequantizes them to float32 in each product; HF runs
 its float32 model whose weights are the checkpoint's, dequantized. Only the order of the float32
 sums differs: greedy tokens equal (near-ties aside, as in every HF comparison here) and each
@@ -44,9 +45,15 @@ BLOCKED = dict(SMALL, hidden_size=192, intermediate_size=256, head_dim=64)
 
 
 def _hf(family: str, shape: dict):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-    config = LlamaConfig(**shape) if family == "llama" else Qwen3Config(**shape, tie_word_embeddings=True)
+    if family == "llama":
+        config = LlamaConfig(**shape)
+    elif family == "qwen3":
+        config = Qwen3Config(**shape, tie_word_embeddings=True)
+    else:  # 8 experts, top 2, layer 1 dense
+        config = Qwen3MoeConfig(**shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True, mlp_only_layers=[1])
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
@@ -81,6 +88,8 @@ CHECKPOINTS = {
     "ct-block-weight-only": ("llama", BLOCKED, "block", compressed_tensors_config("block", None), "weight_scale",
                              False),
     "fp8-block-deepseek": ("qwen3", BLOCKED, "block", FP8_BLOCK_CONFIG, "weight_scale_inv", False),
+    "ct-tensor-moe": ("qwen3_moe", SMALL, "tensor", compressed_tensors_config("tensor", STATIC_TENSOR),
+                      "weight_scale", True),
 }
 
 
@@ -92,6 +101,8 @@ def test_fp8_checkpoint_matches_hf_dequantized(name, tmp_path):
     engine = _engine(tmp_path)
     layers = _fp8_layers(engine)
     assert layers and all(m.weight.dtype == fp8.FP8 and m.fp8_blocked == (strategy == "block") for m in layers)
+    if family == "qwen3_moe":
+        assert engine.model.layers[0].mlp.experts.w13.dtype == fp8.FP8
     assert engine.model.lm_head.weight.dtype == torch.float32
     _assert_matches_hf(engine, hf, name)
 
@@ -108,6 +119,26 @@ def test_online_fp8_matches_a_per_channel_reference(tmp_path):
             if name.split(".")[-2] in fp8.CHECKPOINT_LAYERS:
                 param.copy_(dequantize(*quantize(param, "channel")))
     _assert_matches_hf(engine, hf, "online fp8")
+
+
+def test_online_fp8_moe_matches_a_per_channel_reference(tmp_path):
+    """Qwen3-MoE with quantization="fp8": the experts' stacked w13 / w2 quantized per output
+    channel too (HF's 3-D tensors [E, out, in] quantized per row of each expert in the
+    reference); the router stays float32."""
+    hf = _hf("qwen3_moe", SMALL)
+    hf.save_pretrained(str(tmp_path))
+    engine = _engine(tmp_path, quantization="fp8")
+    experts = engine.model.layers[0].mlp.experts
+    assert experts.w13.dtype == experts.w2.dtype == fp8.FP8 and experts.w13_scale.shape == (8, 64, 1)
+    assert engine.model.layers[0].mlp.gate.weight.dtype == torch.float32
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if param.dim() == 3:  # experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]
+                rows = param.reshape(-1, param.shape[-1])
+                param.copy_(dequantize(*quantize(rows, "channel")).reshape(param.shape))
+            elif name.split(".")[-2] in fp8.CHECKPOINT_LAYERS:
+                param.copy_(dequantize(*quantize(param, "channel")))
+    _assert_matches_hf(engine, hf, "online fp8, Qwen3-MoE")
 
 
 def test_online_quantization_is_per_channel_and_keeps_zero_rows():
@@ -148,9 +179,10 @@ def test_block_size_in_compressed_tensors_is_checked():
         fp8.checkpoint_scheme(config)
 
 
-def test_fp8_with_moe_is_refused():
-    with pytest.raises(ValueError, match="Mixture-of-Experts.*w13, w2"):
-        fp8.resolve_scheme(None, "fp8", is_moe=True)
+def test_block_scaled_fp8_with_moe_is_refused():
+    assert fp8.resolve_scheme(None, "fp8", is_moe=True) is not None  # per channel: runs
+    with pytest.raises(ValueError, match="block scales .* Mixture-of-Experts.*w13, w2"):
+        fp8.resolve_scheme(FP8_BLOCK_CONFIG, None, is_moe=True)
 
 
 @pytest.fixture(scope="module")
