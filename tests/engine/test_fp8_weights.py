@@ -204,6 +204,7 @@ BAD_TENSORS = {
     "model.layers.0.self_attn.q_proj.input_scale": (torch.ones(4), "q_proj.input_scale' must be one positive"),
     "model.layers.0.mlp.down_proj.weight_scale": (None, r"missing weights: \['layers.0.mlp.down_proj.weight_scale"),
     "model.embed_tokens.weight_scale": (torch.ones(1), "no FP8 layer 'embed_tokens'"),
+    "model.layers.0.self_attn.o_proj.weight_zero_point": (torch.ones(1), "o_proj.weight_zero_point' is not zero"),
 }
 
 
