@@ -1,6 +1,7 @@
 """y = x @ dequant(W).T (+ b) for FP8 e4m3 weights with float32 scales: the linear layers
-of an FP8 model at 1-16 rows (decode steps, verifications: a weight read, where reading 1
-byte a weight instead of 2 is the whole gain), and of a block-scaled model at any M.
+of an FP8 model at 2-16 rows (decode steps, verifications: a weight read, where reading 1
+byte a weight instead of 2 is the whole gain; one row is `kernels.gemv`'s), and of a
+block-scaled model at any M.
 
 Weight-only FP8 (W8A16): x stays in its dtype, each weight tile is widened to it (every
 e4m3 number is exact in float16 and bfloat16) and multiplied on the tensor cores with

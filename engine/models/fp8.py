@@ -17,8 +17,10 @@ dropped, and the product quantizes x per token where it quantizes at all (cuBLAS
 matmul, at > 16 rows of per-channel weights), which is at least as accurate as one scale for
 every token. Where: the CPU dequantizes the weight to float32 on every call (`linear`)
 rather than keeping a float32 copy: the FP8 tensor stays the only copy, 1 byte a weight as on
-the GPU, and the CPU path exists for correctness, not speed. On CUDA, 1-16 rows and every
-block-scaled product run `kernels.fp8_gemm` (weights widened in registers, x untouched).
+the GPU, and the CPU path exists for correctness, not speed. On CUDA, one row (a batch-1
+decode step) runs `kernels.gemv` (its FP8 weights widened as its bf16 ones are, read ahead
+under PDL), 2-16 rows and every block-scaled product `kernels.fp8_gemm` (weights widened in
+registers, x untouched).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels.fp8_gemm import FP8, SCALE_BLOCK, fp8_gemm
+from pdserve.kernels.gemv import gemv
 
 E4M3_MAX = 448.0
 LAYERS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
@@ -193,12 +196,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
            blocked: bool) -> torch.Tensor:
     """x [T, K] @ dequantize(weight, scale).T (+ bias) -> [T, N] in x's dtype.
 
-    CPU: the weight dequantized to float32 for this call. CUDA: `kernels.fp8_gemm` up to
-    MAX_KERNEL_ROWS rows and for block scales; beyond, per-channel weights go through
-    cuBLASLt's scaled matmul with x quantized per token (`_scaled_mm`)."""
+    CPU: the weight dequantized to float32 for this call. CUDA: `kernels.gemv` for one row,
+    `kernels.fp8_gemm` up to MAX_KERNEL_ROWS rows and for block scales; beyond, per-channel
+    weights go through cuBLASLt's scaled matmul with x quantized per token (`_scaled_mm`)."""
     if not x.is_cuda:
         return nn.functional.linear(x, dequantize(weight, scale, blocked).to(x.dtype), bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if x.shape[0] == 1:  # a model's weights are final: read ahead
+        return gemv(x, weight, bias, read_ahead=True, scale=scale, blocked=blocked)
     if blocked or x.shape[0] <= MAX_KERNEL_ROWS or not _scaled_mm_fits(x, weight):
         return fp8_gemm(x, weight, scale, bias, blocked=blocked)
     return _scaled_mm(x, weight, scale, bias)

@@ -232,8 +232,8 @@ def test_block_scales_of_a_fused_part_off_a_block_are_refused(channel_checkpoint
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 256])
 @pytest.mark.parametrize("blocked", [False, True])
 def test_cuda_fp8_linear_paths_against_the_dequantized_product(rows, blocked):
-    """fp8.linear on CUDA, bfloat16 x: kernels.fp8_gemm (<= 16 rows, block scales) rounds
-    once; cuBLASLt's scaled matmul (> 16 rows, per channel) also quantizes x per token to
+    """fp8.linear on CUDA, bfloat16 x: kernels.gemv (1 row) and kernels.fp8_gemm (<= 16 rows,
+    block scales) round once; cuBLASLt's scaled matmul (> 16 rows, per channel) also quantizes x per token to
     e4m3 (3 mantissa bits: each product off by up to 2**-4 relative, summed over K with
     random signs): within 3% of the output's scale."""
     gen = torch.Generator().manual_seed(rows)
