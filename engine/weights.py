@@ -76,7 +76,7 @@ def resolve_model(config: ModelConfig) -> ModelFiles:
 
 def _files(config: ModelConfig, name: str, arch: ModelArch, quantization_config: dict[str, Any] | None,
            folder: Path | None) -> ModelFiles:
-    scheme = fp8.resolve_scheme(quantization_config, config.quantization, arch.moe is not None)
+    scheme = fp8.resolve_scheme(quantization_config, config.quantization)
     if scheme is not None:
         logger.info("%s: FP8 weights, %s", name, scheme.source)
     return ModelFiles(name=name, arch=arch, folder=folder, fp8_scheme=scheme)

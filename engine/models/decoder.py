@@ -57,13 +57,13 @@ class CausalLM(nn.Module):
     def use_fp8_weights(self, blocked: bool) -> None:
         """Hold the decoder layers' linear layers (`fp8.LAYERS`; not the embedding, the norms,
         a router or the LM head) and MoE experts in FP8, with per-channel scales or per-block
-        ones when `blocked` (dense layers only: `fp8.resolve_scheme`). Before `load_weights`:
+        ones when `blocked`. Before `load_weights`:
         the checkpoint (or `fp8.quantized_online`) fills them."""
         for name, module in self.named_modules():
             if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in fp8.LAYERS:
                 module.use_fp8(blocked)
             elif isinstance(module, FusedExperts):
-                module.use_fp8()
+                module.use_fp8(blocked)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""

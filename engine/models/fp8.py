@@ -1,7 +1,7 @@
 """FP8 weights: which checkpoints hold them, online quantization, and the product.
 
 A model with FP8 weights holds the linear layers of its decoder layers (q/k/v, o, gate/up,
-down: `LAYERS`; an MoE layer's experts, `moe.FusedExperts`, per channel only) as
+down: `LAYERS`; an MoE layer's experts, `moe.FusedExperts`) as
 float8_e4m3fn with float32 scales, w = w8 * scale; the embedding, the
 norms, the router and the LM head stay in the model's dtype (what vLLM's and SGLang's FP8
 methods do: those are small, or sensitive, or both). A layer's scales are one of:
@@ -57,19 +57,14 @@ class Fp8Scheme:
     source: str
 
 
-def resolve_scheme(quantization_config: dict[str, Any] | None, quantization: str | None,
-                   is_moe: bool) -> Fp8Scheme | None:
+def resolve_scheme(quantization_config: dict[str, Any] | None, quantization: str | None) -> Fp8Scheme | None:
     """The scheme a model runs: its checkpoint's (config.json's `quantization_config`), else
     online per-channel when `quantization` is "fp8", else None (no FP8 weights).
 
-    Raises ValueError naming the field of a layout pdserve does not run, and for block
-    scales in a Mixture-of-Experts model (kernels.fused_moe scales per channel only)."""
+    Raises ValueError naming the field of a layout pdserve does not run."""
     scheme = checkpoint_scheme(quantization_config) if quantization_config else None
     if scheme is None and quantization == "fp8":
         scheme = Fp8Scheme(blocked=False, online=True, source="online (per channel)")
-    if scheme is not None and scheme.blocked and is_moe:
-        raise ValueError(f"FP8 weights with block scales ({scheme.source}) are not supported for "
-                         "Mixture-of-Experts models yet: kernels.fused_moe scales experts (w13, w2) per channel only")
     return scheme
 
 
@@ -185,10 +180,11 @@ def quantized_online(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, blocked: bool) -> torch.Tensor:
-    """weight [N, K] float8_e4m3fn times its scales ([N, 1], or per 128 x 128 block) in float32."""
+    """weight [..., N, K] float8_e4m3fn times its scales ([..., N, 1], or per 128 x 128 block
+    of the last two dims) in float32."""
     if blocked:
-        n, k = weight.shape
-        scale = scale.repeat_interleave(SCALE_BLOCK, 0)[:n].repeat_interleave(SCALE_BLOCK, 1)[:, :k]
+        n, k = weight.shape[-2:]
+        scale = scale.repeat_interleave(SCALE_BLOCK, -2)[..., :n, :].repeat_interleave(SCALE_BLOCK, -1)[..., :k]
     return weight.float() * scale
 
 

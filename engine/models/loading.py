@@ -215,7 +215,7 @@ def _scale_placement(name: str, tensor: torch.Tensor, weight: Placement, target:
                          f"{weight.src[0]}, not on a {block} block (use fewer tensor-parallel ranks)")
     rows = (weight.rows[0] // block, -(-weight.rows[1] // block)) if weight.rows is not None else None
     src = (weight.src[0], weight.src[1] // block, -(-weight.src[2] // block)) if weight.src is not None else None
-    return Placement(target, rows=rows, src=src), tensor
+    return Placement(target, expert=weight.expert, rows=rows, src=src), tensor
 
 
 def _slice(tensor: torch.Tensor, src: tuple[int, int, int] | None) -> torch.Tensor | None:

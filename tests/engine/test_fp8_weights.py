@@ -2,8 +2,8 @@
 
 Checkpoints are made here (tests/engine/fp8_checkpoints.py): compressed-tensors per tensor
 (with static input scales; also a Qwen3-MoE's experts, one by one), per channel and per
-128 x 128 block, and quant_method "fp8" with DeepSeek-V3's block `weight_scale_inv`; Llama,
-Qwen3 and Qwen3-MoE layers. Our engine holds the e4m3
+128 x 128 block, and quant_method "fp8" with DeepSeek-V3's block `weight_scale_inv` (dense
+and Qwen3-MoE); Llama, Qwen3 and Qwen3-MoE layers. Our engine holds the e4m3
 weights and their scales and, on the CPU, dequantizes them to float32 in each product; HF runs
 its float32 model whose weights are the checkpoint's, dequantized. Only the order of the float32
 sums differs: greedy tokens equal (near-ties aside, as in every HF comparison here) and each
@@ -51,9 +51,9 @@ def _hf(family: str, shape: dict):
         config = LlamaConfig(**shape)
     elif family == "qwen3":
         config = Qwen3Config(**shape, tie_word_embeddings=True)
-    else:  # 8 experts, top 2, layer 1 dense
-        config = Qwen3MoeConfig(**shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                norm_topk_prob=True, mlp_only_layers=[1])
+    else:  # 8 experts, top 2, layer 1 dense; block scales need the experts' up rows on a block
+        config = Qwen3MoeConfig(**shape, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                moe_intermediate_size=128 if shape is BLOCKED else 32, mlp_only_layers=[1])
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
@@ -90,6 +90,7 @@ CHECKPOINTS = {
     "fp8-block-deepseek": ("qwen3", BLOCKED, "block", FP8_BLOCK_CONFIG, "weight_scale_inv", False),
     "ct-tensor-moe": ("qwen3_moe", SMALL, "tensor", compressed_tensors_config("tensor", STATIC_TENSOR),
                       "weight_scale", True),
+    "fp8-block-moe": ("qwen3_moe", BLOCKED, "block", FP8_BLOCK_CONFIG, "weight_scale_inv", False),
 }
 
 
@@ -102,7 +103,8 @@ def test_fp8_checkpoint_matches_hf_dequantized(name, tmp_path):
     layers = _fp8_layers(engine)
     assert layers and all(m.weight.dtype == fp8.FP8 and m.fp8_blocked == (strategy == "block") for m in layers)
     if family == "qwen3_moe":
-        assert engine.model.layers[0].mlp.experts.w13.dtype == fp8.FP8
+        experts = engine.model.layers[0].mlp.experts
+        assert experts.w13.dtype == fp8.FP8 and experts.fp8_blocked == (strategy == "block")
     assert engine.model.lm_head.weight.dtype == torch.float32
     _assert_matches_hf(engine, hf, name)
 
@@ -179,10 +181,11 @@ def test_block_size_in_compressed_tensors_is_checked():
         fp8.checkpoint_scheme(config)
 
 
-def test_block_scaled_fp8_with_moe_is_refused():
-    assert fp8.resolve_scheme(None, "fp8", is_moe=True) is not None  # per channel: runs
-    with pytest.raises(ValueError, match="block scales .* Mixture-of-Experts.*w13, w2"):
-        fp8.resolve_scheme(FP8_BLOCK_CONFIG, None, is_moe=True)
+def test_block_scaled_experts_whose_up_rows_are_off_a_block_are_refused(tmp_path):
+    """SMALL's experts are 32 rows wide: up's rows would start mid-block in w13."""
+    save_fp8_checkpoint(_hf("qwen3_moe", SMALL), tmp_path, "block", FP8_BLOCK_CONFIG, "weight_scale_inv")
+    with pytest.raises(ValueError, match="experts.0.up_proj.weight_scale_inv': its rows start at row 32"):
+        _engine(tmp_path)
 
 
 @pytest.fixture(scope="module")

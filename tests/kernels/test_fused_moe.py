@@ -111,12 +111,22 @@ def test_the_engines_cpu_path_is_the_same_function():
     assert rel_error(fused_moe(x, w13, w2, weights, ids).cpu(), got) < tolerance(torch.float32)
 
 
-def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[E, rows, K] -> (e4m3 weights, float32 scales [E, rows, 1], their dequantized float32
-    value): each output channel's amax / 448 (engine.models.fp8's online quantization)."""
-    scale = w.float().abs().amax(dim=2, keepdim=True) / 448.0
-    q = (w.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return q, scale, q.float() * scale
+def _fp8_experts(w: torch.Tensor, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[E, rows, K] -> (e4m3 weights, float32 scales, their dequantized float32 value): each
+    output channel's amax / 448 ([E, rows, 1], engine.models.fp8's online quantization), or
+    each 128 x 128 block's ([E, ceil(rows/128), ceil(K/128)], the edge blocks partial)."""
+    w = w.float()
+    if not blocked:
+        scale = w.abs().amax(dim=2, keepdim=True) / 448.0
+        full = scale
+    else:
+        e, n, k = w.shape
+        padded = torch.zeros(e, -(-n // 128) * 128, -(-k // 128) * 128, device=w.device)
+        padded[:, :n, :k] = w.abs()
+        scale = padded.reshape(e, padded.shape[1] // 128, 128, padded.shape[2] // 128, 128).amax(dim=(2, 4)) / 448.0
+        full = scale.repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)[:, :, :k]
+    q = (w / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q, scale.contiguous(), q.float() * full
 
 
 @pytest.mark.parametrize("path", PLANS)
@@ -134,6 +144,20 @@ def test_fp8_experts_match_the_reference_on_their_dequantized_weights(path, num_
     assert out.dtype == dtype
     ref = ref_fused_moe(x, d13, d2, weights, ids, first_expert=first_expert)
     assert rel_error(out, ref) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("path", PLANS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_experts_with_block_scales(path, dtype):
+    """128 x 128 block scales: intermediate 128 (gate and up one block of rows each), hidden
+    192 (a partial block of K for w13, of rows for w2); per-pair tiles of 256 columns span
+    two blocks of K, grouped ones of 32 lie in one."""
+    x, w13, w2, weights, ids = _inputs(6, 192, 128, 4, 2, dtype, seed=9)
+    q13, s13, d13 = _fp8_experts(w13, blocked=True)
+    q2, s2, d2 = _fp8_experts(w2, blocked=True)
+    plan = Plan(False, Tile(8, 256), Tile(16, 64)) if path == "per_pair" else GROUPED
+    out = fused_moe(x, q13, q2, weights, ids, plan=plan, w13_scale=s13, w2_scale=s2, blocked=True)
+    assert rel_error(out, ref_fused_moe(x, d13, d2, weights, ids)) < tolerance(dtype)
 
 
 @pytest.mark.gpu
@@ -156,6 +180,13 @@ def test_fp8_experts_without_their_scales_are_refused():
         fused_moe(x, q13, q2, weights, ids, w13_scale=s13)
     with pytest.raises(ValueError, match="scaled weights must be"):
         fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s13)
+    with pytest.raises(ValueError, match=r"intermediate size \(16\) to be a multiple of 128"):
+        fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s13, blocked=True)
+    x, w13, w2, weights, ids = _inputs(4, 32, 128, 4, 2, torch.float32)
+    (q13, s13, _), (q2, s2, _) = _fp8_experts(w13, blocked=True), _fp8_experts(w2, blocked=True)
+    with pytest.raises(ValueError, match="block scales need grouped tiles of block_k <= 128"):
+        fused_moe(x, q13, q2, weights, ids, plan=Plan(True, Tile(32, 256), Tile(32, 32)), w13_scale=s13,
+                  w2_scale=s2, blocked=True)
 
 
 def test_no_tokens():
