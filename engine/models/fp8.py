@@ -25,6 +25,7 @@ registers, x untouched).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -206,8 +207,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
 
 
 def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """cuBLASLt's row-wise scaled FP8 matmul: bfloat16 out, N and K multiples of 16."""
-    return x.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+    """cuBLASLt's row-wise scaled FP8 matmul: FP8 tensor cores (compute capability 8.9+),
+    bfloat16 out, N and K multiples of 16."""
+    return (x.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+            and _has_fp8_mma(x.device))
+
+
+@functools.cache
+def _has_fp8_mma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
