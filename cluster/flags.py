@@ -22,6 +22,7 @@ ALIASES: dict[str, str] = {
     "engine.model.device": "--device",
     "engine.model.dtype": "--dtype",
     "engine.model.max_model_len": "--max-model-len",
+    "engine.model.quantization": "--quantization",
     "engine.cache.num_blocks": "--num-kv-blocks",
     "engine.cache.kv_cache_dtype": "--kv-cache-dtype",
     "engine.scheduler.max_num_batched_tokens": "--max-num-batched-tokens",

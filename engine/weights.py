@@ -1,5 +1,9 @@
 """Weight sources: a Hugging Face folder, a GGUF file, the embedded default, or dummy.
 
+FP8 weights (`engine.models.fp8`) come from a folder whose config.json has an FP8
+`quantization_config`, or from any source with `ModelConfig.quantization = "fp8"`, whose
+float weights are quantized per channel as they stream in.
+
 No model hub is ever contacted: every path is local, and every transformers call
 says `local_files_only` (nothing of the process's environment is changed).
 """
@@ -20,8 +24,10 @@ from typing import Any
 import torch
 
 from pdserve.engine.config import DEFAULT_MODEL, ModelConfig
+from pdserve.engine.models import fp8
 from pdserve.engine.models.arch import DUMMY_SHAPES, ModelArch
 from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.models.loading import normalize
 from pdserve.engine.models.registry import arch_of, checkpoint_tensors, model_class
 from pdserve.engine.parallel import TensorParallel
 
@@ -34,24 +40,27 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
 
 @dataclass(frozen=True, slots=True)
 class ModelFiles:
-    """A resolved model: its architecture, and the folder with weights and tokenizer (None for dummy)."""
+    """A resolved model: its architecture, the folder with weights and tokenizer (None for
+    dummy), and how its linear layers hold FP8 weights (None: in the model's dtype)."""
 
     name: str
     arch: ModelArch
     folder: Path | None
+    fp8_scheme: fp8.Fp8Scheme | None = None
 
 
 def resolve_model(config: ModelConfig) -> ModelFiles:
-    """Find (and, for GGUF, convert once) the model that `config.source` names."""
+    """Find (and, for GGUF, convert once) the model that `config.source` names, and its FP8
+    scheme (the checkpoint's, else online with `config.quantization`)."""
     source = config.source
     if source.startswith("dummy:"):
         shape = source.removeprefix("dummy:")
         if shape not in DUMMY_SHAPES:
             raise ValueError(f"unknown dummy shape {shape!r}; known: {sorted(DUMMY_SHAPES)}")
-        return ModelFiles(name=source, arch=DUMMY_SHAPES[shape], folder=None)
+        return _files(config, source, DUMMY_SHAPES[shape], None, None)
     if source == DEFAULT_MODEL:
         folder = _converted_gguf(default_gguf_path(), config.cache_dir)
-        return ModelFiles(name="SmolLM2-135M-Instruct", arch=_read_arch(folder), folder=folder)
+        return _files(config, "SmolLM2-135M-Instruct", *_read_config(folder), folder)
     path = Path(source).expanduser()
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
@@ -59,21 +68,33 @@ def resolve_model(config: ModelConfig) -> ModelFiles:
         if path.suffix != ".gguf":
             raise ValueError(f"model file {str(path)!r} is not a .gguf file")
         folder = _converted_gguf(path, config.cache_dir)
-        return ModelFiles(name=path.stem, arch=_read_arch(folder), folder=folder)
+        return _files(config, path.stem, *_read_config(folder), folder)
     if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
         raise ValueError(f"{str(path)!r} is not a supported model folder (needs config.json and *.safetensors)")
-    return ModelFiles(name=path.name, arch=_read_arch(path), folder=path)
+    return _files(config, path.name, *_read_config(path), path)
+
+
+def _files(config: ModelConfig, name: str, arch: ModelArch, quantization_config: dict[str, Any] | None,
+           folder: Path | None) -> ModelFiles:
+    scheme = fp8.resolve_scheme(quantization_config, config.quantization)
+    if scheme is not None:
+        logger.info("%s: FP8 weights, %s", name, scheme.source)
+    return ModelFiles(name=name, arch=arch, folder=folder, fp8_scheme=scheme)
 
 
 def load_model(files: ModelFiles, max_positions: int, device: torch.device, dtype: torch.dtype,
                seed: int, tp: TensorParallel | None = None) -> CausalLM:
     """Build the model (`tp`: this rank's shard of it) on the meta device (no init cost),
     then fill it from `files`."""
+    scheme = files.fp8_scheme
     with torch.device("meta"), _default_dtype(dtype):
         model = model_class(files.arch)(files.arch, max_positions, device, tp)
+        if scheme is not None:
+            model.use_fp8_weights(scheme.blocked)
     model.to_empty(device=device)
     model.tie_weights()
-    model.load_weights(iter_weights(files, files.arch, seed, device, dtype))
+    weights = iter_weights(files, files.arch, seed, device, dtype)
+    model.load_weights(fp8.quantized_online(normalize(weights)) if scheme is not None and scheme.online else weights)
     return model.eval()
 
 
@@ -120,14 +141,18 @@ def load_tokenizer(files: ModelFiles) -> Any | None:
     return AutoTokenizer.from_pretrained(str(files.folder), local_files_only=True)
 
 
-def _read_arch(folder: Path) -> ModelArch:
+def _read_config(folder: Path) -> tuple[ModelArch, dict[str, Any] | None]:
+    """The folder's architecture and its config.json's `quantization_config` (None: none)."""
     from transformers import AutoConfig
 
     try:
         hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{str(folder)!r} has no readable config.json: {e}") from e
-    return arch_of(hf_config)
+    quantization_config = getattr(hf_config, "quantization_config", None)
+    if quantization_config is not None and not isinstance(quantization_config, dict):
+        quantization_config = quantization_config.to_dict()
+    return arch_of(hf_config), quantization_config
 
 
 def _converted_gguf(gguf_path: Path, cache_dir: Path) -> Path:

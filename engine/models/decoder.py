@@ -16,9 +16,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pdserve.engine.models import loading
+from pdserve.engine.models import fp8, loading
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.layers import AttentionStep, DecoderLayer, Linear, RMSNorm, VocabParallelEmbedding
+from pdserve.engine.models.moe import FusedExperts
 from pdserve.engine.models.rope import RotaryEmbedding
 from pdserve.engine.parallel import TensorParallel
 
@@ -52,6 +53,17 @@ class CausalLM(nn.Module):
         """Share the embedding with the LM head (again after `to_empty`, which unties them)."""
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def use_fp8_weights(self, blocked: bool) -> None:
+        """Hold the decoder layers' linear layers (`fp8.LAYERS`; not the embedding, the norms,
+        a router or the LM head) and MoE experts in FP8, with per-channel scales or per-block
+        ones when `blocked`. Before `load_weights`:
+        the checkpoint (or `fp8.quantized_online`) fills them."""
+        for name, module in self.named_modules():
+            if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in fp8.LAYERS:
+                module.use_fp8(blocked)
+            elif isinstance(module, FusedExperts):
+                module.use_fp8(blocked)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""

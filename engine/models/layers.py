@@ -24,10 +24,12 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from pdserve.engine.models import fp8
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.rope import Rope
 from pdserve.engine.parallel import Collectives, TensorParallel
 from pdserve.kernels.activation import silu_and_mul
+from pdserve.kernels.fp8_gemm import FP8, SCALE_BLOCK
 from pdserve.kernels.gemv import gemv
 from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_supported
@@ -92,15 +94,41 @@ class HeadNorm:
 class Linear(nn.Linear):
     """nn.Linear whose few-row products on CUDA read the weights faster than cuBLAS does at
     those shapes: one row (a batch-1 decode step) runs `kernels.gemv`, 2-8 rows (a batch-1
-    verification, a draft's catch-up, a small batch's decode step) `kernels.skinny_gemm`."""
+    verification, a draft's catch-up, a small batch's decode step) `kernels.skinny_gemm`.
+
+    Its FP8 variant (`use_fp8`) holds the weight as float8_e4m3fn [N, K] with float32
+    `weight_scale` (per output channel [N, 1], or per 128 x 128 block) and multiplies through
+    `engine.models.fp8.linear`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_parameter("weight_scale", None)  # set by use_fp8
+        self.fp8_blocked = False
+
+    def use_fp8(self, blocked: bool) -> None:
+        """Hold the weight in FP8 with per-channel scales, or per-block ones when `blocked`.
+        Before loading: both parameters are new and empty, the checkpoint's to fill."""
+        n, k = self.weight.shape
+        shape = (-(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK)) if blocked else (n, 1)
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=FP8, device=device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device),
+                                         requires_grad=False)
+        self.fp8_blocked = blocked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return self.fp8_product(x, self.bias)
         if x.is_cuda:  # a model's weights are final: both read ahead
             if x.shape[0] == 1:
                 return gemv(x, self.weight, self.bias, read_ahead=True)
             if skinny_gemm_supported(x, self.weight):
                 return skinny_gemm(x, self.weight, self.bias, read_ahead=True)
         return super().forward(x)
+
+    def fp8_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ the dequantized weight.T (+ bias): an FP8 layer's product."""
+        return fp8.linear(x, self.weight, self.weight_scale, bias, self.fp8_blocked)
 
 
 class RowParallelLinear(Linear):
@@ -118,7 +146,11 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:
             return super().forward(x)
-        partial = nn.functional.linear(x, self.weight, self.bias if self.adds_bias else None)
+        bias = self.bias if self.adds_bias else None
+        if self.weight_scale is not None:
+            partial = self.fp8_product(x, bias)
+        else:
+            partial = nn.functional.linear(x, self.weight, bias)
         return self.comm.all_reduce(partial) if self.reduce else partial
 
 

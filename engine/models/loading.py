@@ -9,6 +9,12 @@ the tensors a checkpoint of the model holds, which dummy weights are made from. 
 only these fusings and the tensor-parallel splits, nothing of any one family: a family's
 own names (Mixtral's `block_sparse_moe.experts.N.w1`) are renamed to these first by
 `normalize`, and fused 3-D expert tensors are split into per-expert ones.
+
+An FP8 layer (`fp8.py`) has a second parameter, `weight_scale`, placed as its weight is:
+the same rows of a fused layer and of a rank's shard for per-channel scales (a per-tensor
+scale repeated over its tensor's rows), the same rows and columns divided by 128 for block
+scales, which therefore must start on a block (a fused part or a rank's slice that does not
+is refused, naming it). A static `input_scale` is checked and dropped (fp8.py says why).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pdserve.engine.models import fp8
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.parallel import ShardPlan
 
@@ -117,16 +124,30 @@ def _expert_placement(parts: list[str], plan: ShardPlan) -> Placement | None:
 def load(model: nn.Module, arch: ModelArch, plan: ShardPlan, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into `model`'s parameters, each rank keeping its slice.
 
-    Raises ValueError naming any missing, unexpected or misshapen tensor."""
+    Raises ValueError naming any missing, unexpected or misshapen tensor, a float tensor for
+    an FP8 layer (or an FP8 one for another), and a scale whose layout is not the model's."""
     params = dict(model.named_parameters())
     with torch.no_grad():  # vocabulary padding past the last token stays zero
         model.get_parameter("embed_tokens.weight").zero_()
         model.get_parameter("lm_head.weight").zero_()
     loaded: set[str] = set()
     for name, tensor in normalize(weights):
-        where = place(name, arch, plan, params)
+        weight_name, kind = _scale_kind(name)
+        where = place(weight_name, arch, plan, params)
         if where is None:
             continue
+        if kind is not None:
+            scale_param = where.name + "_scale"
+            if scale_param not in params:
+                raise ValueError(f"unexpected weight {name!r} (no FP8 layer {where.name.rsplit('.', 1)[0]!r})")
+            if kind != "weight_scale":
+                _check_scalar_scale(name, tensor, kind)
+                continue
+            key = where.key.replace(where.name, scale_param, 1)
+            blocked = model.get_submodule(where.name.rsplit(".", 1)[0]).fp8_blocked
+            where, tensor = _scale_placement(name, tensor, where, scale_param, params[scale_param], blocked)
+        else:
+            key = where.key
         if where.name not in params:
             raise ValueError(f"unexpected weight {name!r} (no parameter {where.name!r})")
         dst = params[where.name].data
@@ -138,12 +159,63 @@ def load(model: nn.Module, arch: ModelArch, plan: ShardPlan, weights: Iterable[t
         if src is None or dst.shape != src.shape:
             shard = " for this rank's shard" if plan.size > 1 else ""
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}{shard}")
+        if (dst.dtype == fp8.FP8) != (src.dtype == fp8.FP8):
+            raise ValueError(f"weight {name!r} is {src.dtype}, the model holds it as {dst.dtype} (FP8 weights are "
+                             f"those of {sorted(fp8.CHECKPOINT_LAYERS)}, all of them)")
         with torch.no_grad():
             dst.copy_(src)
-        loaded.add(where.key)
+        loaded.add(key)
     missing = expected_keys(model, arch, plan) - loaded
     if missing:
         raise ValueError(f"missing weights: {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _scale_kind(name: str) -> tuple[str, str | None]:
+    """(the weight a scale belongs to, "weight_scale" / "input_scale" / "weight_zero_point"),
+    or (name, None) for a tensor that is no FP8 scale."""
+    for suffix in fp8.SCALE_NAMES:
+        if name.endswith(f".{suffix}"):
+            return name.removesuffix(suffix) + "weight", "weight_scale"
+    for suffix in ("input_scale", "weight_zero_point"):
+        if name.endswith(f".{suffix}"):
+            return name.removesuffix(suffix) + "weight", suffix
+    return name, None
+
+
+def _check_scalar_scale(name: str, tensor: torch.Tensor, kind: str) -> None:
+    """A static activation scale (one positive number: dropped, fp8.py says why) or a zero
+    point (zero everywhere: symmetric); anything else is refused."""
+    if kind == "input_scale":
+        if tensor.numel() != 1 or not bool(torch.isfinite(tensor).all() and (tensor > 0).all()):
+            raise ValueError(f"{name!r} must be one positive finite activation scale (per tensor); got shape "
+                             f"{tuple(tensor.shape)}")
+    elif bool(tensor.any()):
+        raise ValueError(f"{name!r} is not zero: asymmetric FP8 weights are not supported")
+
+
+def _scale_placement(name: str, tensor: torch.Tensor, weight: Placement, target: str, param: nn.Parameter,
+                     blocked: bool) -> tuple[Placement, torch.Tensor]:
+    """Where a weight's scale goes, given where the weight goes (see the module's docstring),
+    and the tensor shaped for it (a per-tensor scale repeated over rows, [N] as [N, 1])."""
+    if not blocked:
+        src = weight.src if weight.src is not None and weight.src[0] == 0 else None  # a column slice: every row
+        if tensor.numel() == 1:
+            held = param.shape[1] if weight.expert is not None else param.shape[0]  # [E, rows, 1] or [rows, 1]
+            rows = src[1] + src[2] if src is not None else weight.rows[1] if weight.rows else held
+            tensor = tensor.reshape(1, 1).expand(rows, 1)
+        elif tensor.dim() == 1:
+            tensor = tensor.unsqueeze(1)
+        return Placement(target, expert=weight.expert, rows=weight.rows, src=src), tensor
+    block = fp8.SCALE_BLOCK
+    if weight.rows is not None and weight.rows[0] % block:
+        raise ValueError(f"block scales {name!r}: its rows start at row {weight.rows[0]} of the fused "
+                         f"{target.removesuffix('.weight_scale')!r}, not on a {block}-row block")
+    if weight.src is not None and weight.src[1] % block:
+        raise ValueError(f"block scales {name!r}: this rank's slice starts at {weight.src[1]} along dim "
+                         f"{weight.src[0]}, not on a {block} block (use fewer tensor-parallel ranks)")
+    rows = (weight.rows[0] // block, -(-weight.rows[1] // block)) if weight.rows is not None else None
+    src = (weight.src[0], weight.src[1] // block, -(-weight.src[2] // block)) if weight.src is not None else None
+    return Placement(target, expert=weight.expert, rows=rows, src=src), tensor
 
 
 def _slice(tensor: torch.Tensor, src: tuple[int, int, int] | None) -> torch.Tensor | None:
@@ -157,22 +229,31 @@ def _slice(tensor: torch.Tensor, src: tuple[int, int, int] | None) -> torch.Tens
 
 
 def expected_keys(model: nn.Module, arch: ModelArch, plan: ShardPlan) -> set[str]:
-    """The `Placement.key` of every part of every parameter a checkpoint must fill."""
+    """The `Placement.key` of every part of every parameter a checkpoint must fill (an FP8
+    layer's scales: those of its weight, under the scale's name)."""
+    params = dict(model.named_parameters())
     keys: set[str] = set()
-    for name, param in model.named_parameters():
-        kind = name.split(".")[-1] if name.split(".")[-2] == "experts" else name.split(".")[-2]
-        if kind == "qkv_proj":
-            q, kv = plan.num_heads * arch.head_dim, plan.num_kv_heads * arch.head_dim
-            keys |= {f"{name}@{row}" for row in (0, q, q + kv)}
-        elif kind == "gate_up_proj":
-            keys |= {f"{name}@{row}" for row in (0, param.shape[0] // 2)}
-        elif kind == "w13":
-            keys |= {f"{name}#{e}@{row}" for e in range(param.shape[0]) for row in (0, param.shape[1] // 2)}
-        elif kind == "w2":
-            keys |= {f"{name}#{e}" for e in range(param.shape[0])}
+    for name, param in params.items():
+        if name.endswith("_scale"):  # an FP8 layer's weight_scale, FP8 experts' w13_scale / w2_scale
+            weight = name.removesuffix("_scale")
+            keys |= {key.replace(weight, name, 1) for key in _keys(weight, params[weight], arch, plan)}
         else:
-            keys.add(name)
+            keys |= _keys(name, param, arch, plan)
     return keys
+
+
+def _keys(name: str, param: nn.Parameter, arch: ModelArch, plan: ShardPlan) -> set[str]:
+    kind = name.split(".")[-1] if name.split(".")[-2] == "experts" else name.split(".")[-2]
+    if kind == "qkv_proj":
+        q, kv = plan.num_heads * arch.head_dim, plan.num_kv_heads * arch.head_dim
+        return {f"{name}@{row}" for row in (0, q, q + kv)}
+    if kind == "gate_up_proj":
+        return {f"{name}@{row}" for row in (0, param.shape[0] // 2)}
+    if kind == "w13":
+        return {f"{name}#{e}@{row}" for e in range(param.shape[0]) for row in (0, param.shape[1] // 2)}
+    if kind == "w2":
+        return {f"{name}#{e}" for e in range(param.shape[0])}
+    return {name}
 
 
 def checkpoint_names(model: nn.Module, arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...]]]:

@@ -10,6 +10,11 @@ enable_expert_parallel) each rank holds whole experts, `num_experts / ranks` of 
 Attention stays tensor-parallel either way, so every rank has every token: each computes
 its experts' (or slices') contributions for the tokens routed to them and one all-reduce
 sums them, the shared expert's partial sums included.
+
+FP8 experts (`FusedExperts.use_fp8`) hold w13 and w2 as e4m3 with float32 scales per output
+channel (`w13_scale` [E, 2I, 1], `w2_scale` [E, H, 1]) or per 128 x 128 block: the fused
+kernel reads them as they are, the CPU path dequantizes them to float32 per call (as
+`fp8.linear` does).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.engine.models import fp8
 from pdserve.engine.models.arch import ModelArch, MoEArch
 from pdserve.engine.models.layers import MLP, Linear
 from pdserve.engine.parallel import Collectives, TensorParallel
@@ -66,12 +72,33 @@ class FusedExperts(nn.Module):
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size))
+        self.register_parameter("w13_scale", None)  # set by use_fp8
+        self.register_parameter("w2_scale", None)
         self.first_expert = first_expert
+        self.fp8_blocked = False
+
+    def use_fp8(self, blocked: bool) -> None:
+        """Hold w13 and w2 in FP8 with a scale per output channel, or per 128 x 128 block when
+        `blocked`. Before loading: the new parameters are empty, the checkpoint's to fill."""
+        for name in ("w13", "w2"):
+            w = getattr(self, name)
+            e, n, k = w.shape
+            shape = (e, -(-n // fp8.SCALE_BLOCK), -(-k // fp8.SCALE_BLOCK)) if blocked else (e, n, 1)
+            setattr(self, name, nn.Parameter(torch.empty(w.shape, dtype=fp8.FP8, device=w.device),
+                                             requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(torch.empty(shape, dtype=torch.float32, device=w.device),
+                                                        requires_grad=False))
+        self.fp8_blocked = blocked
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:  # the fused Triton kernel: no host sync, a CUDA graph can hold it
-            return fused_moe(x, self.w13, self.w2, weights, ids, self.first_expert)
-        return experts_reference(x, self.w13, self.w2, weights, ids, self.first_expert)
+            return fused_moe(x, self.w13, self.w2, weights, ids, self.first_expert, w13_scale=self.w13_scale,
+                             w2_scale=self.w2_scale, blocked=self.fp8_blocked)
+        w13, w2 = self.w13, self.w2
+        if self.w13_scale is not None:
+            w13 = fp8.dequantize(w13, self.w13_scale, self.fp8_blocked).to(x.dtype)
+            w2 = fp8.dequantize(w2, self.w2_scale, self.fp8_blocked).to(x.dtype)
+        return experts_reference(x, w13, w2, weights, ids, self.first_expert)
 
 
 class SparseMoE(nn.Module):

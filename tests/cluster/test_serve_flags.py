@@ -78,6 +78,7 @@ def test_a_flag_given_its_default_parses_back_to_it(field) -> None:
     (["--model", "dummy:tiny"], "engine.model.source", "dummy:tiny"),
     (["--engine.model.cache_dir", "/tmp/c"], "engine.model.cache_dir", Path("/tmp/c")),
     (["--engine.model.enforce_eager"], "engine.model.enforce_eager", True),
+    (["--quantization", "fp8"], "engine.model.quantization", "fp8"),
     (["--gpus-per-worker", "0.5"], "pools.gpus_per_worker", 0.5),
     (["--address", "auto"], "ray.address", "auto"),
     (["--kv-require", "rdma"], "kv_transport.require", "rdma"),

@@ -111,6 +111,84 @@ def test_the_engines_cpu_path_is_the_same_function():
     assert rel_error(fused_moe(x, w13, w2, weights, ids).cpu(), got) < tolerance(torch.float32)
 
 
+def _fp8_experts(w: torch.Tensor, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[E, rows, K] -> (e4m3 weights, float32 scales, their dequantized float32 value): each
+    output channel's amax / 448 ([E, rows, 1], engine.models.fp8's online quantization), or
+    each 128 x 128 block's ([E, ceil(rows/128), ceil(K/128)], the edge blocks partial)."""
+    w = w.float()
+    if not blocked:
+        scale = w.abs().amax(dim=2, keepdim=True) / 448.0
+        full = scale
+    else:
+        e, n, k = w.shape
+        padded = torch.zeros(e, -(-n // 128) * 128, -(-k // 128) * 128, device=w.device)
+        padded[:, :n, :k] = w.abs()
+        scale = padded.reshape(e, padded.shape[1] // 128, 128, padded.shape[2] // 128, 128).amax(dim=(2, 4)) / 448.0
+        full = scale.repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)[:, :, :k]
+    q = (w / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q, scale.contiguous(), q.float() * full
+
+
+@pytest.mark.parametrize("path", PLANS)
+@pytest.mark.parametrize(("num_tokens", "first_expert"), [(3, 0), (12, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_experts_match_the_reference_on_their_dequantized_weights(path, num_tokens, first_expert, dtype):
+    """FP8 experts with per-channel scales (and, second case, another rank's experts): the
+    kernels widen each weight tile and scale each column once; the reference multiplies x by
+    the dequantized weights. Only rounding order differs: the dtype's usual bound."""
+    x, w13, w2, weights, ids = _inputs(num_tokens, 32, 16, 8, 2, dtype, seed=7)
+    local = slice(first_expert, first_expert + 4)
+    q13, s13, d13 = _fp8_experts(w13[local])
+    q2, s2, d2 = _fp8_experts(w2[local])
+    out = fused_moe(x, q13, q2, weights, ids, first_expert, PLANS[path], w13_scale=s13, w2_scale=s2)
+    assert out.dtype == dtype
+    ref = ref_fused_moe(x, d13, d2, weights, ids, first_expert=first_expert)
+    assert rel_error(out, ref) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("path", PLANS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_experts_with_block_scales(path, dtype):
+    """128 x 128 block scales: intermediate 128 (gate and up one block of rows each), hidden
+    192 (a partial block of K for w13, of rows for w2); per-pair tiles of 256 columns span
+    two blocks of K, grouped ones of 32 lie in one."""
+    x, w13, w2, weights, ids = _inputs(6, 192, 128, 4, 2, dtype, seed=9)
+    q13, s13, d13 = _fp8_experts(w13, blocked=True)
+    q2, s2, d2 = _fp8_experts(w2, blocked=True)
+    plan = Plan(False, Tile(8, 256), Tile(16, 64)) if path == "per_pair" else GROUPED
+    out = fused_moe(x, q13, q2, weights, ids, plan=plan, w13_scale=s13, w2_scale=s2, blocked=True)
+    assert rel_error(out, ref_fused_moe(x, d13, d2, weights, ids)) < tolerance(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 512])
+def test_fp8_experts_at_qwen3_30b_a3b_shape(num_tokens):
+    """Qwen3-30B-A3B's experts (128, hidden 2048, intermediate 768, top 8) in FP8, bfloat16 x,
+    both paths as plan_for picks them."""
+    x, w13, w2, weights, ids = _inputs(num_tokens, 2048, 768, 128, 8, torch.bfloat16, seed=11)
+    q13, s13, d13 = _fp8_experts(w13)
+    q2, s2, d2 = _fp8_experts(w2)
+    out = fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    assert rel_error(out, ref_fused_moe(x, d13, d2, weights, ids)) < tolerance(torch.bfloat16)
+
+
+def test_fp8_experts_without_their_scales_are_refused():
+    x, w13, w2, weights, ids = _inputs(4, 32, 16, 4, 2, torch.float32)
+    q13, s13, _ = _fp8_experts(w13)
+    q2, _, _ = _fp8_experts(w2)
+    with pytest.raises(ValueError, match=r"w2_scale must be a contiguous float32 \[4, 32, 1\]"):
+        fused_moe(x, q13, q2, weights, ids, w13_scale=s13)
+    with pytest.raises(ValueError, match="scaled weights must be"):
+        fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s13)
+    with pytest.raises(ValueError, match=r"intermediate size \(16\) to be a multiple of 128"):
+        fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s13, blocked=True)
+    x, w13, w2, weights, ids = _inputs(4, 32, 128, 4, 2, torch.float32)
+    (q13, s13, _), (q2, s2, _) = _fp8_experts(w13, blocked=True), _fp8_experts(w2, blocked=True)
+    with pytest.raises(ValueError, match="block scales need grouped tiles of block_k <= 128"):
+        fused_moe(x, q13, q2, weights, ids, plan=Plan(True, Tile(32, 256), Tile(32, 32)), w13_scale=s13,
+                  w2_scale=s2, blocked=True)
+
+
 def test_no_tokens():
     x, w13, w2, weights, ids = _inputs(0, 32, 16, 4, 2, torch.float32)
     assert fused_moe(x, w13, w2, weights, ids).shape == (0, 32)

@@ -1,6 +1,7 @@
 """gemv (one row of x times W.T, plus a bias) against the float64 product: shapes that fill
 its blocks and shapes that do not (masked rows and columns), both configurations (K below
-and above 8192), bias or none, strided weight rows; the result is rounded once."""
+and above 8192), bias or none, strided weight rows; the result is rounded once. FP8 weights
+with per-row and 128 x 128 block scales against the product of the dequantized weights."""
 
 from __future__ import annotations
 
@@ -45,6 +46,39 @@ def test_gemv_reads_strided_weight_rows():
 def test_gemv_read_ahead(n, k):
     """The engine's launch: the first weight tile read before the PDL wait."""
     _check(n, k, torch.float32, with_bias=True, pad=0, read_ahead=True)
+
+
+def _check_fp8(n: int, k: int, blocked: bool, read_ahead: bool, dtype: torch.dtype = torch.float32) -> None:
+    """FP8 weights with per-row or 128 x 128 block scales against the float64 product of x and
+    the dequantized weights."""
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    shape = (-(-n // 128), -(-k // 128)) if blocked else (n, 1)
+    scale = torch.rand(shape, generator=gen) * 0.01 + 1e-3
+    full = scale.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k] if blocked else scale.double()
+    deq = w.double() * full
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    ref = x.double() @ deq.T + bias.double()
+    out = gemv(x.to(DEVICE), w.to(DEVICE), bias.to(DEVICE), read_ahead=read_ahead, scale=scale.to(DEVICE),
+               blocked=blocked)
+    assert out.shape == (1, n) and out.dtype == dtype
+    size = (x.double().abs() @ deq.abs().T).max().item()
+    atol = size * (k * 2 * torch.finfo(torch.float32).eps + torch.finfo(dtype).eps)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=torch.finfo(dtype).eps, atol=atol)
+
+
+@pytest.mark.parametrize("n, k", [(24, 512), (50, 300), (3, 17)])
+@pytest.mark.parametrize("blocked", [False, True])
+def test_gemv_fp8_weights_match_the_dequantized_product(n, k, blocked):
+    _check_fp8(n, k, blocked, read_ahead=n == 24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("blocked", [False, True])
+def test_gemv_fp8_at_the_8b_shapes(n, k, blocked):
+    _check_fp8(n, k, blocked, read_ahead=True, dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu
