@@ -45,6 +45,11 @@ def _prefill_worker(srv: RunningServer, worker_id: str) -> Worker:
     return next(w for w in _coordinator(srv).prefill.workers if w.worker_id == worker_id)
 
 
+def _idle(worker: Worker) -> bool:
+    load = worker.state.load
+    return worker.state.inflight == 0 and load is not None and load.num_free_blocks == load.num_blocks
+
+
 def _call(srv: RunningServer, ref: Any) -> Any:
     """An actor call's result, awaited on the server's loop."""
     async def wait() -> Any:
@@ -105,6 +110,10 @@ def test_a_prompt_goes_to_the_worker_that_holds_its_prefix(srv, tokenizer):
     hashes = prefix_block_hashes(prompt, BLOCK)
     wait_until(lambda: _coordinator(srv).kv_index.prefix_blocks(hashes).get("prefill-1") == len(hashes), 30,
                "prefill-1's blocks in the index")
+    # And both idle in the loads the router reads: a load taken while the outside prefill still
+    # held its blocks scores prefill-1 busy (KV use) until the next report, a bounded lag that
+    # a loaded machine made this test lose.
+    wait_until(lambda: all(_idle(w) for w in _coordinator(srv).prefill.workers), 30, "idle prefill loads")
     out = collect(srv.target, prompt, GREEDY)
     assert out.num_cached_tokens == full * BLOCK  # every full block but the last token's: prefill-1 served it
 
