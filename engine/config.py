@@ -137,6 +137,43 @@ class CacheConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KVTierConfig:
+    """KV tiers below the device pool (`engine/kv_tiers.py`): blocks the prefix cache evicts
+    are copied down (host memory first, then a local disk directory) off the step's path, and
+    come back on a prefix hit instead of being recomputed. Both tiers off by default.
+
+    host_bytes: bound on the host-memory tier (pinned on a GPU host); 0 turns it off.
+    disk_dir: the disk tier's root (None: no disk tier). Each worker keeps its blocks in
+        `<disk_dir>/<slot>/`, one file per block named by its hash, readable by the server's
+        user only (files 0600, folders 0700).
+    disk_bytes: bound on the disk tier's files.
+    slot: the worker's slot (e.g. "prefill-0"): a restarted worker finds its own disk tier by it.
+    disk_persist: keep the disk tier's files across a restart (each is checked before it is
+        served); False wipes the slot's folder at start.
+    """
+
+    host_bytes: int = 0
+    disk_dir: Path | None = None
+    disk_bytes: int = 16 << 30
+    slot: str = "local"
+    disk_persist: bool = True
+
+    def __post_init__(self) -> None:
+        if self.host_bytes < 0:
+            raise ValueError(f"KVTierConfig.host_bytes must be >= 0, got {self.host_bytes}")
+        if self.disk_bytes < 1:
+            raise ValueError(f"KVTierConfig.disk_bytes must be >= 1, got {self.disk_bytes}")
+        if not self.slot or "/" in self.slot or self.slot in (".", ".."):
+            raise ValueError(f"KVTierConfig.slot must be a plain folder name, got {self.slot!r}")
+        if self.disk_dir is not None:
+            object.__setattr__(self, "disk_dir", Path(os.path.abspath(Path(self.disk_dir).expanduser())))
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0 or self.disk_dir is not None
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Iteration-level scheduling.
 
@@ -299,7 +336,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
 
     def __post_init__(self) -> None:
+        if self.kv_tiers.enabled and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("KV tiers (kv_tiers) with tensor_parallel_size > 1 are not supported yet")
+        if self.kv_tiers.enabled and not self.cache.enable_prefix_caching:
+            raise ValueError("KV tiers (kv_tiers) need the prefix cache (cache.enable_prefix_caching)")
         if self.spec.enabled and self.parallel.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet")
