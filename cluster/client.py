@@ -20,6 +20,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.cache_salt is not None:
+        msg.cache_salt = p.cache_salt
     if p.structured is not None and p.structured.kind == "json_object":
         msg.response_format.json_object.SetInParent()
     elif p.structured is not None:

@@ -78,6 +78,7 @@ class _GenerationRequest(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
     repetition_penalty: float | None = None  # vLLM's (HF's definition)
     min_tokens: int | None = None  # vLLM's
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prefixes
     # Accepted only at their neutral values (what the engine does anyway): any other value is
     # refused by name (`unsupported`), never dropped in silence.
     prompt_logprobs: int | None = None  # vLLM's

@@ -30,8 +30,9 @@ class PromptBlocks:
     block_size: int
 
     @classmethod
-    def of(cls, token_ids: Sequence[int], block_size: int) -> PromptBlocks:
-        return cls(len(token_ids), tuple(prefix_block_hashes(token_ids, block_size)), block_size)
+    def of(cls, token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> PromptBlocks:
+        """The prompt's blocks as a worker hashes them (salted by the request's `cache_salt`)."""
+        return cls(len(token_ids), tuple(prefix_block_hashes(token_ids, block_size, cache_salt)), block_size)
 
     def num_new_tokens(self, num_cached_blocks: int) -> int:
         """Prompt tokens a worker holding its first `num_cached_blocks` blocks still computes
