@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -345,3 +346,8 @@ class EngineConfig:
             raise ValueError("KV tiers (kv_tiers) need the prefix cache (cache.enable_prefix_caching)")
         if self.spec.enabled and self.parallel.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet")
+
+    def for_worker(self, worker_id: str) -> EngineConfig:
+        """This config for one worker of a pool: its KV tiers' slot is its id (`prefill-0`), so
+        that the server started again finds each worker's disk tier where it left it."""
+        return dataclasses.replace(self, kv_tiers=dataclasses.replace(self.kv_tiers, slot=worker_id))
