@@ -119,3 +119,16 @@ def test_aborts_during_offload_and_onboarding_leave_nothing_held(tmp_path, token
     assert engine.kv_tiers.stats().num_blocks == {HOST_TIER: 0, DISK_TIER: 0}
     assert engine.kv_tiers.stats().num_bytes == {HOST_TIER: 0, DISK_TIER: 0}
     engine.close()
+
+
+def test_cache_salts_keep_prefixes_apart(default_engine, tokenizer):
+    prompt = prompt_ids(tokenizer, 40, variant=6)
+
+    def cached(salt: str | None) -> int:
+        params = SamplingParams(temperature=0.0, max_tokens=1, cache_salt=salt)
+        return default_engine.generate([prompt], params)[0].num_cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0  # another tenant's identical prompt finds nothing
+    assert cached(None) == 0  # nor does an unsalted one
+    assert cached("tenant-a") == 32  # the same tenant shares its own
