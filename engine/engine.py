@@ -20,7 +20,7 @@ from pdserve.engine.assembly import assemble
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import StructuredOutputs
-from pdserve.engine.kv_events import DEVICE_TIER, KVEventRecorder, KVSnapshot
+from pdserve.engine.kv_events import DEVICE_TIER, DISK_TIER, HOST_TIER, KVEventRecorder, KVSnapshot
 from pdserve.engine.kv_tiers import KVTiers, TierHit
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
 from pdserve.engine.penalties import Penalties
@@ -243,7 +243,7 @@ class Engine:
         a request holds blocks. The tiers below keep theirs (`wipe_kv_tiers`)."""
         return self.block_manager.reset_prefix_cache()
 
-    def wipe_kv_tiers(self, tiers: tuple[str, ...] = ("host", "disk")) -> bool:
+    def wipe_kv_tiers(self, tiers: tuple[str, ...] = (HOST_TIER, DISK_TIER)) -> bool:
         """Drop every block of the host and/or disk tier (their files too); False without tiers."""
         if self.kv_tiers is None:
             return False
