@@ -6,6 +6,7 @@ recomputed; aborts leave nothing held; cache salts keep tenants' prefixes apart.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTierConfig, ModelConfig, SchedulerConfig
@@ -32,13 +33,27 @@ def tiered(tmp_path, host_bytes: int, max_num_batched_tokens: int = 2048) -> Eng
 
 @pytest.fixture(scope="module")
 def turns(tokenizer, default_engine):
-    """(first turn, second turn, the second's cold greedy tokens)."""
+    """(first turn, second turn, the second's cold greedy tokens, its first 6 blocks' cold KV)."""
     first = prompt_ids(tokenizer, 100, variant=1)
     second = first + prompt_ids(tokenizer, 40, variant=2)
     default_engine.reset_prefix_cache()
-    cold = default_engine.generate([second], GREEDY)[0].token_ids
+    cold, block_ids = held(default_engine, second, "cold")
+    kv = default_engine.pool.kv[:, :, list(block_ids[:6])].clone()
+    default_engine.release("cold")
     default_engine.reset_prefix_cache()
-    return first, second, cold
+    return first, second, cold, kv
+
+
+def held(engine: Engine, prompt: list[int], rid: str) -> tuple[list[int], tuple[int, ...]]:
+    """Run `prompt` as a prefill worker does (its blocks held for sending until `release(rid)`):
+    its greedy tokens and the blocks holding its KV."""
+    engine.add_request(prompt, GREEDY, request_id=rid, hold_kv=True)
+    tokens: list[int] = []
+    while True:
+        for delta in engine.step():
+            tokens += delta.token_ids
+            if delta.finished:
+                return tokens, delta.held_block_ids
 
 
 def push_out(engine: Engine, tokenizer, prompt: list[int]) -> None:
@@ -57,15 +72,19 @@ def second_turn(engine: Engine, prompt: list[int]) -> tuple[list[int], int, int]
 
 
 def test_second_turn_from_host_then_from_disk_after_a_restart(tmp_path, tokenizer, turns):
-    first, second, cold = turns
+    first, second, cold, cold_kv = turns
     host_bytes = 64 * (2 * 30 * 16 * 3 * 64 * 4)
     engine = tiered(tmp_path, host_bytes)
     engine.generate([first], GREEDY)
     push_out(engine, tokenizer, first)
-    tokens, cached, computed = second_turn(engine, second)
+    before = engine.load().prompt_tokens_computed
+    tokens, block_ids = held(engine, second, "warm")  # as a prefill worker runs it, its KV held to send
     assert tokens == cold
-    assert cached == 96 and computed == len(second) - 96  # the first turn's 6 full blocks, from host
+    # The first turn's 6 full blocks came from host: in the blocks it sends, their cold KV.
+    assert engine.load().prompt_tokens_computed - before == len(second) - 96
     assert engine.load().kv_tiers.hit_tokens[HOST_TIER] == 96
+    torch.testing.assert_close(engine.pool.kv[:, :, list(block_ids[:6])], cold_kv, rtol=1e-4, atol=1e-4)
+    engine.release("warm")
     engine.close()
 
     # A restart without a host tier: the first turn's blocks were never on disk (host held
@@ -94,7 +113,7 @@ def test_second_turn_from_host_then_from_disk_after_a_restart(tmp_path, tokenize
 
 
 def test_aborts_during_offload_and_onboarding_leave_nothing_held(tmp_path, tokenizer, turns):
-    first, second, _ = turns
+    first, second, _, _ = turns
     engine = tiered(tmp_path, 64 * (2 * 30 * 16 * 3 * 64 * 4), max_num_batched_tokens=32)
     engine.generate([first], GREEDY)
     # Offloads queued while requests are cancelled mid-prefill.
