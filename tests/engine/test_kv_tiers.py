@@ -95,7 +95,7 @@ def test_a_bad_disk_block_is_refused_deleted_and_counted(tmp_path, damage):
     hits = again.fetch([1, 2])
     assert len(hits) == (0 if damage == "foreign" else 1)  # a foreign model's blocks are all refused
     assert again.stats().num_rejected == {damage: 1}
-    assert BlockRemoved(hits and 2 or 1, DISK_TIER) in again.take_events()
+    assert BlockRemoved(1 if damage == "foreign" else 2, DISK_TIER) in again.take_events()
     assert not path.exists() or damage == "foreign"
     again.close()
 
