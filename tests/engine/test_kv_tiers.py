@@ -131,3 +131,22 @@ def test_the_disk_tier_is_bounded_in_bytes(tmp_path):
     assert [h.tier for h in tiers.fetch([12, 13, 14])] == [DISK_TIER] * 3
     assert tiers.fetch([10]) == []
     tiers.close()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_copies_run_on_their_own_stream_and_the_pool_waits_for_them(tmp_path):
+    """A pool on the GPU: the gather into pinned memory and the onboarding copy are ordered
+    before the pool's later writes by the streams alone (no host wait in between)."""
+    pool = KVPool(LAYOUT, 8, "cuda")
+    pool.kv.copy_(torch.randn_like(pool.kv))
+    want = pool.kv[:, :, 1].cpu()
+    tiers = make_tiers(pool, tmp_path, host_blocks=1)
+    tiers.offload([(1, 5)])
+    pool.kv[:, :, 1].zero_()  # the block's new owner writes it: after the copy, on the GPU
+    assert tiers.wait_idle(10)
+    [hit] = tiers.fetch([5])
+    assert hit.block.is_pinned() and torch.equal(hit.block, want)
+    tiers.onboard([(6, hit)])
+    pool.kv[:, :, 7].copy_(pool.kv[:, :, 6])  # the step that reads it, on the pool's stream
+    assert torch.equal(pool.kv[:, :, 7].cpu(), want)
+    tiers.close()

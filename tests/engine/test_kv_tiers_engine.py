@@ -19,7 +19,8 @@ from tests.engine.prompts import prompt_ids
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-NUM_BLOCKS = 24  # 384 tokens: two 150-token floods push a turn's blocks out
+NUM_BLOCKS = 24  # 384 tokens: three 150-token prompts push a turn's blocks out
+HOST_BYTES = 64 * (2 * 30 * 16 * 3 * 64 * 4)  # 64 blocks of the default model's float32 KV
 
 
 def tiered(tmp_path, host_bytes: int, max_num_batched_tokens: int = 2048) -> Engine:
@@ -73,8 +74,7 @@ def second_turn(engine: Engine, prompt: list[int]) -> tuple[list[int], int, int]
 
 def test_second_turn_from_host_then_from_disk_after_a_restart(tmp_path, tokenizer, turns):
     first, second, cold, cold_kv = turns
-    host_bytes = 64 * (2 * 30 * 16 * 3 * 64 * 4)
-    engine = tiered(tmp_path, host_bytes)
+    engine = tiered(tmp_path, HOST_BYTES)
     engine.generate([first], GREEDY)
     push_out(engine, tokenizer, first)
     before = engine.load().prompt_tokens_computed
@@ -100,11 +100,9 @@ def test_second_turn_from_host_then_from_disk_after_a_restart(tmp_path, tokenize
     assert engine.load().kv_tiers.hit_tokens[DISK_TIER] == 96
 
     # Bad files on disk are recomputed, never served: same tokens, counted.
-    engine.close()
-    folder = tmp_path / "prefill-0"
-    hashes = prefix_block_hashes(second, 16)
-    block_path(folder, hashes[1]).write_bytes(block_path(folder, hashes[1]).read_bytes()[:-3])
-    engine = tiered(tmp_path, host_bytes=0)
+    assert engine.reset_prefix_cache()  # the pool forgets the turn; its files stay
+    path = block_path(tmp_path / "prefill-0", prefix_block_hashes(second, 16)[1])
+    path.write_bytes(path.read_bytes()[:-3])
     tokens, cached, computed = second_turn(engine, second)
     assert tokens == cold
     assert cached == 16 and computed == len(second) - 16  # the first block, then the truncated one
@@ -114,7 +112,7 @@ def test_second_turn_from_host_then_from_disk_after_a_restart(tmp_path, tokenize
 
 def test_aborts_during_offload_and_onboarding_leave_nothing_held(tmp_path, tokenizer, turns):
     first, second, _, _ = turns
-    engine = tiered(tmp_path, 64 * (2 * 30 * 16 * 3 * 64 * 4), max_num_batched_tokens=32)
+    engine = tiered(tmp_path, HOST_BYTES, max_num_batched_tokens=32)
     engine.generate([first], GREEDY)
     # Offloads queued while requests are cancelled mid-prefill.
     for variant in (3, 4, 5, 6):
