@@ -138,6 +138,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kv_wipe(args: argparse.Namespace) -> int:
+    """Delete a disk tier's files, offline (a running worker's tiers: `engine.kv_tiers.disk_persist`
+    false at its start, or `Engine.wipe_kv_tiers`)."""
+    from pdserve.engine.kv_disk import wipe_folder
+
+    root = Path(args.kv_disk_dir).expanduser()
+    if not root.is_dir():
+        raise ValueError(f"--kv-disk-dir {str(root)!r} is not a folder")
+    if args.slot is not None and ("/" in args.slot or args.slot in ("", ".", "..")):
+        raise ValueError(f"--slot must be a plain folder name, got {args.slot!r}")
+    folders = [root / args.slot] if args.slot else [p for p in root.iterdir() if p.is_dir()]
+    for folder in folders:
+        wipe_folder(folder)
+        print(f"wiped {folder}")
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     with _client(args) as client:
         info = client.server_info()
@@ -271,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_spec_sim_parser(sub)
     add_bench_parser(sub)
+
+    wipe = sub.add_parser("kv-wipe", help="delete a KV disk tier's blocks (every worker slot, or --slot's)")
+    wipe.add_argument("--kv-disk-dir", required=True, help="the disk tier's root (engine.kv_tiers.disk_dir)")
+    wipe.add_argument("--slot", help="one worker's slot, e.g. prefill-0 (default: all of them)")
+    wipe.set_defaults(func=cmd_kv_wipe)
 
     info = sub.add_parser("info", help="show a server's mode, model and workers")
     info.add_argument("--target", default="127.0.0.1:50051")

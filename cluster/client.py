@@ -22,6 +22,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
+    if p.cache_salt is not None:
+        msg.cache_salt = p.cache_salt
     if p.structured is not None and p.structured.kind == "json_object":
         msg.response_format.json_object.SetInParent()
     elif p.structured is not None:

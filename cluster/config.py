@@ -14,12 +14,14 @@ from pdserve.engine import env
 from pdserve.engine.config import (
     CacheConfig,
     EngineConfig,
+    KVTierConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     SpecConfig,
     WorkerConfig,
 )
+from pdserve.engine.kv_events import DEVICE_TIER, DISK_TIER, HOST_TIER
 from pdserve.engine.loop import LoopConfig
 from pdserve.engine.tool_parsers import TOOL_FORMATS
 from pdserve.kv_transport.config import TransportSettings
@@ -253,11 +255,22 @@ class RouterConfig:
     prompt_weight: how much a request's own prompt work weighs against the worker's load
         (Dynamo's kv-overlap-score-weight): 0 routes by load alone, higher values follow
         cached prefixes onto busier workers.
+    host_tier_credit, disk_tier_credit: what a prompt block a worker holds in its host-memory
+        or disk tier (`engine/kv_tiers.py`) saves, as a fraction of one in its device pool
+        (1): it is copied back before the step, which costs less than computing it but not
+        nothing.
     """
 
     kv_usage_weight: float = 4.0
     queued_tokens_per_request: float = 4096.0
     prompt_weight: float = 1.0
+    host_tier_credit: float = 0.8
+    disk_tier_credit: float = 0.5
+
+    @property
+    def tier_credits(self) -> dict[str, float]:
+        """Each KV tier's credit for a prompt block held there."""
+        return {DEVICE_TIER: 1.0, HOST_TIER: self.host_tier_credit, DISK_TIER: self.disk_tier_credit}
 
     def __post_init__(self) -> None:
         if self.kv_usage_weight < 0 or self.prompt_weight < 0:
@@ -266,6 +279,9 @@ class RouterConfig:
         if self.queued_tokens_per_request <= 0:
             raise ValueError(f"RouterConfig.queued_tokens_per_request must be > 0, "
                              f"got {self.queued_tokens_per_request}")
+        for name in ("host_tier_credit", "disk_tier_credit"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"RouterConfig.{name} must be in [0, 1], got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,7 +436,7 @@ _SECTIONS: dict[str, type] = {
 }
 _ENGINE_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                                      "parallel": ParallelConfig,
-                                     "spec": SpecConfig}
+                                     "spec": SpecConfig, "kv_tiers": KVTierConfig}
 
 
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
@@ -436,6 +452,8 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
             raise ValueError(f"config section {where!r}: {f.name} must be true or false, got {values[f.name]!r}")
     if cls is ModelConfig and "cache_dir" in values:
         values = {**values, "cache_dir": Path(values["cache_dir"])}
+    if cls is KVTierConfig and values.get("disk_dir"):
+        values = {**values, "disk_dir": Path(values["disk_dir"])}
     try:
         return cls(**values)
     except TypeError as e:

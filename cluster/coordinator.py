@@ -207,7 +207,7 @@ class Coordinator:
         rid = req.request_id
         started = time.perf_counter()
         hops: dict[str, float] = {} if report is None or migrated else report.hops
-        prompt = PromptBlocks.of(req.prompt_token_ids, self.block_size)
+        prompt = PromptBlocks.of(req.prompt_token_ids, self.block_size, req.params.cache_salt)
         give_up = asyncio.get_running_loop().time() + self.config.migration_wait_s
         if self.prefill is None:
             decode = await self._pick_waiting(self.decode, prompt, self._decode_policy, migrated, give_up)

@@ -14,7 +14,7 @@ One writer (the coordinator's event loop), no locks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv_events import (
@@ -127,6 +127,26 @@ class KVIndex:
             for w in alive:
                 matched[w] = i + 1
         return matched
+
+    def prefix_credit(self, block_hashes: Sequence[int], credits: Mapping[str, float]) -> dict[str, float]:
+        """Per worker, the leading blocks of a prompt it holds in any tier of `credits`, each
+        counted at the best credit of the tiers it holds it in (a block in host memory or on
+        disk saves less than one in the pool: it is copied back first). Workers holding none
+        are left out."""
+        credited: dict[str, float] = {}
+        alive: set[str] | None = None
+        for h in block_hashes:
+            best: dict[str, float] = {}
+            for w, tier in self._holders.get(h, ()):
+                credit = credits.get(tier, 0.0)
+                if credit > 0 and (alive is None or w in alive):
+                    best[w] = max(best.get(w, 0.0), credit)
+            if not best:
+                break
+            alive = set(best)
+            for w, credit in best.items():
+                credited[w] = credited.get(w, 0.0) + credit
+        return credited
 
     def blocks_of(self, worker_id: str) -> dict[str, int]:
         """A worker's cached blocks, per tier."""

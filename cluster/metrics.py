@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from pdserve.cluster.kv_index import KVIndex
+from pdserve.engine.kv_events import DISK_TIER, HOST_TIER
 from pdserve.engine.messages import KVTransferInfo
 from pdserve.engine.outputs import EngineLoad
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_tiers import KVTierStats
+
+_TIERS = (HOST_TIER, DISK_TIER)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -67,6 +74,24 @@ class Metrics:
         self.kv_index_snapshots = Gauge("pdserve_kv_index_snapshots", "Workers resynced from a snapshot (after a gap "
                                         "in their events or a restart)", registry=r)
         self._tiers: dict[str, set[str]] = {}  # each worker's tier labels of kv_cached_blocks
+        self.prompt_computed = Gauge("pdserve_prompt_tokens_computed", "Prompt tokens a worker's steps computed "
+                                     "(not served from a cache tier or another worker)", ["role", "worker"], registry=r)
+        # The host and disk tiers below each worker's pool (engine/kv_tiers.py), since its start.
+        self.tier_hits = Gauge("pdserve_kv_tier_hit_tokens", "Prompt tokens onboarded from a tier below the pool",
+                               ["role", "worker", "tier"], registry=r)
+        self.tier_offloaded = Gauge("pdserve_kv_tier_offloaded_bytes", "KV bytes written into a tier",
+                                    ["role", "worker", "tier"], registry=r)
+        self.tier_onboarded = Gauge("pdserve_kv_tier_onboarded_bytes", "KV bytes copied back from a tier into the "
+                                    "pool", ["role", "worker", "tier"], registry=r)
+        self.tier_bytes = Gauge("pdserve_kv_tier_bytes", "KV bytes a tier holds", ["role", "worker", "tier"],
+                                registry=r)
+        self.tier_onboard_seconds = Gauge("pdserve_kv_tier_onboard_seconds", "Engine time spent onboarding blocks",
+                                          ["role", "worker"], registry=r)
+        self.tier_rejected = Gauge("pdserve_kv_disk_rejected_blocks", "Disk-tier blocks refused (and recomputed), "
+                                   "by reason", ["role", "worker", "reason"], registry=r)
+        self.disk_full = Gauge("pdserve_kv_disk_full", "1: a disk-tier write failed (disk full): offloading to disk "
+                               "stopped", ["role", "worker"], registry=r)
+        self._rejected: dict[str, set[str]] = {}  # each worker's reason labels of tier_rejected
         self.workers_lost = Counter("pdserve_workers_lost", "Workers found dead and replaced", ["role"], registry=r)
         self._spec_ks: dict[str, set[str]] = {}  # each worker's k labels of spec_steps
 
@@ -84,6 +109,9 @@ class Metrics:
         self.kv_usage.labels(role, worker_id).set(1 - load.num_free_blocks / max(1, load.num_blocks))
         self.prefix_queried.labels(role, worker_id).set(load.prefix_queried_tokens)
         self.prefix_hits.labels(role, worker_id).set(load.prefix_hit_tokens)
+        self.prompt_computed.labels(role, worker_id).set(load.prompt_tokens_computed)
+        if load.kv_tiers is not None:
+            self._tier_load(role, worker_id, load.kv_tiers)
         if load.spec is not None:
             self.spec_proposed.labels(worker_id).set(load.spec.num_proposed)
             self.spec_accepted.labels(worker_id).set(load.spec.num_accepted)
@@ -92,6 +120,18 @@ class Metrics:
             for k, n in load.spec.num_steps_by_k.items():
                 self.spec_steps.labels(worker_id, str(k)).set(n)
                 self._spec_ks.setdefault(worker_id, set()).add(str(k))
+
+    def _tier_load(self, role: str, worker_id: str, stats: KVTierStats) -> None:
+        for tier in _TIERS:
+            self.tier_hits.labels(role, worker_id, tier).set(stats.hit_tokens.get(tier, 0))
+            self.tier_offloaded.labels(role, worker_id, tier).set(stats.bytes_offloaded.get(tier, 0))
+            self.tier_onboarded.labels(role, worker_id, tier).set(stats.bytes_onboarded.get(tier, 0))
+            self.tier_bytes.labels(role, worker_id, tier).set(stats.num_bytes.get(tier, 0))
+        self.tier_onboard_seconds.labels(role, worker_id).set(stats.onboard_seconds)
+        self.disk_full.labels(role, worker_id).set(int(stats.disk_full))
+        for reason, n in stats.num_rejected.items():
+            self.tier_rejected.labels(role, worker_id, reason).set(n)
+            self._rejected.setdefault(worker_id, set()).add(reason)
 
     def kv_index(self, index: KVIndex, workers: list[tuple[str, str]]) -> None:
         """The index's size and event counts, and each (role, worker id)'s cached blocks by tier."""
@@ -121,9 +161,16 @@ class Metrics:
 
     def worker_left(self, role: str, worker_id: str) -> None:
         """Drop the series of a worker that is no longer live (lost, or drained and stopped)."""
-        for gauge in (self.running, self.waiting, self.kv_usage, self.prefix_queried, self.prefix_hits):
+        for gauge in (self.running, self.waiting, self.kv_usage, self.prefix_queried, self.prefix_hits,
+                      self.prompt_computed, self.tier_onboard_seconds, self.disk_full):
             with contextlib.suppress(KeyError):
                 gauge.remove(role, worker_id)
+        for gauge in (self.tier_hits, self.tier_offloaded, self.tier_onboarded, self.tier_bytes):
+            for tier in _TIERS:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(role, worker_id, tier)
+        for reason in self._rejected.pop(worker_id, ()):
+            self.tier_rejected.remove(role, worker_id, reason)
         for gauge in (self.spec_proposed, self.spec_accepted, self.spec_alpha, self.spec_mean_accepted):
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id)

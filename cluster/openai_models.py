@@ -80,6 +80,7 @@ class _GenerationRequest(_Body):
     min_tokens: int | None = None  # vLLM's
     # vLLM's: each prompt token's log-probability, rank and this many top alternatives (completions).
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prefixes
 
     # Each field that is accepted only at one of its neutral values (what the engine does
     # anyway), and those values: any other value is refused by name (`unsupported`), never

@@ -30,12 +30,14 @@ class PromptBlocks:
     block_size: int
 
     @classmethod
-    def of(cls, token_ids: Sequence[int], block_size: int) -> PromptBlocks:
-        return cls(len(token_ids), tuple(prefix_block_hashes(token_ids, block_size)), block_size)
+    def of(cls, token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> PromptBlocks:
+        """The prompt's blocks as a worker hashes them (salted by the request's `cache_salt`)."""
+        return cls(len(token_ids), tuple(prefix_block_hashes(token_ids, block_size, cache_salt)), block_size)
 
-    def num_new_tokens(self, num_cached_blocks: int) -> int:
+    def num_new_tokens(self, num_cached_blocks: float) -> float:
         """Prompt tokens a worker holding its first `num_cached_blocks` blocks still computes
-        (at least one: an engine computes the last token to sample the next)."""
+        (at least one: an engine computes the last token to sample the next); blocks below a
+        worker's pool count in part (`RouterConfig.tier_credits`)."""
         return max(1, self.num_tokens - num_cached_blocks * self.block_size)
 
 
@@ -110,7 +112,7 @@ class PrefixAware:
         self.config = config or RouterConfig()
 
     def choose(self, workers: Sequence[WorkerState], prompt: PromptBlocks) -> WorkerState:
-        cached = self.index.prefix_blocks(prompt.block_hashes)
+        cached = self.index.prefix_credit(prompt.block_hashes, self.config.tier_credits)
 
         def rank(w: WorkerState) -> tuple[float, float, str]:
             score = w.score(self.config)
@@ -118,7 +120,7 @@ class PrefixAware:
 
         return min(workers, key=rank)
 
-    def cost(self, score: float, num_new_tokens: int) -> float:
+    def cost(self, score: float, num_new_tokens: float) -> float:
         """A placement's cost, in requests: the worker's load score plus its new prompt work."""
         return score + self.config.prompt_weight * num_new_tokens / self.config.queued_tokens_per_request
 

@@ -18,7 +18,8 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
     """Unset fields take SamplingParams' defaults; bad values raise ValueError naming the field."""
     kwargs: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "logprobs", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs"):
+                 "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs",
+                 "cache_salt"):
         if s.HasField(name):
             kwargs[name] = getattr(s, name)
     kwargs["logit_bias"] = dict(s.logit_bias)

@@ -25,7 +25,7 @@ class DecodeWorker(LoopWorker):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig | None,
                  worker_config: WorkerConfig | None = None, loop_config: LoopConfig | None = None) -> None:
         # speculative_engine: speculates when engine_config.spec says.
-        super().__init__(worker_id, speculative_engine(engine_config), loop_config)
+        super().__init__(worker_id, speculative_engine(engine_config.for_worker(worker_id)), loop_config)
         self._transport = transport
         self._config = worker_config or WorkerConfig()
         self._receiver = None

@@ -26,7 +26,7 @@ from pdserve.engine.parallel import ShardPlan, TensorParallel, check_splits
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.step_inputs import StepInputBuilder
 from pdserve.engine.tensor_parallel import TensorParallelRanks
-from pdserve.engine.weights import ModelFiles, load_tokenizer, resolve_model
+from pdserve.engine.weights import ModelFiles, load_tokenizer, model_digest, resolve_model
 from pdserve.kernels.paged_decode import paged_verify_fits
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class EngineParts:
     model_name: str
+    model_digest: str  # the weights' and config's (weights.model_digest): what stored KV belongs to
     arch: ModelArch
     device: torch.device
     dtype: torch.dtype
@@ -111,5 +112,6 @@ def _assemble(config: EngineConfig, files: ModelFiles, tokenizer: Any | None, li
     logger.info("engine ready: %s on %s (%s, tensor parallel %d), %d KV blocks of %d tokens (%s), max_model_len %d",
                 files.name, device, dtype, config.parallel.tensor_parallel_size, num_blocks, layout.block_size,
                 kv_dtype, max_model_len)
-    return EngineParts(files.name, arch, device, dtype, tokenizer, ranks, model, pool, kv_shards, wire_layout,
+    return EngineParts(files.name, model_digest(files, config.model.seed), arch, device, dtype, tokenizer, ranks,
+                       model, pool, kv_shards, wire_layout,
                        max_model_len, sampler, runner)

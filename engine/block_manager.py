@@ -7,25 +7,41 @@ it back instead of recomputing it. Freed blocks without a hash are reused first.
 
 Given a `KVEventRecorder`, it reports every change of what its hashes find (a block stored,
 one evicted, all cleared): the router's index of the cluster's caches is built from them.
+
+Given tiers below the pool (`LowerTiers`: host memory and disk, `engine/kv_tiers.py`), a
+prefix hit goes on below the pool (`match_lower`) and every cached block it evicts is kept
+for the caller to copy down (`take_evicted`) before the block's new owner writes it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence as SequenceT
+from typing import Protocol
 
 from pdserve.engine.kv_events import DEVICE_TIER, AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder
 from pdserve.engine.sequence import Sequence
 
 
+class LowerTiers(Protocol):
+    """Tiers below the pool, as the block manager sees them (no torch here)."""
+
+    def fetch(self, block_hashes: list[int]) -> SequenceT[object]:
+        """Whatever the tiers hold for the longest leading run of `block_hashes`."""
+        ...
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: KVEventRecorder | None = None) -> None:
+                 events: KVEventRecorder | None = None, lower: LowerTiers | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.events = events
+        self.lower = lower
+        self._evicted: list[tuple[int, int]] = []  # (block id, hash) evicted since take_evicted
         self._ref_counts = [0] * num_blocks
         self._hash_of_block: list[int | None] = [None] * num_blocks
         self._block_of_hash: dict[int, int] = {}
@@ -66,6 +82,23 @@ class BlockManager:
         self.num_prefix_queries += seq.num_tokens
         self.num_prefix_hits += len(hits) * self.block_size
         return hits
+
+    def match_lower(self, seq: Sequence, num_device_blocks: int) -> list[object]:
+        """The blocks below the pool that continue `seq`'s prefix hit of `num_device_blocks`
+        pool blocks (at least one token left to compute, as in `match_prefix`). The caller
+        allocates a block for each, copies it in, and counts its tokens as computed."""
+        if self.lower is None or not self.enable_prefix_caching:
+            return []
+        hashes = seq.block_hashes((seq.num_tokens - 1) // self.block_size)[num_device_blocks:]
+        found = list(self.lower.fetch(hashes)) if hashes else []
+        self.num_prefix_hits += len(found) * self.block_size
+        return found
+
+    def take_evicted(self) -> list[tuple[int, int]]:
+        """(block id, hash) of each cached block evicted since the last call (only with tiers
+        below): their KV is still in the pool until the new owner's first write."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the hashes of `seq`'s full blocks whose KV has been computed (or queued:
@@ -176,5 +209,7 @@ class BlockManager:
             del self._block_of_hash[h]
             if self.events is not None:
                 self.events.record([BlockRemoved(h)])
+            if self.lower is not None:
+                self._evicted.append((block_id, h))
         self._ref_counts[block_id] = 1
         return block_id

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,6 +143,43 @@ class CacheConfig:
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype the KV pool holds for a model computing in model_dtype."""
         return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else model_dtype
+
+
+@dataclass(frozen=True, slots=True)
+class KVTierConfig:
+    """KV tiers below the device pool (`engine/kv_tiers.py`): blocks the prefix cache evicts
+    are copied down (host memory first, then a local disk directory) off the step's path, and
+    come back on a prefix hit instead of being recomputed. Both tiers off by default.
+
+    host_bytes: bound on the host-memory tier (pinned on a GPU host); 0 turns it off.
+    disk_dir: the disk tier's root (None: no disk tier). Each worker keeps its blocks in
+        `<disk_dir>/<slot>/`, one file per block named by its hash, readable by the server's
+        user only (files 0600, folders 0700).
+    disk_bytes: bound on the disk tier's files.
+    slot: the worker's slot (e.g. "prefill-0"): a restarted worker finds its own disk tier by it.
+    disk_persist: keep the disk tier's files across a restart (each is checked before it is
+        served); False wipes the slot's folder at start.
+    """
+
+    host_bytes: int = 0
+    disk_dir: Path | None = None
+    disk_bytes: int = 16 << 30
+    slot: str = "local"
+    disk_persist: bool = True
+
+    def __post_init__(self) -> None:
+        if self.host_bytes < 0:
+            raise ValueError(f"KVTierConfig.host_bytes must be >= 0, got {self.host_bytes}")
+        if self.disk_bytes < 1:
+            raise ValueError(f"KVTierConfig.disk_bytes must be >= 1, got {self.disk_bytes}")
+        if not self.slot or "/" in self.slot or self.slot in (".", ".."):
+            raise ValueError(f"KVTierConfig.slot must be a plain folder name, got {self.slot!r}")
+        if self.disk_dir is not None:
+            object.__setattr__(self, "disk_dir", Path(os.path.abspath(Path(self.disk_dir).expanduser())))
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0 or self.disk_dir is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,7 +345,17 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)
 
     def __post_init__(self) -> None:
+        if self.kv_tiers.enabled and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("KV tiers (kv_tiers) with tensor_parallel_size > 1 are not supported yet")
+        if self.kv_tiers.enabled and not self.cache.enable_prefix_caching:
+            raise ValueError("KV tiers (kv_tiers) need the prefix cache (cache.enable_prefix_caching)")
         if self.spec.enabled and self.parallel.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet")
+
+    def for_worker(self, worker_id: str) -> EngineConfig:
+        """This config for one worker of a pool: its KV tiers' slot is its id (`prefill-0`), so
+        that the server started again finds each worker's disk tier where it left it."""
+        return dataclasses.replace(self, kv_tiers=dataclasses.replace(self.kv_tiers, slot=worker_id))

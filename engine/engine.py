@@ -12,7 +12,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -20,7 +20,8 @@ from pdserve.engine.assembly import assemble
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import StructuredOutputs
-from pdserve.engine.kv_events import DEVICE_TIER, KVEventRecorder, KVSnapshot
+from pdserve.engine.kv_events import DEVICE_TIER, DISK_TIER, HOST_TIER, KVEventRecorder, KVSnapshot
+from pdserve.engine.kv_tiers import KVTiers, TierHit
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
 from pdserve.engine.penalties import Penalties
 from pdserve.engine.prompt_logprobs import PromptChunk, PromptLogprobs
@@ -76,6 +77,7 @@ class Engine:
         self.config = config = config or EngineConfig()
         parts = assemble(config)
         self.model_name, self.arch, self.tokenizer = parts.model_name, parts.arch, parts.tokenizer
+        self.model_digest = parts.model_digest
         self.device, self.dtype = parts.device, parts.dtype
         self.model, self.pool, self.runner, self.sampler = parts.model, parts.pool, parts.runner, parts.sampler
         self.ranks = parts.ranks
@@ -86,8 +88,12 @@ class Engine:
         self.processor = RequestProcessor(self.tokenizer, self.model_name, self.arch.vocab_size, self.max_model_len)
         # What the prefix cache stored and evicted, for the router (taken with each load report).
         self.kv_events = KVEventRecorder(config.cache.kv_events_max_pending)
+        # Host memory and disk below the pool (None: neither configured).
+        self.kv_tiers = KVTiers(config.kv_tiers, self.pool, self.model_digest) if config.kv_tiers.enabled else None
+        if self.kv_tiers is not None:
+            self._close_tiers = weakref.finalize(self, self.kv_tiers.close)
         self.block_manager = BlockManager(self.pool.num_blocks, self.pool.layout.block_size,
-                                          config.cache.enable_prefix_caching, self.kv_events)
+                                          config.cache.enable_prefix_caching, self.kv_events, self.kv_tiers)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    frozenset(self.arch.eos_token_ids))
         self._spec: SpeculativeSteps | None = None
@@ -101,10 +107,12 @@ class Engine:
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Stop the engine's other tensor-parallel ranks (idempotent; also done when the
-        engine is garbage-collected). A single-rank engine holds nothing to stop."""
+        """Stop the engine's other tensor-parallel ranks and its KV tiers' offload thread
+        (idempotent; also done when the engine is garbage-collected)."""
         if self.ranks is not None:
             self._stop_ranks()  # the finalizer's own call: runs once, however often close() is
+        if self.kv_tiers is not None:
+            self._close_tiers()
 
     # Requests ------------------------------------------------------------
 
@@ -185,6 +193,7 @@ class Engine:
         if self.block_manager.num_blocks_needed(seq, seq.num_tokens) > sched.num_reservable_blocks \
                 or not self.block_manager.allocate(seq, seq.num_tokens):
             raise NoCapacity(f"not enough free KV blocks for {seq.num_tokens} tokens")
+        self._offload_evicted(wait=True)  # another worker writes these blocks, outside our stream
         self._requests[request_id] = _Request(seq)
         sched.receive(seq)
         return list(seq.block_ids)
@@ -210,6 +219,7 @@ class Engine:
 
     def load(self) -> EngineLoad:
         sched, bm = self.scheduler, self.block_manager
+        self._record_tier_events()
         return EngineLoad(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
@@ -223,17 +233,42 @@ class Engine:
             prefix_queried_tokens=bm.num_prefix_queries,
             prefix_hit_tokens=bm.num_prefix_hits,
             num_preemptions=sched.num_preemptions,
+            prompt_tokens_computed=sched.num_prompt_tokens_computed,
             spec=self.speculator.metrics.snapshot() if self.speculator is not None else None,
+            kv_tiers=self.kv_tiers.stats() if self.kv_tiers is not None else None,
         )
 
     def kv_snapshot(self) -> KVSnapshot:
-        """Every block the prefix cache holds now, as of the KV events recorded so far."""
-        return self.kv_events.snapshot({DEVICE_TIER: self.block_manager.cached_hashes()})
+        """Every block the prefix cache and the tiers below hold now, as of the KV events recorded so far."""
+        hashes = {DEVICE_TIER: self.block_manager.cached_hashes()}
+        if self.kv_tiers is not None:
+            events, tier_hashes = self.kv_tiers.snapshot()
+            self.kv_events.record(events)
+            hashes.update(tier_hashes)
+        return self.kv_events.snapshot(hashes)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (`BlockManager.reset_prefix_cache`); False while
-        a request holds blocks."""
+        a request holds blocks. The tiers below keep theirs (`wipe_kv_tiers`)."""
         return self.block_manager.reset_prefix_cache()
+
+    def wipe_kv_tiers(self, tiers: tuple[str, ...] = (HOST_TIER, DISK_TIER)) -> bool:
+        """Drop every block of the host and/or disk tier (their files too); False without tiers."""
+        if self.kv_tiers is None:
+            return False
+        self.kv_tiers.wipe(tiers)
+        self._record_tier_events()
+        return True
+
+    def _record_tier_events(self) -> None:
+        """The tiers' events (mostly made on their offload thread) into the recorder, on this thread."""
+        if self.kv_tiers is not None:
+            self.kv_events.record(self.kv_tiers.take_events())
+
+    def _offload_evicted(self, wait: bool = False) -> None:
+        """Copy the blocks the last allocations evicted down to the tiers, before anyone writes them."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.offload(self.block_manager.take_evicted(), wait)
 
     @property
     def has_unfinished(self) -> bool:
@@ -284,6 +319,10 @@ class Engine:
             if k > 0:
                 proposals = self._spec.propose(k, decoding)
         batch = self.scheduler.schedule()
+        if self.kv_tiers is not None:
+            self._offload_evicted()  # first: an onboarded block may reuse an evicted one
+            self.kv_tiers.onboard(cast(list[tuple[int, TierHit]], batch.onboard))
+            self._record_tier_events()
         if self._spec is not None:
             for seq in batch.preempted:
                 self._spec.release(seq)

@@ -1,8 +1,8 @@
 """What an engine's prefix cache tells the router: blocks stored, removed, cleared.
 
 The router keeps one index of which worker holds which block (`cluster/kv_index.py`); it is
-fed by these events, never by guesses. Each event carries the tier its block is in (only
-"device", the KV pool, today; host memory and disk come later and report the same way) and a
+fed by these events, never by guesses. Each event carries the tier its block is in
+("device", the KV pool; "host" and "disk", the tiers below it, `engine/kv_tiers.py`) and a
 per-engine sequence number; a batch names the engine's incarnation (fresh at every start).
 A receiver that sees a gap in the numbers, or a new incarnation, has missed something and
 asks for a `KVSnapshot` instead of guessing.
@@ -23,6 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 DEVICE_TIER = "device"  # the engine's KV pool
+HOST_TIER = "host"  # host memory below it (engine/kv_tiers.py)
+DISK_TIER = "disk"  # a local disk directory below that
 
 
 @dataclass(frozen=True, slots=True)

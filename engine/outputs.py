@@ -12,6 +12,7 @@ from pdserve.engine.kv_events import KVEventBatch
 from pdserve.engine.sequence import FinishReason
 
 if TYPE_CHECKING:
+    from pdserve.engine.kv_tiers import KVTierStats
     from pdserve.engine.sampler import TokenLogprobs
     from pdserve.engine.speculator import SpecMetrics
 
@@ -98,7 +99,9 @@ class EngineLoad:
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int
+    prompt_tokens_computed: int = 0  # prompt tokens this engine's steps computed (not served from any cache)
     spec: SpecMetrics | None = None  # speculation counters, when the engine speculates
     # The prefix cache's events since the last report (a worker's load report carries them:
     # `LoopWorker.load`; the engine's own `load()` leaves them for that).
     kv_events: KVEventBatch | None = None
+    kv_tiers: KVTierStats | None = None  # the host and disk tiers' counters, when the engine has tiers

@@ -83,6 +83,9 @@ class SamplingParams:
         vocabulary.
     min_tokens: EOS and the stop token ids cannot be sampled before this many tokens were
         generated (vLLM's); a client's at most its max_tokens (`check_min_tokens`).
+    cache_salt: seeds the hash of the request's first KV block (vLLM's `cache_salt`), so
+        that only requests with the same salt share cached prefixes (tenants who must not
+        learn of each other's prompts through cache timing); None shares with unsalted ones.
     The penalties and the bias change what is sampled, not the log-probabilities returned
     (the model's own, as vLLM's default); `engine/penalties.py` applies them on the device.
     """
@@ -104,8 +107,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= 1024:
+            raise ValueError(f"cache_salt must be 1 to 1024 characters, got {len(self.cache_salt)}")
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < -1:

@@ -37,6 +37,9 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Blocks found below the pool (`BlockManager.match_lower`) and the pool blocks allocated
+    # for them: the engine copies them in before this step runs.
+    onboard: list[tuple[int, object]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +68,8 @@ class Scheduler:
         self.receiving: dict[Sequence, tuple[int, KVReady] | None] = {}
         self.held: dict[str, Sequence] = {}  # finished, blocks kept until `release`
         self.num_preemptions = 0
+        # Prompt tokens steps computed (not those served from a cache, a tier or another worker).
+        self.num_prompt_tokens_computed = 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -178,16 +183,20 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             # A request that asks for its prompt's log-probabilities computes its whole prompt
-            # (as vLLM does): cached blocks hold KV, not the logits of their positions.
-            prefix = bm.match_prefix(seq) if seq.params.prompt_logprobs is None else []
-            num_cached = len(prefix) * bm.block_size
+            # (as vLLM does): cached blocks, in any tier, hold KV, not the logits of their positions.
+            wants_logits = seq.params.prompt_logprobs is not None
+            prefix = [] if wants_logits else bm.match_prefix(seq)
+            lower = [] if wants_logits else bm.match_lower(seq, len(prefix))
+            num_cached = (len(prefix) + len(lower)) * bm.block_size
             num_new = seq.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     return
                 num_new = budget
-            if not bm.allocate(seq, num_new, prefix):
+            # The blocks below the pool get fresh pool blocks, right after the pool's hit.
+            if not bm.allocate(seq, len(lower) * bm.block_size + num_new, prefix):
                 return
+            batch.onboard += zip(seq.block_ids[len(prefix):len(prefix) + len(lower)], lower)
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = num_cached
@@ -212,6 +221,7 @@ class Scheduler:
         """A queued step computes `num_new` more of `seq`'s tokens and, if it `samples`, a
         token whose id is a placeholder until the step resolves. A sequence whose placeholder
         is its last token by length is `finishing`: it is not scheduled again."""
+        self.num_prompt_tokens_computed += max(0, min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens))
         seq.num_computed_tokens += num_new
         if samples:
             seq.token_ids.append(PLACEHOLDER_TOKEN_ID)

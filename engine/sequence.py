@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.engine.block_hash import hash_block_tokens
+from pdserve.engine.block_hash import hash_block_tokens, salt_seed
 from pdserve.engine.sampling import SamplingParams
 
 # A token sampled by a step whose result has not reached the host yet (overlapped steps):
@@ -111,11 +111,12 @@ class Sequence:
         return tokens_left(self.params, self.num_prompt_tokens, self.num_tokens, max_model_len)
 
     def block_hashes(self, num_blocks: int) -> list[int]:
-        """Chained hashes of the first `num_blocks` full blocks (computed once, kept)."""
+        """Chained hashes of the first `num_blocks` full blocks (computed once, kept), the
+        first seeded by the request's `cache_salt`."""
         hashes = self._block_hashes
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else salt_seed(self.params.cache_salt)
             hashes.append(hash_block_tokens(parent, self.token_ids[i * bs:(i + 1) * bs]))
         return hashes[:num_blocks]

@@ -82,6 +82,23 @@ def _files(config: ModelConfig, name: str, arch: ModelArch, quantization_config:
     return ModelFiles(name=name, arch=arch, folder=folder, fp8_scheme=scheme)
 
 
+def model_digest(files: ModelFiles, seed: int) -> str:
+    """A digest of the model's weights and config, so that KV stored for one checkpoint is never
+    served for another (the disk tier's layout fingerprint carries it). A folder's digest covers
+    its config and each weight file's name, size and modification time (reading gigabytes of
+    weights at every start would cost more than it protects: a rewritten checkpoint changes
+    them); dummy weights are their shape and seed."""
+    h = hashlib.sha256(files.name.encode())
+    if files.folder is None:
+        h.update(f"|seed={seed}".encode())
+        return h.hexdigest()
+    h.update((files.folder / "config.json").read_bytes())
+    for path in sorted(files.folder.glob("*.safetensors")):
+        stat = path.stat()
+        h.update(f"|{path.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
 def load_model(files: ModelFiles, max_positions: int, device: torch.device, dtype: torch.dtype,
                seed: int, tp: TensorParallel | None = None) -> CausalLM:
     """Build the model (`tp`: this rank's shard of it) on the meta device (no init cost),

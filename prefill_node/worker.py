@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 class PrefillWorker(LoopWorker):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig,
                  worker_config: WorkerConfig | None = None, loop_config: LoopConfig | None = None) -> None:
-        super().__init__(worker_id, Engine(engine_config), loop_config)
+        super().__init__(worker_id, Engine(engine_config.for_worker(worker_id)), loop_config)
         self._transport = transport
         self._config = worker_config or WorkerConfig()
         self._sender = None

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pdserve/proto/v1/generation.proto\x12\npdserve.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\xf8\x01\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x35\n\x14\x63hat_template_kwargs\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1f\n\x05tools\x18\x03 \x03(\x0b\x32\x10.pdserve.v1.Tool\x12+\n\x0btool_choice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xd8\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x33\n\x0fresponse_format\x18\x0b \x01(\x0b\x32\x1a.pdserve.v1.ResponseFormat\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobs\"`\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12-\n\x0bjson_object\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.JsonObjectH\x00\x42\x08\n\x06\x66ormat\"\x0c\n\nJsonObject\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04rank\x18\x05 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12,\n\x0ckv_transfers\x18\x07 \x03(\x0b\x32\x16.pdserve.v1.KVTransfer\x12\x11\n\treasoning\x18\x08 \x01(\t\x12(\n\ntool_calls\x18\t \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"O\n\nKVTransfer\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0e\n\x06\x64irect\x18\x02 \x01(\x08\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"\x16\n\x14GetServerInfoRequest\"\x80\x02\n\nWorkerInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x06 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x07 \x01(\r\x12?\n\rcached_blocks\x18\x08 \x03(\x0b\x32(.pdserve.v1.WorkerInfo.CachedBlocksEntry\x1a\x33\n\x11\x43\x61\x63hedBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"c\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\'\n\x07workers\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x32\xed\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12I\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a\x16.pdserve.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pdserve/proto/v1/generation.proto\x12\npdserve.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\xf8\x01\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x35\n\x14\x63hat_template_kwargs\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1f\n\x05tools\x18\x03 \x03(\x0b\x32\x10.pdserve.v1.Tool\x12+\n\x0btool_choice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x80\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x33\n\x0fresponse_format\x18\x0b \x01(\x0b\x32\x1a.pdserve.v1.ResponseFormat\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x0b\x88\x01\x01\x12\x17\n\ncache_salt\x18\x12 \x01(\tH\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\r\n\x0b_cache_salt\"`\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12-\n\x0bjson_object\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.JsonObjectH\x00\x42\x08\n\x06\x66ormat\"\x0c\n\nJsonObject\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04rank\x18\x05 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12,\n\x0ckv_transfers\x18\x07 \x03(\x0b\x32\x16.pdserve.v1.KVTransfer\x12\x11\n\treasoning\x18\x08 \x01(\t\x12(\n\ntool_calls\x18\t \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"O\n\nKVTransfer\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0e\n\x06\x64irect\x18\x02 \x01(\x08\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"\x16\n\x14GetServerInfoRequest\"\x80\x02\n\nWorkerInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x06 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x07 \x01(\r\x12?\n\rcached_blocks\x18\x08 \x03(\x0b\x32(.pdserve.v1.WorkerInfo.CachedBlocksEntry\x1a\x33\n\x11\x43\x61\x63hedBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"c\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\'\n\x07workers\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x32\xed\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12I\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a\x16.pdserve.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_WORKERINFO_CACHEDBLOCKSENTRY']._loaded_options = None
   _globals['_WORKERINFO_CACHEDBLOCKSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2885
-  _globals['_FINISHREASON']._serialized_end=3010
+  _globals['_FINISHREASON']._serialized_start=2925
+  _globals['_FINISHREASON']._serialized_end=3050
   _globals['_GENERATEREQUEST']._serialized_start=80
   _globals['_GENERATEREQUEST']._serialized_end=301
   _globals['_TOKENIDS']._serialized_start=303
@@ -53,35 +53,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOLCALL']._serialized_start=812
   _globals['_TOOLCALL']._serialized_end=867
   _globals['_SAMPLINGPARAMS']._serialized_start=870
-  _globals['_SAMPLINGPARAMS']._serialized_end=1598
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1366
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1414
-  _globals['_RESPONSEFORMAT']._serialized_start=1600
-  _globals['_RESPONSEFORMAT']._serialized_end=1696
-  _globals['_JSONOBJECT']._serialized_start=1698
-  _globals['_JSONOBJECT']._serialized_end=1710
-  _globals['_TOKENLOGPROB']._serialized_start=1712
-  _globals['_TOKENLOGPROB']._serialized_end=1820
-  _globals['_USAGE']._serialized_start=1822
-  _globals['_USAGE']._serialized_end=1909
-  _globals['_GENERATERESPONSE']._serialized_start=1912
-  _globals['_GENERATERESPONSE']._serialized_end=2268
-  _globals['_KVTRANSFER']._serialized_start=2270
-  _globals['_KVTRANSFER']._serialized_end=2349
-  _globals['_LISTMODELSREQUEST']._serialized_start=2351
-  _globals['_LISTMODELSREQUEST']._serialized_end=2370
-  _globals['_MODELINFO']._serialized_start=2372
-  _globals['_MODELINFO']._serialized_end=2438
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2440
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2499
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2501
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2523
-  _globals['_WORKERINFO']._serialized_start=2526
-  _globals['_WORKERINFO']._serialized_end=2782
-  _globals['_WORKERINFO_CACHEDBLOCKSENTRY']._serialized_start=2731
-  _globals['_WORKERINFO_CACHEDBLOCKSENTRY']._serialized_end=2782
-  _globals['_SERVERINFO']._serialized_start=2784
-  _globals['_SERVERINFO']._serialized_end=2883
-  _globals['_GENERATION']._serialized_start=3013
-  _globals['_GENERATION']._serialized_end=3250
+  _globals['_SAMPLINGPARAMS']._serialized_end=1638
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1391
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1439
+  _globals['_RESPONSEFORMAT']._serialized_start=1640
+  _globals['_RESPONSEFORMAT']._serialized_end=1736
+  _globals['_JSONOBJECT']._serialized_start=1738
+  _globals['_JSONOBJECT']._serialized_end=1750
+  _globals['_TOKENLOGPROB']._serialized_start=1752
+  _globals['_TOKENLOGPROB']._serialized_end=1860
+  _globals['_USAGE']._serialized_start=1862
+  _globals['_USAGE']._serialized_end=1949
+  _globals['_GENERATERESPONSE']._serialized_start=1952
+  _globals['_GENERATERESPONSE']._serialized_end=2308
+  _globals['_KVTRANSFER']._serialized_start=2310
+  _globals['_KVTRANSFER']._serialized_end=2389
+  _globals['_LISTMODELSREQUEST']._serialized_start=2391
+  _globals['_LISTMODELSREQUEST']._serialized_end=2410
+  _globals['_MODELINFO']._serialized_start=2412
+  _globals['_MODELINFO']._serialized_end=2478
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2480
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2539
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2541
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2563
+  _globals['_WORKERINFO']._serialized_start=2566
+  _globals['_WORKERINFO']._serialized_end=2822
+  _globals['_WORKERINFO_CACHEDBLOCKSENTRY']._serialized_start=2771
+  _globals['_WORKERINFO_CACHEDBLOCKSENTRY']._serialized_end=2822
+  _globals['_SERVERINFO']._serialized_start=2824
+  _globals['_SERVERINFO']._serialized_end=2923
+  _globals['_GENERATION']._serialized_start=3053
+  _globals['_GENERATION']._serialized_end=3290
 # @@protoc_insertion_point(module_scope)

@@ -73,3 +73,35 @@ def test_a_removed_worker_takes_its_entries_out_at_once():
     index.remove_worker("a")  # twice: nothing left to remove
     index.remove_worker("b")
     assert len(index) == 0
+
+
+def test_the_host_and_disk_tiers_events_reach_the_index(tmp_path):
+    """A worker's tiers (a tiny pool's) report offloads, spills, deletions and a wipe; the index
+    follows them per tier and forgets them all when the worker goes."""
+    import torch
+
+    from pdserve.engine.config import KVTierConfig
+    from pdserve.engine.kv_events import DISK_TIER, HOST_TIER, KVEventRecorder
+    from pdserve.engine.kv_pool import KVLayout, KVPool
+    from pdserve.engine.kv_tiers import KVTiers
+
+    layout = KVLayout("tiny", torch.float32, num_layers=1, num_kv_heads=1, head_dim=4, block_size=8)
+    tiers = KVTiers(KVTierConfig(host_bytes=2 * layout.bytes_per_block, disk_dir=tmp_path, slot="prefill-0"),
+                    KVPool(layout, 4, "cpu"), "digest")
+    recorder, index = KVEventRecorder(100), KVIndex()
+
+    def report() -> None:
+        recorder.record(tiers.take_events())
+        assert index.apply("w", recorder.take())
+
+    tiers.offload([(0, 10), (1, 11), (2, 12)])
+    assert tiers.wait_idle(10)
+    report()
+    assert index.hashes_of("w") == {HOST_TIER: {11, 12}, DISK_TIER: {10}}
+    assert index.prefix_blocks([10, 11], DISK_TIER) == {"w": 1}
+    tiers.wipe((HOST_TIER,))
+    report()
+    assert index.blocks_of("w") == {DISK_TIER: 1}
+    index.remove_worker("w")
+    assert len(index) == 0
+    tiers.close()

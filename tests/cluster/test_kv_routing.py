@@ -1,5 +1,6 @@
 """KV events end to end (real Ray, the small model): the router's index is what the workers hold,
-a prompt goes where its prefix is, and a lost event is repaired from a snapshot."""
+in every tier, a prompt goes where its prefix is (in the pool or in the host tier below it), and
+a lost event is repaired from a snapshot."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pdserve.cluster.cli import main
 from pdserve.cluster.coordinator import Coordinator
 from pdserve.cluster.pools import Worker
 from pdserve.engine.block_hash import prefix_block_hashes
-from pdserve.engine.kv_events import DEVICE_TIER, KVSnapshot
+from pdserve.engine.kv_events import DEVICE_TIER, HOST_TIER, KVSnapshot
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.sampling import SamplingParams
 from tests.cluster.conftest import RunningServer
@@ -28,9 +29,10 @@ _ids = itertools.count()
 @pytest.fixture(scope="module")
 def srv(start) -> RunningServer:
     # Two prefill workers to choose between; 32 blocks per pool, so that the requests below
-    # evict cached blocks and the events carry removals too.
+    # evict cached blocks and the events carry removals too; what they evict goes to a host
+    # tier of 4 MiB (341 of the small model's blocks: all this module evicts).
     return start(pools={"num_prefill": 2, "routing": "prefix_aware"},
-                 engine={"cache": {"num_blocks": 32}})
+                 engine={"cache": {"num_blocks": 32}, "kv_tiers": {"host_bytes": 4 << 20}})
 
 
 def _coordinator(srv: RunningServer) -> Coordinator:
@@ -68,10 +70,10 @@ def _snapshots(srv: RunningServer) -> dict[str, KVSnapshot]:
 
 
 def _index_matches_the_workers(srv: RunningServer) -> bool:
-    """Block by block, the index holds what each worker's snapshot says it holds."""
+    """Block by block and tier by tier, the index holds what each worker's snapshot says it holds."""
     index = _coordinator(srv).kv_index
-    return all(index.hashes_of(wid).get(DEVICE_TIER, set()) == set(snap.block_hashes[DEVICE_TIER])
-               for wid, snap in _snapshots(srv).items())
+    return all(index.hashes_of(wid).get(tier, set()) == set(hashes)
+               for wid, snap in _snapshots(srv).items() for tier, hashes in snap.block_hashes.items())
 
 
 def _prefill_elsewhere(srv: RunningServer, worker_id: str, prompt: list[int]) -> None:
@@ -93,7 +95,9 @@ def test_the_index_equals_what_every_worker_holds(srv, tokenizer, capsys):
     assert blocks["decode-0"] > 0 and blocks["prefill-0"] + blocks["prefill-1"] > 0
     # The decode worker received every prompt but holds fewer blocks: it evicted some.
     assert blocks["decode-0"] < len({h for p in prompts for h in prefix_block_hashes(p, BLOCK)})
-    assert index.num_events_applied > 0 and len(index) == sum(blocks.values())
+    tiers = [index.blocks_of(w.worker_id) for w in _workers(srv)]
+    assert index.num_events_applied > 0 and len(index) == sum(sum(t.values()) for t in tiers)
+    assert any(t.get(HOST_TIER) for t in tiers)  # what the pools evicted went down a tier
     # `pdserve info` shows them.
     assert main(["info", "--target", srv.target]) == 0
     out = capsys.readouterr().out
@@ -143,7 +147,29 @@ def test_a_skipped_event_number_is_repaired_from_a_snapshot(srv, tokenizer):
 def test_a_cleared_cache_leaves_the_index(srv):
     wait_until(lambda: pools_are_full(srv.target), 60, "every block to be free")
     worker = _prefill_worker(srv, "prefill-1")
-    assert _coordinator(srv).kv_index.blocks_of("prefill-1")
-    assert _call(srv, worker.actor.reset_prefix_cache.remote())
-    wait_until(lambda: not _coordinator(srv).kv_index.blocks_of("prefill-1"), 30, "prefill-1 to leave the index")
+    assert _coordinator(srv).kv_index.blocks_of("prefill-1").get(DEVICE_TIER)
+    assert _call(srv, worker.actor.reset_prefix_cache.remote())  # the pool's; the host tier keeps its own
+    wait_until(lambda: not _coordinator(srv).kv_index.blocks_of("prefill-1").get(DEVICE_TIER), 30,
+               "prefill-1's pool to leave the index")
     assert _index_matches_the_workers(srv)
+
+
+def test_a_prefix_pushed_out_of_a_prefill_pool_is_served_from_its_host_tier(srv, tokenizer):
+    prompt = prompt_ids(tokenizer, 200, variant=50)
+    hashes = prefix_block_hashes(prompt, BLOCK)
+    index = _coordinator(srv).kv_index
+    _prefill_elsewhere(srv, "prefill-0", prompt)
+    wait_until(lambda: _index_matches_the_workers(srv), 30, "the index to catch up")
+    for variant in range(51, 60):  # other prompts on prefill-0 until the pool holds none of it
+        if not index.prefix_blocks(hashes).get("prefill-0"):
+            break
+        _prefill_elsewhere(srv, "prefill-0", prompt_ids(tokenizer, 200, variant=variant))
+        wait_until(lambda: _index_matches_the_workers(srv), 30, "the index to catch up")
+    assert not index.prefix_blocks(hashes).get("prefill-0")
+    wait_until(lambda: index.prefix_blocks(hashes, HOST_TIER).get("prefill-0") == len(hashes), 30,
+               f"prefill-0's host tier to hold the prompt, as its events say (it holds "
+               f"{index.prefix_blocks(hashes, HOST_TIER)} of {len(hashes)} blocks)")
+    # prefill-0 holds the prefix in host memory only: the router still prefers it, and the
+    # prefill there onboards it instead of computing it.
+    out = collect(srv.target, prompt, GREEDY)
+    assert out.num_cached_tokens == ((len(prompt) - 1) // BLOCK) * BLOCK

@@ -73,3 +73,25 @@ def test_the_kv_index_its_events_and_each_workers_cached_blocks_by_tier():
     found = series(metrics)
     assert found[("pdserve_kv_cached_blocks", (("role", "prefill"), ("tier", "device"), ("worker", "prefill-0")))] == 0
     assert found[("pdserve_kv_index_blocks", ())] == 1
+
+
+def test_a_workers_tiers_are_on_metrics_and_leave_with_it():
+    import dataclasses
+
+    from pdserve.engine.kv_tiers import KVTierStats
+
+    stats = KVTierStats(hit_tokens={"host": 32, "disk": 16}, bytes_offloaded={"host": 100, "disk": 50},
+                        bytes_onboarded={"host": 20, "disk": 10}, onboard_seconds=0.5,
+                        num_blocks={"host": 2, "disk": 1}, num_bytes={"host": 200, "disk": 100},
+                        num_rejected={"corrupt": 1}, disk_full=True, num_in_flight=0)
+    metrics = Metrics()
+    metrics.worker_load("prefill", "prefill-0", dataclasses.replace(load(10), kv_tiers=stats,
+                                                                    prompt_tokens_computed=77))
+    found = series(metrics)
+    worker = (("role", "prefill"), ("worker", "prefill-0"))
+    assert found[("pdserve_kv_tier_hit_tokens", (("role", "prefill"), ("tier", "disk"), ("worker", "prefill-0")))] == 16
+    assert found[("pdserve_kv_disk_full", worker)] == 1
+    assert found[("pdserve_kv_disk_rejected_blocks", (("reason", "corrupt"), *worker))] == 1
+    assert found[("pdserve_prompt_tokens_computed", worker)] == 77
+    metrics.worker_left("prefill", "prefill-0")
+    assert not of_worker(series(metrics), "prefill-0")

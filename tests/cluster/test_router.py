@@ -7,7 +7,7 @@ import pytest
 from pdserve.cluster.config import RouterConfig, config_from_dict
 from pdserve.cluster.kv_index import KVIndex
 from pdserve.cluster.router import PromptBlocks, WorkerState, make_policy
-from pdserve.engine.kv_events import BlockStored, KVEventBatch
+from pdserve.engine.kv_events import DEVICE_TIER, DISK_TIER, HOST_TIER, BlockStored, KVEventBatch
 from pdserve.engine.outputs import EngineLoad
 
 NO_PROMPT = PromptBlocks(0, (), 16)
@@ -76,3 +76,35 @@ def test_ties_go_to_the_less_loaded_then_to_the_first_by_name():
 def test_bad_router_config_is_refused(values):
     with pytest.raises(ValueError, match="RouterConfig|router"):
         config_from_dict({"router": values})
+
+
+def test_a_prefix_below_a_pool_earns_its_tier_s_smaller_credit():
+    prompt = PromptBlocks.of(list(range(8192 + 1)), 16)
+    hashes = prompt.block_hashes
+    index = KVIndex()
+    for worker_id, tier in (("device", DEVICE_TIER), ("host", HOST_TIER), ("disk", DISK_TIER)):
+        index.apply(worker_id, KVEventBatch("i", 0, tuple(BlockStored(h, None, tier) for h in hashes)))
+    config = RouterConfig(host_tier_credit=0.75, disk_tier_credit=0.25)
+    assert index.prefix_credit(hashes, config.tier_credits) == {"device": 512, "host": 384, "disk": 128}
+    workers = [_worker(w, 100, 0) for w in ("disk", "host", "device")]
+    policy = make_policy("prefix_aware", index, config)
+    assert policy.choose(workers, prompt).worker_id == "device"
+    assert policy.choose(workers[:2], prompt).worker_id == "host"
+    # A tier without credit counts as a miss; one block of each tier takes the best of them.
+    assert index.prefix_credit(hashes, {DEVICE_TIER: 1.0}) == {"device": 512}
+    index.apply("host", KVEventBatch("i", 512, (BlockStored(hashes[0], None, DEVICE_TIER),)))
+    assert index.prefix_credit(hashes[:2], config.tier_credits)["host"] == 1.75
+    with pytest.raises(ValueError, match="disk_tier_credit"):
+        RouterConfig(disk_tier_credit=1.5)
+
+
+def test_salted_prompts_hash_as_the_workers_do():
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sequence import Sequence
+
+    tokens = list(range(40))
+    plain, salted = PromptBlocks.of(tokens, 16), PromptBlocks.of(tokens, 16, "tenant-a")
+    assert plain.block_hashes != salted.block_hashes
+    assert PromptBlocks.of(tokens, 16, "tenant-b").block_hashes[0] != salted.block_hashes[0]
+    seq = Sequence("r", tuple(tokens), SamplingParams(cache_salt="tenant-a"), 16)
+    assert tuple(seq.block_hashes(2)) == salted.block_hashes
