@@ -27,7 +27,8 @@ import triton
 
 from benchmarks.gemv_sweep import graph_us
 from pdserve.engine.models.moe import experts_reference
-from pdserve.kernels.fused_moe import Plan, Tile, fused_moe, plan_for, topk_route
+from pdserve.kernels.fused_moe import Plan, Tile, fused_moe, plan_for
+from pdserve.kernels.moe_routing import topk_route
 
 COPY_BW = 4.3e12
 PEAK_FLOPS = 700e12

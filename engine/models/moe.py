@@ -26,7 +26,8 @@ from pdserve.engine.models import fp8
 from pdserve.engine.models.arch import ModelArch, MoEArch
 from pdserve.engine.models.layers import MLP, Linear
 from pdserve.engine.parallel import Collectives, TensorParallel
-from pdserve.kernels.fused_moe import fused_moe, topk_route
+from pdserve.kernels.fused_moe import fused_moe
+from pdserve.kernels.moe_routing import topk_route
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from pdserve.engine.models.moe import experts_reference, route
-from pdserve.kernels.fused_moe import Plan, Tile, _align, fused_moe, plan_for, topk_route
+from pdserve.kernels.fused_moe import Plan, Tile, fused_moe, plan_for
+from pdserve.kernels.moe_routing import align_by_expert, topk_route
 from tests.kernels.reference import ref_fused_moe, rel_error, tolerance
 
-COVERS = ("fused_moe", "plan_for", "topk_route")
+COVERS = ("fused_moe", "plan_for", "topk_route", "align_by_expert")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -87,7 +88,7 @@ def test_align_puts_each_local_pair_once_in_a_block_of_its_expert(num_pairs, num
     gen = torch.Generator().manual_seed(num_pairs)
     ids = torch.randint(0, 2 * num_experts, (num_pairs,), generator=gen)
     ids[: num_pairs // 3] = ids[0]  # one expert far busier than the rest
-    pair_ids, block_expert = _align(ids.to(DEVICE), num_experts, first_expert, block_m)
+    pair_ids, block_expert = align_by_expert(ids.to(DEVICE), num_experts, first_expert, block_m)
     pair_ids, block_expert = pair_ids.cpu(), block_expert.cpu()
     local = ids - first_expert
     mine = (local >= 0) & (local < num_experts)
