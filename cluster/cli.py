@@ -267,9 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     from pdserve.cluster.bench import add_parser as add_bench_parser
+    from pdserve.cluster.simulate_cli import add_parser as add_simulate_parser
     from pdserve.cluster.spec_sim import add_parser as add_spec_sim_parser
 
     add_spec_sim_parser(sub)
+    add_simulate_parser(sub)
     add_bench_parser(sub)
 
     info = sub.add_parser("info", help="show a server's mode, model and workers")
