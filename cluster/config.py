@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,12 +191,14 @@ class PlannerConfig:
 
     enabled: off by default; a disaggregated server only (colocated workers have no split).
     dry_run: decide and log, change nothing (what it would do is on /metrics too).
-    ttft_target_ms / itl_target_ms: the targets, met at `percentile` by the simulator's
+    ttft_target_ms/itl_target_ms: the targets, met at `percentile` by the simulator's
         prediction (ITL: each request's mean gap between tokens).
+    percentile: the percentile of the requests the targets hold for (90: nine in ten).
     profile: the step-cost profile the simulator predicts with (`pdserve profile` writes it).
     max_workers: the GPU budget in workers of both roles (0: the pools' starting size).
-    min_prefill / min_decode: the fewest workers of each role it leaves.
-    interval_s: how often it looks at the load; window_s: the traffic it estimates from.
+    min_prefill/min_decode: the fewest workers of each role it leaves.
+    interval_s: how often it looks at the load.
+    window_s: how far back the traffic it estimates from goes.
     min_change_interval_s: the least time between two changes.
     hysteresis: intervals in a row that must want the same split before it is applied.
     min_gain: how much better (in the worse of the two latencies against its target) a split
@@ -498,6 +501,9 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     for f in dataclasses.fields(cls):
         if f.type in ("bool", bool) and f.name in values and not isinstance(values[f.name], bool):
             raise ValueError(f"config section {where!r}: {f.name} must be true or false, got {values[f.name]!r}")
+    hints = typing.get_type_hints(cls)
+    values = {k: _build(hints[k], v or {}, f"{where}.{k}") if dataclasses.is_dataclass(hints[k]) else v
+              for k, v in values.items()}  # a section inside a section (pools.planner)
     if cls is ModelConfig and "cache_dir" in values:
         values = {**values, "cache_dir": Path(values["cache_dir"])}
     try:
