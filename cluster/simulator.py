@@ -109,9 +109,6 @@ class Prediction:
     attainment: float  # share of requests meeting the SLO
     goodput: float  # requests meeting the SLO per second
 
-    def meets(self, slo: Slo, percentile: int = 90) -> bool:
-        return self.ttft_ms[percentile] <= slo.ttft_ms and self.tpot_ms[percentile] <= slo.itl_ms
-
 
 PERCENTILES = (50, 90, 99)
 
