@@ -46,7 +46,7 @@ def _profile(args: argparse.Namespace) -> StepCosts:
 
     engine = Engine(EngineConfig())
     try:
-        costs = measure(engine, (32, 128, 256), (1, 2, 4), (32, 128), 4)
+        costs = measure(engine, (32, 128, 256), (1, 2, 4), (32, 256), 6)
     finally:
         engine.close()
     layout = engine.kv_wire_layout

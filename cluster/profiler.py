@@ -37,6 +37,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--contexts", type=_ints, default=(32, 256),
                    help="two comma-separated contexts (tokens per sequence) the decode steps run at")
     p.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the least is kept")
     p.add_argument("--kv-bytes-per-s", type=float, default=1e9, help="KV transfer bandwidth between workers")
     p.add_argument("--kv-latency-s", type=float, default=0.002, help="a KV transfer's fixed cost")
     add_config_flags(p, config_fields(EngineConfig, "engine."))
@@ -51,7 +52,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise ValueError(f"--contexts takes two increasing lengths, got {args.contexts}")
     engine = Engine(engine_config_from_args(args))
     try:
-        costs = measure(engine, args.prompt_lengths, args.batch_sizes, args.contexts, args.steps)
+        costs = measure(engine, args.prompt_lengths, args.batch_sizes, args.contexts, args.steps, args.repeats)
     finally:
         engine.close()
     layout = engine.kv_wire_layout
@@ -67,15 +68,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def measure(engine: Engine, prompt_lengths: tuple[int, ...], batch_sizes: tuple[int, ...],
-            contexts: tuple[int, int], steps: int) -> StepCosts:
+            contexts: tuple[int, int], steps: int, repeats: int = 3) -> StepCosts:
     """Prefill and decode curves of `engine` (KV figures left at their defaults)."""
     _run(engine, [_prompt(16, 0)], 2)  # warm-up: first calls allocate and compile
-    # The least of two runs: the first at a new length may pay one-time costs (allocation).
-    prefill = [(n, min(_run(engine, [_prompt(n, n + salt)], 1) for salt in (0, 1))) for n in prompt_lengths]
+    # The least of `repeats` runs: the first at a new shape may pay one-time costs (allocation),
+    # and on a shared machine the others' load comes and goes; the least is the engine's own.
+    prefill = [(n, min(_run(engine, [_prompt(n, n + salt)], 1) for salt in range(repeats))) for n in prompt_lengths]
     low, high = contexts
-    decode = [(b, _decode_step_s(engine, b, low, steps)) for b in batch_sizes]
+    decode = [(b, min(_decode_step_s(engine, b, low, steps, salt) for salt in range(repeats))) for b in batch_sizes]
     b = max(batch_sizes)
-    per_token = (_decode_step_s(engine, b, high, steps) - dict(decode)[b]) / (b * (high - low))
+    at_high = min(_decode_step_s(engine, b, high, steps, salt) for salt in range(repeats))
+    per_token = (at_high - dict(decode)[b]) / (b * (high - low))
     return StepCosts(Curve.of(prefill), Curve.of(decode), low, max(0.0, per_token))
 
 
@@ -95,11 +98,12 @@ def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def _decode_step_s(engine: Engine, batch: int, context: int, steps: int) -> float:
+def _decode_step_s(engine: Engine, batch: int, context: int, steps: int, salt: int) -> float:
     """One decode step of `batch` sequences near `context` tokens: the mean of `steps` steps
     timed once every sequence has its first token (its prompt done)."""
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
-    rids = {engine.add_request(_prompt(context, 1000 + context * 64 + i), params) for i in range(batch)}
+    prompts = [_prompt(context, 1000 + salt * 100_000 + context * 64 + i) for i in range(batch)]
+    rids = {engine.add_request(p, params) for p in prompts}
     started: set[str] = set()
     while started != rids and engine.has_unfinished:
         started.update(d.request_id for d in engine.step() if d.token_ids)
