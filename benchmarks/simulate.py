@@ -20,6 +20,8 @@ import asyncio
 import json
 from pathlib import Path
 
+import torch
+
 from pdserve.cluster.bench.backends import GrpcBackend
 from pdserve.cluster.bench.dataset import random_requests
 from pdserve.cluster.bench.report import summarize
@@ -44,6 +46,7 @@ def _profile(args: argparse.Namespace) -> StepCosts:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import Engine
 
+    torch.set_num_threads(1)  # as a worker's: Ray gives an actor of num_cpus=1 one OpenMP thread
     engine = Engine(EngineConfig())
     try:
         costs = measure(engine, (32, 128, 256), (1, 2, 4), (32, 256), 6)

@@ -13,6 +13,8 @@ import argparse
 import time
 from typing import Any
 
+import torch
+
 from pdserve.cluster.step_costs import Curve, StepCosts
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling import SamplingParams
@@ -38,6 +40,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="two comma-separated contexts (tokens per sequence) the decode steps run at")
     p.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
     p.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the least is kept")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads while measuring: what a worker gets (Ray gives an actor of num_cpus=1 "
+                        "one OpenMP thread); more threads than free cores make every step several times slower")
     p.add_argument("--kv-bytes-per-s", type=float, default=1e9, help="KV transfer bandwidth between workers")
     p.add_argument("--kv-latency-s", type=float, default=0.002, help="a KV transfer's fixed cost")
     add_config_flags(p, config_fields(EngineConfig, "engine."))
@@ -50,6 +55,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if len(args.contexts) != 2 or args.contexts[0] >= args.contexts[1]:
         raise ValueError(f"--contexts takes two increasing lengths, got {args.contexts}")
+    torch.set_num_threads(args.threads)
     engine = Engine(engine_config_from_args(args))
     try:
         costs = measure(engine, args.prompt_lengths, args.batch_sizes, args.contexts, args.steps, args.repeats)
