@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from dataclasses import dataclass
 
 from pdserve.cluster.config import PlannerConfig
@@ -33,6 +34,9 @@ from pdserve.cluster.simulator import Lengths, Prediction, Slo, Split, Traffic, 
 from pdserve.cluster.step_costs import StepCosts
 
 logger = logging.getLogger(__name__)
+
+# Splits of one size tried one by one up to this many; above, a ternary search (`_best_of`).
+EXHAUSTIVE_SPLITS = 16
 
 # The load reports carry sums, not distributions: lengths are taken as uniform within ±50% of
 # the window's means, the spread of typical chat traffic.
@@ -213,18 +217,26 @@ class Planner:
         return (*best, False)
 
     def _best_of(self, total: int, traffic: Traffic, obs: Observation) -> tuple[Split, Prediction]:
-        candidates = []
-        for p in range(self.config.min_prefill, total - self.config.min_decode + 1):
-            split = Split(p, total - p)
-            if obs.num_decode and obs.kv_usage * obs.num_decode / split.num_decode > self.config.kv_usage_limit:
-                continue  # its decode pool would run out of KV blocks
-            pred = self._predict(split, traffic)
-            candidates.append((self._score(pred), -pred.goodput, p, split, pred))
-        if not candidates:  # every split is short of KV: the most decode workers
-            split = Split(self.config.min_prefill, total - self.config.min_prefill)
+        """The best split of `total` workers whose decode pool would not run short of KV: every
+        one when there are few, else a ternary search (TTFT falls and ITL rises with the prefill
+        share, so the worse of the two against its target is unimodal over it)."""
+        lo, hi = self.config.min_prefill, total - self.config.min_decode
+        if obs.num_decode and obs.kv_usage:  # the fewest decode workers that keep KV use under the limit
+            hi = min(hi, total - math.ceil(obs.kv_usage * obs.num_decode / self.config.kv_usage_limit - 1e-9))
+        if hi < lo:  # every split is short of KV: the most decode workers
+            split = Split(lo, total - lo)
             return split, self._predict(split, traffic)
-        _, _, _, split, pred = min(candidates)
-        return split, pred
+
+        def key(p: int) -> tuple[float, float, int]:
+            pred = self._predict(Split(p, total - p), traffic)
+            return self._score(pred), -pred.goodput, p
+
+        while hi - lo > EXHAUSTIVE_SPLITS:
+            a, b = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+            lo, hi = (lo, b) if key(a) <= key(b) else (a, hi)
+        p = min(range(lo, hi + 1), key=key)
+        split = Split(p, total - p)
+        return split, self._predict(split, traffic)
 
     def _predict(self, split: Split, traffic: Traffic) -> Prediction:
         if traffic != self._traffic_predicted:

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.cluster.config import PlannerConfig
 from pdserve.cluster.planner import Action, Observation, Planner, actions_between
-from pdserve.cluster.simulator import Split
+from pdserve.cluster.simulator import Lengths, Split, Traffic, simulate
 from pdserve.cluster.step_costs import Curve, StepCosts
 
 # Prefill 10k tokens/s; decode 20 ms a step at batch 1, 50 ms at 64.
@@ -128,3 +128,14 @@ def test_actions_move_roles_first(current, target, expected):
 def test_config_needs_a_profile_when_on():
     with pytest.raises(ValueError, match="profile"):
         PlannerConfig(enabled=True)
+
+
+def test_a_large_budget_is_searched_and_finds_the_best_split():
+    """Above EXHAUSTIVE_SPLITS a split's size is searched, not walked: the same best as every split."""
+    config = dataclasses.replace(CONFIG, sim_requests=300)
+    planner = Planner(config, COSTS, 40)
+    traffic = Traffic(200.0, Lengths(1000, 0.5), Lengths(40, 0.5), 300)
+    obs = Observation(0.0, 20, 20, 0, 0, 0, 0)
+    split, pred = planner._best_of(40, traffic, obs)
+    walked = min(planner._score(simulate(COSTS, Split(p, 40 - p), traffic, planner.slo)) for p in range(1, 40))
+    assert planner._score(pred) == pytest.approx(walked) and 1 < split.num_prefill < 39
