@@ -87,12 +87,14 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=5, help="requests per mix and setup")
     p.add_argument("--chat-rate", type=float, default=0.05)
     p.add_argument("--long-rate", type=float, default=0.03)
+    p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
     p.add_argument("--out", type=Path, default=None, help="write predictions and measurements (JSON) here")
     args = p.parse_args()
+    setups = {name: SETUPS[name] for name in args.setups.split(",")}
     costs = _profile(args)
     mixes = _mixes(args)
     predicted = {}
-    for setup, (_, split) in SETUPS.items():
+    for setup, (_, split) in setups.items():
         for name, (rate, prompt, output) in mixes.items():
             pred = simulate(costs, split, Traffic(rate, Lengths(prompt), Lengths(output), args.num_requests), seed=1)
             predicted[f"{setup}/{name}"] = {"ttft_ms": pred.ttft_ms[50], "itl_ms": pred.itl_ms[50]}
@@ -100,7 +102,7 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps({"profile": costs.to_json(), "predicted": predicted}, indent=1))
     measured = {}
-    for setup, (mode, _) in SETUPS.items():
+    for setup, (mode, _) in setups.items():
         for name, figures in asyncio.run(measure(mode, mixes, args.num_requests)).items():
             measured[f"{setup}/{name}"] = figures
     if args.out:
