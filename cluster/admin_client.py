@@ -44,3 +44,10 @@ class AdminClient:
                       timeout_s: float | None = None) -> pb.WorkerStatus:
         req = pb.RemoveWorkerRequest(role=role, worker=worker, wait=wait, deadline_s=deadline_s)
         return self.stub.RemoveWorker(req, timeout=timeout_s, metadata=self._metadata).worker
+
+    def change_role(self, worker: str, role: str, deadline_s: float | None = None,
+                    timeout_s: float | None = None) -> tuple[pb.WorkerStatus, pb.WorkerStatus]:
+        """(the drained worker, the one started in its place)."""
+        req = pb.ChangeRoleRequest(worker=worker, role=role, deadline_s=deadline_s)
+        resp = self.stub.ChangeRole(req, timeout=timeout_s, metadata=self._metadata)
+        return resp.drained, resp.started

@@ -24,7 +24,7 @@ def _status(info: WorkerInfo) -> pb.WorkerStatus:
                            queued=info.num_queued, inflight=info.num_inflight)
 
 
-def _deadline(request: pb.DrainRequest | pb.RemoveWorkerRequest) -> float | None:
+def _deadline(request: pb.DrainRequest | pb.RemoveWorkerRequest | pb.ChangeRoleRequest) -> float | None:
     return request.deadline_s if request.HasField("deadline_s") else None
 
 
@@ -67,3 +67,14 @@ class AdminService(pb_grpc.AdminServicer):
         except (UnknownWorker, AdminRefused, ValueError) as e:
             await _refuse(context, e)
         return pb.RemoveWorkerResponse(worker=_status(info))
+
+    async def ChangeRole(self, request: pb.ChangeRoleRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        try:
+            drained, started = await self.elastic.change_role(request.worker, request.role, _deadline(request))
+        except (UnknownWorker, AdminRefused, ValueError) as e:
+            await _refuse(context, e)
+        except Exception as e:  # noqa: BLE001 - the new actor did not start: its cause, the rest to the log
+            logger.exception("admin: could not start the %s worker of a role change", request.role)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the worker was drained, but no {request.role} worker "
+                                                             f"started in its place: {cause(e)}")
+        return pb.ChangeRoleResponse(drained=_status(drained), started=_status(started))

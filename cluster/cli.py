@@ -210,6 +210,10 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
+    if args.move_to is not None:
+        return _move(args)
+    if args.role is None:
+        raise ValueError("give --role with --add N or --remove N (or --move-to ROLE [WORKER])")
     if (args.add is None) == (args.remove is None) or (args.add or args.remove or 0) < 1:
         raise ValueError("give one of --add N and --remove N, N >= 1")
 
@@ -221,6 +225,19 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
     with _admin(args) as admin:
         return _admin_call(scale)
+
+
+def _move(args: argparse.Namespace) -> int:
+    if args.add is not None or args.remove is not None:
+        raise ValueError("--move-to changes a worker's role: give it without --add and --remove")
+
+    def move() -> None:
+        drained, started = admin.change_role(args.worker or "", args.move_to, args.deadline, args.timeout)
+        _print_worker(drained)
+        _print_worker(started)
+
+    with _admin(args) as admin:
+        return _admin_call(move)
 
 
 def _add_admin_parsers(sub) -> None:  # sub: the subparsers of build_parser
@@ -246,8 +263,13 @@ def _add_admin_parsers(sub) -> None:  # sub: the subparsers of build_parser
                                   "(admin API)", cmd_drain)
     drain.add_argument("worker", help="the worker's name, as `pdserve workers` lists it")
     drain_args(drain)
-    scale = admin_parser("scale", "add or remove workers of a role at run time (admin API)", cmd_scale)
-    scale.add_argument("--role", required=True, help="prefill or decode (mixed on a colocated server)")
+    scale = admin_parser("scale", "add or remove workers of a role, or move one to the other role, at run time "
+                                  "(admin API)", cmd_scale)
+    scale.add_argument("--role", default=None, help="prefill or decode (mixed on a colocated server)")
+    scale.add_argument("--move-to", default=None, metavar="ROLE",
+                       help="drain a worker (WORKER, or the least loaded of the other role), stop it and start a "
+                            "ROLE worker on its resources")
+    scale.add_argument("worker", nargs="?", default=None, help="with --move-to: the worker to move")
     scale.add_argument("--add", type=int, default=None, metavar="N", help="start N more workers")
     scale.add_argument("--remove", type=int, default=None, metavar="N",
                        help="drain and stop N workers, the least loaded first")
@@ -284,9 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     from pdserve.cluster.bench import add_parser as add_bench_parser
+    from pdserve.cluster.profiler import add_parser as add_profile_parser
+    from pdserve.cluster.simulate_cli import add_parser as add_simulate_parser
     from pdserve.cluster.spec_sim import add_parser as add_spec_sim_parser
 
     add_spec_sim_parser(sub)
+    add_simulate_parser(sub)
+    add_profile_parser(sub)
     add_bench_parser(sub)
 
     wipe = sub.add_parser("kv-wipe", help="delete a KV disk tier's blocks (every worker slot, or --slot's)")

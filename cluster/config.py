@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,67 @@ class DrainConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """The planner (`cluster/planner.py`): sizes the prefill and decode pools to latency targets.
+
+    enabled: off by default; a disaggregated server only (colocated workers have no split).
+    dry_run: decide and log, change nothing (what it would do is on /metrics too).
+    ttft_target_ms/itl_target_ms: the targets, met at `percentile` by the simulator's
+        prediction (ITL: each request's mean gap between tokens).
+    percentile: the percentile of the requests the targets hold for (90: nine in ten).
+    profile: the step-cost profile the simulator predicts with (`pdserve profile` writes it).
+    max_workers: the GPU budget in workers of both roles (0: the pools' starting size).
+    min_prefill/min_decode: the fewest workers of each role it leaves.
+    interval_s: how often it looks at the load.
+    window_s: how far back the traffic it estimates from goes.
+    min_change_interval_s: the least time between two changes.
+    hysteresis: intervals in a row that must want the same split before it is applied.
+    min_gain: how much better (in the worse of the two latencies against its target) a split
+        must be predicted than the present one to move to it while both meet or both miss the
+        targets: what keeps noise and unmeetable targets from flapping the pools.
+    kv_usage_limit: a split whose decode pool would use more than this share of its KV
+        blocks (the present use scaled by the change in decode workers) is not chosen.
+    min_requests: the fewest requests in the window it plans from.
+    sim_requests: requests each prediction simulates.
+    """
+
+    enabled: bool = False
+    dry_run: bool = False
+    ttft_target_ms: float = 2000.0
+    itl_target_ms: float = 100.0
+    percentile: int = 90
+    profile: str = ""
+    max_workers: int = 0
+    min_prefill: int = 1
+    min_decode: int = 1
+    interval_s: float = 30.0
+    window_s: float = 120.0
+    min_change_interval_s: float = 120.0
+    hysteresis: int = 2
+    min_gain: float = 0.2
+    kv_usage_limit: float = 0.9
+    min_requests: int = 20
+    sim_requests: int = 400
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_target_ms", "itl_target_ms", "interval_s", "window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"PlannerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.percentile < 100:
+            raise ValueError(f"PlannerConfig.percentile must be in (0, 100), got {self.percentile}")
+        for name in ("max_workers", "min_change_interval_s", "min_gain"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"PlannerConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("min_prefill", "min_decode", "hysteresis", "min_requests", "sim_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PlannerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.kv_usage_limit <= 1:
+            raise ValueError(f"PlannerConfig.kv_usage_limit must be in (0, 1], got {self.kv_usage_limit}")
+        if self.enabled and not self.profile:
+            raise ValueError("PlannerConfig.profile: the planner needs a step-cost profile (pdserve profile)")
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     """Ray worker pools.
 
@@ -205,6 +267,7 @@ class PoolConfig:
     actor_max_concurrency: calls one worker actor runs at once (Ray's max_concurrency):
         each request in flight holds one or two (reserve, admit; the poll and pings are
         the worker's own), so it bounds what one decode worker can hold.
+    planner: sizes the pools to latency targets at run time (`PlannerConfig`; off by default).
     """
 
     mode: str = "disaggregated"
@@ -217,8 +280,12 @@ class PoolConfig:
     decode_resource: str = ""
     routing: str = "prefix_aware"
     actor_max_concurrency: int = 1000
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
+        if self.planner.enabled and self.mode != "disaggregated":
+            raise ValueError("PoolConfig.planner: the planner sizes a disaggregated server's pools; this one is "
+                             f"{self.mode}")
         if self.mode not in MODES:
             raise ValueError(f"PoolConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.num_decode < 1 or (self.mode == "disaggregated" and self.num_prefill < 1):
@@ -450,6 +517,9 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     for f in dataclasses.fields(cls):
         if f.type in ("bool", bool) and f.name in values and not isinstance(values[f.name], bool):
             raise ValueError(f"config section {where!r}: {f.name} must be true or false, got {values[f.name]!r}")
+    hints = typing.get_type_hints(cls)
+    values = {k: _build(hints[k], v or {}, f"{where}.{k}") if dataclasses.is_dataclass(hints[k]) else v
+              for k, v in values.items()}  # a section inside a section (pools.planner)
     if cls is ModelConfig and "cache_dir" in values:
         values = {**values, "cache_dir": Path(values["cache_dir"])}
     if cls is KVTierConfig and values.get("disk_dir"):

@@ -11,7 +11,12 @@ worker's calls in flight fail when its actor stops, and are retried elsewhere th
 Then the worker leaves its pool and its actor is stopped, which frees its GPUs for Ray.
 
 Adding a worker starts one more actor through the pool's own start path; it takes requests
-once its actor is ready.
+once its actor is ready. On a Ray cluster with an autoscaler, an actor whose resources no node
+has free waits for a node to be added (Ray's autoscaler sees the pending actor's request),
+within `health.start_timeout_s`; past it the add fails with a line that says so.
+
+A role change is a drain and an add on the same budget: the drained actor's stop frees its
+GPUs, and the other role's actor is placed on them (or wherever Ray finds room).
 """
 
 from __future__ import annotations
@@ -94,6 +99,28 @@ class Elastic:
         elif pool.find(worker_id) is None:
             raise UnknownWorker(f"no {role} worker {worker_id!r}")
         return await self.drain(worker_id, deadline_s, wait)
+
+    async def change_role(self, worker_id: str, role: str, deadline_s: float | None) -> tuple[WorkerInfo, WorkerInfo]:
+        """Drain and stop `worker_id` ("": the serving worker of the other role with the fewest
+        requests), then start a worker of `role` in its place. Returns (the drained worker, the
+        started one). Raises UnknownWorker, AdminRefused, ValueError."""
+        target = self._pool(role)
+        if self.coordinator.mode != "disaggregated":
+            raise AdminRefused(f"a {self.coordinator.mode} server has one role: nothing to change to")
+        source = next(p for p in self.coordinator.pools() if p is not target)
+        if not worker_id:
+            serving = source.serving()
+            if not serving:
+                raise AdminRefused(f"no serving {source.role} worker to move to {role}")
+            worker_id = min(serving, key=lambda w: w.state.inflight).worker_id
+        pool, worker = self._find(worker_id)
+        if pool is target:
+            raise AdminRefused(f"worker {worker_id} is a {role} worker already")
+        if worker.phase is not Phase.SERVING:
+            raise AdminRefused(f"worker {worker_id} is {worker.phase.value}: only a serving worker changes role")
+        logger.info("admin: moving %s worker %s to %s", pool.role, worker_id, role)
+        drained = await self.drain(worker_id, deadline_s, wait=True)
+        return drained, await self.add(role)
 
     async def drain(self, worker_id: str, deadline_s: float | None, wait: bool) -> WorkerInfo:
         """Start draining `worker_id` (a drain under way or done is left as it is); with

@@ -104,6 +104,8 @@ class Frontend:
         timeout = self.default_timeout_s if timeout_s is None else max(0.0, timeout_s)
         deadline = asyncio.get_running_loop().time() + timeout
         self.inflight += 1
+        self.metrics.arrived.inc()
+        self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         status = Status.OK
         try:
             async for delta in self._stream(worker_req, request, start, deadline, report):

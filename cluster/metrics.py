@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from pdserve.cluster.kv_index import KVIndex
+from pdserve.cluster.planner import Decision
 from pdserve.engine.kv_events import DISK_TIER, HOST_TIER
 from pdserve.engine.messages import KVTransferInfo
 from pdserve.engine.outputs import EngineLoad
@@ -92,6 +93,17 @@ class Metrics:
         self.disk_full = Gauge("pdserve_kv_disk_full", "1: a disk-tier write failed (disk full): offloading to disk "
                                "stopped", ["role", "worker"], registry=r)
         self._rejected: dict[str, set[str]] = {}  # each worker's reason labels of tier_rejected
+        # What the planner estimates the traffic from (cluster/planner_loop.py): arrivals and their prompts.
+        self.arrived = Counter("pdserve_requests_arrived", "Requests admitted to run", registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of the admitted requests", registry=r)
+        self.planner_decisions = Counter("pdserve_planner_decisions", "The planner's decisions by outcome (hold, "
+                                         "pending, change, dry_run)", ["outcome"], registry=r)
+        self.planner_target = Gauge("pdserve_planner_target_workers", "Workers of each role the planner wants",
+                                    ["role"], registry=r)
+        self.planner_unmeetable = Gauge("pdserve_planner_targets_unmeetable", "1 while no split of the budget is "
+                                        "predicted to meet the TTFT and ITL targets", registry=r)
+        self.planner_predicted = Gauge("pdserve_planner_predicted_ms", "The wanted split's predicted latency at the "
+                                       "planner's percentile", ["latency"], registry=r)
         self.workers_lost = Counter("pdserve_workers_lost", "Workers found dead and replaced", ["role"], registry=r)
         self._spec_ks: dict[str, set[str]] = {}  # each worker's k labels of spec_steps
 
@@ -152,6 +164,16 @@ class Metrics:
         for hop, seconds in hops.items():
             self.hops.labels(hop).observe(seconds)
         self.hops.labels("other").observe(max(0.0, ttft_s - sum(s for h, s in hops.items() if h != "reserve")))
+
+    def planner_decision(self, decision: Decision, percentile: int) -> None:
+        self.planner_decisions.labels(decision.outcome).inc()
+        self.planner_target.labels("prefill").set(decision.target.num_prefill)
+        self.planner_target.labels("decode").set(decision.target.num_decode)
+        self.planner_unmeetable.set(int(decision.unmeetable))
+        if decision.predicted is not None:
+            p = decision.predicted
+            self.planner_predicted.labels("ttft").set(p.ttft_ms.get(percentile, p.ttft_ms[max(p.ttft_ms)]))
+            self.planner_predicted.labels("itl").set(p.tpot_ms.get(percentile, p.tpot_ms[max(p.tpot_ms)]))
 
     def worker_lost(self, role: str, worker_id: str) -> None:
         """Count a lost worker and drop its series: its replacement reports under an id of its

@@ -40,6 +40,10 @@ ACTOR_LOST = (RayActorError,)
 NUM_GONE_KEPT = 64
 
 
+class WorkerStartTimeout(TimeoutError):
+    """A worker's actor was not placed and started within `HealthConfig.start_timeout_s`."""
+
+
 class Phase(enum.Enum):
     """Where a worker stands in its pool: takes new requests, finishes the ones it has
     (draining, `cluster.elastic`), or has left (its actor stopped)."""
@@ -160,6 +164,15 @@ class Pool:
         actor = cls.options(**options).remote(worker_id, *spec.args)
         try:
             return actor, await asyncio.wait_for(actor.start.remote(), self.health.start_timeout_s)
+        except asyncio.TimeoutError:
+            ray.kill(actor, no_restart=True)
+            # Pending placement counts too: an actor that no node has room for waits for Ray's
+            # autoscaler to add one, and a cluster without one (or at its max) never does.
+            raise WorkerStartTimeout(
+                f"{self.role} worker {worker_id} did not start within {self.health.start_timeout_s:g} s "
+                f"(health.start_timeout_s): it needs {spec.num_gpus:g} GPU(s), {spec.num_cpus:g} CPU(s)"
+                f"{f' and resource {spec.resource!r}' if spec.resource else ''}; if no node has them free and "
+                f"no autoscaler adds one, it waits in vain") from None
         except BaseException:
             ray.kill(actor, no_restart=True)
             raise

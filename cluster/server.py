@@ -24,9 +24,12 @@ from pdserve.cluster.frontend import Frontend
 from pdserve.cluster.http_api import HttpServer
 from pdserve.cluster.interceptors import MalformedRequestInterceptor
 from pdserve.cluster.metrics import Metrics
+from pdserve.cluster.planner import Planner
+from pdserve.cluster.planner_loop import PlannerLoop
 from pdserve.cluster.pools import ActorSpec, Pool
 from pdserve.cluster.ray_driver import init_ray
 from pdserve.cluster.service import GenerationService
+from pdserve.cluster.step_costs import StepCosts
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine.parallel import check_splits
 from pdserve.engine.request_processor import RequestProcessor
@@ -55,12 +58,16 @@ class Server:
     frontend: Frontend
     http: HttpServer | None = None
     shutdown_grace_s: float = 2.0
+    planner: asyncio.Task[None] | None = None  # the planner's loop (`pools.planner.enabled`)
 
     @property
     def http_port(self) -> int | None:
         return None if self.http is None else self.http.port
 
     async def stop(self) -> None:
+        if self.planner is not None:  # first: no change starts while the server stops
+            self.planner.cancel()
+            await asyncio.gather(self.planner, return_exceptions=True)
         if self.http is not None:
             await self.http.stop()
         await self.grpc_server.stop(grace=self.shutdown_grace_s)
@@ -99,6 +106,7 @@ async def start_server(config: ServeConfig) -> Server:
     for role in ("decode",) if config.pools.mode == "colocated" else ("prefill", "decode"):
         check_splits(files.arch, config.pools.tp(role, config.engine),  # before any worker starts
                      config.engine.parallel.enable_expert_parallel)
+    planner = _planner(config)  # a bad profile fails before any worker starts
     init_ray(config.ray.address, config.ray.node_ip_address)
     tokenizer = load_tokenizer(files)  # None for dummy weights: token ids in and out, no text
     if chat_template is not None:
@@ -160,8 +168,26 @@ async def start_server(config: ServeConfig) -> Server:
                 config.server.host, port, http.port if http else "off", coordinator.mode,
                 "GPU" if torch.cuda.is_available() else "CPU", tls,
                 "asked" if auth.api_key else "not asked", "on" if auth.admin_token else "off")
+    loop = None
+    if planner is not None and coordinator.mode == "disaggregated":
+        loop = asyncio.create_task(PlannerLoop(planner, config.pools.planner, coordinator, elastic, metrics).run())
+    elif planner is not None:
+        logger.warning("pools.planner: this server is %s (too few GPUs for both pools): the planner stays off",
+                       coordinator.mode)
     return Server(server, coordinator, elastic, health_servicer, metrics, port, frontend, http,
-                  config.server.shutdown_grace_s)
+                  config.server.shutdown_grace_s, loop)
+
+
+def _planner(config: ServeConfig) -> Planner | None:
+    """The planner when `pools.planner` is on: its budget is `max_workers`, else the pools' size."""
+    c = config.pools.planner
+    if not c.enabled:
+        return None
+    budget = c.max_workers or config.pools.num_prefill + config.pools.num_decode
+    logger.info("planner on%s: TTFT %g ms, ITL %g ms at p%d, %d workers at most, every %g s",
+                " (dry run)" if c.dry_run else "", c.ttft_target_ms, c.itl_target_ms, c.percentile, budget,
+                c.interval_s)
+    return Planner(c, StepCosts.load(c.profile), budget)
 
 
 async def serve_forever(config: ServeConfig) -> None:

@@ -89,3 +89,21 @@ class RemoveWorkerResponse(_message.Message):
     WORKER_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerStatus
     def __init__(self, worker: _Optional[_Union[WorkerStatus, _Mapping]] = ...) -> None: ...
+
+class ChangeRoleRequest(_message.Message):
+    __slots__ = ("worker", "role", "deadline_s")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    role: str
+    deadline_s: float
+    def __init__(self, worker: _Optional[str] = ..., role: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class ChangeRoleResponse(_message.Message):
+    __slots__ = ("drained", "started")
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    drained: WorkerStatus
+    started: WorkerStatus
+    def __init__(self, drained: _Optional[_Union[WorkerStatus, _Mapping]] = ..., started: _Optional[_Union[WorkerStatus, _Mapping]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class AdminStub:
                 request_serializer=pdserve_dot_proto_dot_v1_dot_admin__pb2.RemoveWorkerRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_v1_dot_admin__pb2.RemoveWorkerResponse.FromString,
                 _registered_method=True)
+        self.ChangeRole = channel.unary_unary(
+                '/pdserve.v1.Admin/ChangeRole',
+                request_serializer=pdserve_dot_proto_dot_v1_dot_admin__pb2.ChangeRoleRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_v1_dot_admin__pb2.ChangeRoleResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -90,6 +95,15 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ChangeRole(self, request, context):
+        """Moves a worker to the other role on the same GPU budget: drains it as Drain does, stops
+        it, and starts a worker of `role` on the resources it freed; answers once that one serves.
+        Refused as Drain is for the last worker of its role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +126,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.RemoveWorker,
                     request_deserializer=pdserve_dot_proto_dot_v1_dot_admin__pb2.RemoveWorkerRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_v1_dot_admin__pb2.RemoveWorkerResponse.SerializeToString,
+            ),
+            'ChangeRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChangeRole,
+                    request_deserializer=pdserve_dot_proto_dot_v1_dot_admin__pb2.ChangeRoleRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_v1_dot_admin__pb2.ChangeRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +241,33 @@ class Admin:
             '/pdserve.v1.Admin/RemoveWorker',
             pdserve_dot_proto_dot_v1_dot_admin__pb2.RemoveWorkerRequest.SerializeToString,
             pdserve_dot_proto_dot_v1_dot_admin__pb2.RemoveWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChangeRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/ChangeRole',
+            pdserve_dot_proto_dot_v1_dot_admin__pb2.ChangeRoleRequest.SerializeToString,
+            pdserve_dot_proto_dot_v1_dot_admin__pb2.ChangeRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,9 +2,10 @@
 decode worker drained under load lets every stream finish with the undisturbed run's tokens
 and leaves (its actor dead, no block held anywhere); with a short deadline its streams move
 to another worker by migration, tokens unchanged; the last decode worker is not drained
-while it runs a request; an added decode worker serves; `pdserve scale` adds and removes a
-prefill worker; admin calls need the admin token. One server (one prefill and two decode
-workers at the start) runs the tests in order, each leaving the pools as the next needs them.
+while it runs a request; an added decode worker serves; `pdserve scale` adds a prefill worker,
+moves it to decode (a role change) and removes a decode worker; admin calls need the admin
+token. One server (one prefill and two decode workers at the start) runs the tests in order,
+each leaving the pools as the next needs them.
 """
 
 from __future__ import annotations
@@ -179,19 +180,27 @@ def test_a_drain_past_its_deadline_moves_the_streams_with_their_tokens(srv, admi
     wait_until(lambda: pools_are_full(srv.target), 30, "every block on the survivors to be free")
 
 
-def test_pdserve_scale_adds_and_removes_a_prefill_worker(srv, token_file, engine, capsys):
+def test_pdserve_scale_adds_moves_and_removes_workers(srv, token_file, engine, capsys):
+    """A prefill worker added, moved to decode (drained, stopped, a decode worker started in its
+    place: `scale --move-to`), and a decode worker removed; the server serves as before."""
     coordinator = srv.server.coordinator
 
     def run(*args: str) -> int:
         return main([*args, "--target", srv.target, "--admin-token-file", str(token_file)])
 
     assert run("scale", "--role", "prefill", "--add", "1") == 0
-    assert len(coordinator.prefill.serving()) == 2
-    assert run("scale", "--role", "prefill", "--remove", "1", "--deadline", "30") == 0
+    assert len(coordinator.prefill.serving()) == 2 and len(coordinator.decode.serving()) == 1
+    added = coordinator.prefill.workers[-1].worker_id
+    capsys.readouterr()
+    assert run("scale", "--move-to", "decode", added, "--deadline", "30") == 0
+    moved = capsys.readouterr().out.splitlines()
+    assert added in moved[0] and " gone " in moved[0] and "decode" in moved[1] and "serving" in moved[1]
+    assert len(coordinator.prefill.workers) == 1 and len(coordinator.decode.serving()) == 2
+    assert run("scale", "--role", "decode", "--remove", "1", "--deadline", "30") == 0
     assert "gone" in capsys.readouterr().out
     assert len(coordinator.prefill.workers) == 1 and len(coordinator.prefill.gone) == 1
     assert run("workers") == 0
-    assert capsys.readouterr().out.count(" gone ") == 3  # two decode workers drained, one prefill removed
+    assert capsys.readouterr().out.count(" gone ") == 4  # three decode workers drained, one prefill moved
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert collect(srv.target, "Name three colours.", params).token_ids == \
         engine.generate(["Name three colours."], params)[0].token_ids

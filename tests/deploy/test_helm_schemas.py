@@ -201,7 +201,7 @@ def test_the_walk_reads_the_sections_config_from_dict_reads() -> None:
     from pdserve.cluster.config import _ENGINE_SECTIONS, _SECTIONS
 
     sections = {path.rpartition(".")[0] for path in config_fields()}
-    assert sections == {f"engine.{k}" for k in _ENGINE_SECTIONS} | set(_SECTIONS)
+    assert sections == {f"engine.{k}" for k in _ENGINE_SECTIONS} | set(_SECTIONS) | {"pools.planner"}
 
 
 def test_the_schema_covers_every_serve_config_field_and_nothing_else() -> None:

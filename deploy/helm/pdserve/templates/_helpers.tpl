@@ -45,6 +45,14 @@ GPUs per worker over its tensor-parallel size. */}}
 {{- $perRank -}}
 {{- end -}}
 
+{{/* A worker group's pod bounds under autoscaling (null: its replicas). */}}
+{{- define "pdserve.minReplicas" -}}
+{{- if kindIs "invalid" .minReplicas }}{{ .replicas }}{{ else }}{{ .minReplicas }}{{ end -}}
+{{- end -}}
+{{- define "pdserve.maxReplicas" -}}
+{{- if kindIs "invalid" .maxReplicas }}{{ .replicas }}{{ else }}{{ .maxReplicas }}{{ end -}}
+{{- end -}}
+
 {{/* The pdserve config file: values.config plus what the pods decide. */}}
 {{- define "pdserve.config" -}}
 {{- $cfg := deepCopy .Values.config -}}
@@ -53,6 +61,11 @@ GPUs per worker over its tensor-parallel size. */}}
 {{- $_ := set $pools "num_decode" (mul .Values.decode.replicas .Values.decode.workersPerPod) -}}
 {{- $_ := set $pools "num_prefill" (ternary (mul .Values.prefill.replicas .Values.prefill.workersPerPod) 0 $disaggregated) -}}
 {{- $_ := set $pools "gpus_per_worker" (include "pdserve.gpusPerWorker" . | float64) -}}
+{{- $planner := get $pools "planner" | default dict -}}
+{{- if and .Values.autoscaling.enabled $planner (not $planner.max_workers) -}}
+{{- $maxPrefill := ternary (mul (include "pdserve.maxReplicas" .Values.prefill | int) .Values.prefill.workersPerPod) 0 $disaggregated -}}
+{{- $_ := set $planner "max_workers" (add $maxPrefill (mul (include "pdserve.maxReplicas" .Values.decode | int) .Values.decode.workersPerPod)) -}}
+{{- end -}}
 {{- $_ := set $pools "prefill_resource" "prefill" -}}
 {{- $_ := set $pools "decode_resource" "decode" -}}
 {{- $_ := set (get $cfg "server") "host" "0.0.0.0" -}}
@@ -86,8 +99,13 @@ GPUs per worker over its tensor-parallel size. */}}
 {{- $group := .group -}}
 - groupName: {{ .name }}
   replicas: {{ $group.replicas }}
+  {{- if $root.Values.autoscaling.enabled }}
+  minReplicas: {{ include "pdserve.minReplicas" $group }}
+  maxReplicas: {{ include "pdserve.maxReplicas" $group }}
+  {{- else }}
   minReplicas: {{ $group.replicas }}
   maxReplicas: {{ $group.replicas }}
+  {{- end }}
   rayStartParams:
     resources: {{ include "pdserve.rayResources" . | quote }}
     num-gpus: {{ $group.gpus | quote }}

@@ -1,0 +1,110 @@
+"""The cluster simulator against closed forms, its monotonicity, determinism and reach."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.cluster.cli import main
+from pdserve.cluster.simulator import Lengths, Slo, Split, Traffic, simulate
+from pdserve.cluster.step_costs import Curve, StepCosts
+
+# Prefill: 10 ms + 0.1 ms a token; decode: 20 ms at batch 1, 50 ms at 64; KV: 1 ms + 1 ms a token.
+COSTS = StepCosts(Curve.of([(0, 0.010), (1000, 0.110)]), Curve.of([(1, 0.020), (64, 0.050)]),
+                  kv_bytes_per_token=1000, kv_latency_s=0.001, kv_bytes_per_s=1e6)
+
+
+def _alone(prompt: int, output: int, n: int = 5) -> Traffic:
+    """Requests far enough apart that none waits for another."""
+    return Traffic(0.5, Lengths(prompt), Lengths(output), num_requests=n, poisson=False)
+
+
+def test_disaggregated_one_request_at_a_time_is_exact():
+    p = simulate(COSTS, Split(1, 1), _alone(200, 10))
+    kv_s = 0.001 + 200 * 1000 / 1e6
+    assert p.ttft_ms[50] == pytest.approx(10 + 0.1 * 200)  # the prefill curve at 200 tokens
+    assert p.itl_ms[50] == pytest.approx(20)  # a batch-1 decode step
+    assert p.itl_ms[99] == pytest.approx(1e3 * kv_s + 20)  # the first gap: the transfer, then a step
+    assert p.tpot_ms[50] == pytest.approx((1e3 * kv_s + 9 * 20) / 9)
+    assert p.num_requests == 5 and p.attainment == 1.0
+
+
+def test_colocated_one_request_at_a_time_is_exact():
+    p = simulate(COSTS, Split(0, 1), _alone(200, 10))
+    assert p.ttft_ms[50] == pytest.approx(30)
+    assert p.itl_ms[99] == pytest.approx(20) and p.tpot_ms[99] == pytest.approx(20)
+
+
+def test_a_long_prompt_is_chunked_and_costs_its_whole_curve():
+    costs = StepCosts(COSTS.prefill, COSTS.decode, max_num_batched_tokens=256)
+    p = simulate(costs, Split(1, 1), _alone(1000, 2, n=1))
+    assert p.ttft_ms[50] == pytest.approx(110 + 3 * 10)  # four chunks: the curve, and an overhead per extra step
+
+
+def test_deterministic_arrivals_queue_as_the_closed_form_says():
+    # Prompts of 90 ms arriving every 50 ms on one prefill worker: the n-th waits 40 ms more than the one before.
+    costs = StepCosts(Curve.of([(0, 0.0), (1000, 0.09)]), COSTS.decode, max_num_batched_tokens=1000)
+    traffic = Traffic(20, Lengths(1000), Lengths(1), num_requests=10, poisson=False)
+    p = simulate(costs, Split(1, 1), traffic)
+    ttfts = sorted(90 + 40 * n for n in range(10))
+    assert p.ttft_ms[50] == pytest.approx(ttfts[4])
+    assert p.ttft_ms[99] == pytest.approx(ttfts[-1])
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_more_decode_workers_never_worsen_itl_under_load(colocated):
+    traffic = Traffic(30, Lengths(200, 0.5), Lengths(80, 0.5), num_requests=1500)
+    previous = None
+    for d in (1, 2, 3, 4, 6, 8):
+        p = simulate(COSTS, Split(0 if colocated else 4, d), traffic)
+        if previous is not None:
+            for q in (50, 90):
+                assert p.itl_ms[q] <= previous.itl_ms[q] + 1e-9, (d, q)
+                assert p.tpot_ms[q] <= previous.tpot_ms[q] + 1e-9, (d, q)
+        previous = p
+
+
+def test_more_prefill_workers_never_worsen_ttft_under_load():
+    traffic = Traffic(40, Lengths(800, 0.5), Lengths(4), num_requests=800)
+    ttfts = [simulate(COSTS, Split(p, 4), traffic).ttft_ms[90] for p in (1, 2, 3, 4, 6)]
+    assert ttfts == sorted(ttfts, reverse=True) and ttfts[0] > 2 * ttfts[-1]
+
+
+def test_same_seed_same_prediction_other_seed_other():
+    traffic = Traffic(30, Lengths(200, 0.5), Lengths(50, 0.5), num_requests=300)
+    a, b = (simulate(COSTS, Split(2, 2), traffic, seed=1) for _ in range(2))
+    assert a == b
+    assert simulate(COSTS, Split(2, 2), traffic, seed=2) != a
+
+
+def test_slo_counts_what_meets_it():
+    p = simulate(COSTS, Split(1, 1), _alone(200, 10), Slo(ttft_ms=25, itl_ms=1000))
+    assert p.attainment == 0.0 and p.goodput == 0.0
+    p = simulate(COSTS, Split(1, 1), _alone(200, 10), Slo(ttft_ms=35, itl_ms=1000))
+    assert p.attainment == 1.0
+
+
+def test_ten_thousand_requests_over_a_thousand_workers():
+    traffic = Traffic(4000, Lengths(500, 0.5), Lengths(32, 0.5), num_requests=10_000)
+    p = simulate(COSTS, Split(300, 700), traffic)
+    assert p.num_requests == 10_000 and p.ttft_ms[50] > 0
+
+
+def test_profile_round_trips_and_the_command_prints_a_table(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    COSTS.save(path)
+    assert StepCosts.load(path) == COSTS
+    assert main(["simulate", "--profile", str(path), "--budget", "3", "--rate", "5", "--requests", "50",
+                 "--prompt", "200:0.5", "--output", "20", "--ttft-ms", "100", "--itl-ms", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1P/2D |" in out and "| 2P/1D |" in out and "| 3 colocated |" in out
+    assert main(["simulate", "--profile", str(path), "--rate", "5", "--requests", "20", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == 20
+
+
+def test_a_bad_profile_is_one_line(tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"prefill": [[1, 0.1]]}))
+    assert main(["simulate", "--profile", str(path), "--rate", "1"]) == 2
+    assert "not a step-cost profile" in capsys.readouterr().err
