@@ -30,7 +30,7 @@ from pdserve.cluster.pools import ACTOR_LOST, Pool, Worker
 from pdserve.cluster.router import PromptBlocks, RoutingPolicy, make_policy
 from pdserve.cluster.seats import SeatLine, may_wait
 from pdserve.cluster.token_streams import TokenStreams
-from pdserve.engine.engine import NoCapacity
+from pdserve.engine.kv_handoff import NoCapacity
 from pdserve.engine.messages import KVTransferInfo, WorkerRequest
 from pdserve.engine.outputs import EngineLoad, TokenDelta
 from pdserve.kv_transport import HandshakeRefused, SlowPathRefused, TransferError

@@ -2,7 +2,8 @@
 other tensor-parallel ranks in processes of their own), the KV pool sized to the memory
 left, and the step machinery (attention backend, step inputs, CUDA graphs, runner).
 
-`Engine` (engine.py) owns these parts and drives requests through them.
+`Engine` (engine.py) owns these parts; its step core (`EngineCore`, step_core.py) drives
+requests through them.
 """
 
 from __future__ import annotations

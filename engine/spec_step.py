@@ -2,7 +2,7 @@
 plan), the drafts placed in the decoding sequences for the step's pass to verify, and the
 tokens each sequence emits once the pass's logits are in.
 
-The engine (engine.py) drives it around one step: `plan` and `propose` before scheduling,
+The engine's step core (step_core.py) drives it around one step: `plan` and `propose` before scheduling,
 `verify` when the step resolves. What drafts and what accepts live behind the `Speculator`
 protocol (engine/speculator.py).
 """

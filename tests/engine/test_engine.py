@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from pdserve.engine.engine import NoCapacity
+from pdserve.engine.kv_handoff import NoCapacity
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import FinishReason
 from tests.engine.prompts import prompt_ids
@@ -225,7 +225,7 @@ class _CopyThatNeverEnds(_CopyInFlight):
 
 def test_a_copy_that_never_ends_delays_an_abort_by_a_bound_only(engine, make_engine, monkeypatch):
     cache = dataclasses.replace(engine.config.cache, kv_copy_wait_s=0.2)
-    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, cache=cache))
+    monkeypatch.setattr(engine.handoff, "config", dataclasses.replace(engine.config, cache=cache))
     params = SamplingParams(temperature=0.0, max_tokens=3)
     first = _prefilled(engine, make_engine, PROMPT, "orphan", params)
     copy = _CopyThatNeverEnds()

@@ -153,7 +153,7 @@ def test_steps_at_k_zero_overlap_and_greedy_output_is_unchanged(engine, requests
         while engine.has_unfinished:
             for delta in engine.step():
                 tokens[delta.request_id].extend(delta.token_ids)
-            overlapped += engine._in_flight is not None  # the step just queued resolves in the next call
+            overlapped += engine.core.in_flight is not None  # the step just queued resolves in the next call
     finally:
         engine.set_speculator(None)
     assert tokens == baseline[0]
