@@ -98,6 +98,8 @@ class Penalties:
     def record(self, seqs: list[Sequence], token_ids: torch.Tensor) -> None:
         """A step sampled token_ids[i] ([N] int64 on the device) for seqs[i]: into the histories of
         the penalized ones, where the scheduler puts its placeholder (on the device: nothing waits)."""
+        if not self._slots:  # no penalized sequence lives: no walk over the batch every step
+            return
         rows, slot_rows, positions = [], [], []
         for i, seq in enumerate(seqs):
             slot = self._slots.get(seq)
