@@ -1,0 +1,99 @@
+"""Penalties, logit bias, min_tokens and prompt log-probabilities on CUDA (the batched device
+form, CUDA-graph decode, speculative verification) against the same torch references as the
+CPU tests, on a tiny random fp32 Llama run by transformers on the same GPU.
+Run on a GPU machine: `pytest -m gpu tests/engine/test_gpu_sampling.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.penalties import Penalties
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.speculative import SpecDecoder
+from pdserve.engine.speculative.ngram import NgramDrafter
+from tests.engine.penalty_reference import reference_logits
+from tests.engine.test_penalties import EOS, VOCAB, _batch, _reference
+from tests.engine.test_prompt_logprobs import assert_matches_hf
+
+pytestmark = pytest.mark.gpu
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                         initializer_range=0.2, eos_token_id=None)
+    folder = tmp_path_factory.mktemp("llama")
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(str(folder))
+    engine = Engine(EngineConfig(model=ModelConfig(source=str(folder), device="cuda", dtype="float32"),
+                                 cache=CacheConfig(num_blocks=256),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK)))
+    return engine, hf.cuda()
+
+
+def _hf_greedy(hf, prompt: list[int], params: SamplingParams) -> list[int]:
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(params.max_tokens):
+            logits = hf(torch.tensor([prompt + out], device="cuda")).logits[0, -1].float().cpu()
+            out.append(int(reference_logits(logits, prompt, out, params, ()).argmax()))
+    return out
+
+
+def test_the_batched_form_on_cuda_matches_the_reference_row_by_row():
+    seqs = _batch()
+    penalties = Penalties(VOCAB, EOS, torch.device("cuda"))
+    logits = torch.randn(len(seqs), VOCAB, generator=torch.Generator().manual_seed(1)) * 3
+    out = penalties.adjusted(seqs, logits.cuda()).cpu()
+    for i, seq in enumerate(seqs):
+        torch.testing.assert_close(out[i], _reference(logits[i], seq))
+
+
+PENALIZED = [
+    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
+    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.8,
+                   logit_bias={7: 4.0, 11: -100.0}),
+]
+
+
+def test_greedy_with_penalties_under_graphs_and_speculation_is_the_references(models):
+    engine, hf = models
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randint(1, 500, (12,), generator=gen).tolist()
+    prompt = base * 4  # repetitive: penalties change the greedy path, and the n-gram drafter proposes
+    expected = [_hf_greedy(hf, prompt, p) for p in PENALIZED]
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert expected[0] != _hf_greedy(hf, prompt, plain)
+    outs = engine.generate([prompt] * 3, [*PENALIZED, plain])
+    assert [o.token_ids for o in outs[:2]] == expected
+    assert engine.runner.graphs is not None
+    engine.set_speculator(SpecDecoder(NgramDrafter(1, 3, engine.device), engine.sampler, 3))
+    try:
+        outs = engine.generate([prompt] * 3, [*PENALIZED, plain])
+        assert [o.token_ids for o in outs[:2]] == expected
+        assert engine.speculator.metrics.num_passes > 0
+    finally:
+        engine.set_speculator(None)
+
+
+def test_prompt_logprobs_on_cuda_over_chunks_match_hf(models):
+    engine, hf = models
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 512, (2 * CHUNK + 17,), generator=gen).tolist()
+    other = torch.randint(0, 512, (40,), generator=gen).tolist()
+    outs = engine.generate([prompt, other], [SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=5),
+                                             SamplingParams(temperature=0, max_tokens=3)])
+    with torch.no_grad():
+        reference = torch.log_softmax(hf(torch.tensor([prompt], device="cuda")).logits[0].float(), dim=-1).cpu()
+    assert_matches_hf(outs[0].prompt_logprobs, prompt, reference, 5, tolerance=1e-3)  # fp32 kernels, other sum orders
+    assert outs[1].prompt_logprobs == []
