@@ -1,7 +1,7 @@
 """The engine's hot path on one GPU: this tree against a baseline tree, same run, same device.
 
     python -m benchmarks.hotpath [--baseline PATH] [--model dummy:llama-3.1-8b] [--offline-requests 512]
-        [--kv-cache-dtypes auto fp8] [--json PATH]
+        [--kv-cache-dtypes auto fp8] [--quantizations none fp8] [--json PATH]
 
 Each tree is measured in a subprocess of its own, its packages importable as `pdserve.*`
 from the tree itself (a `pdserve` link to it on PYTHONPATH; a tree from before the
@@ -9,7 +9,8 @@ packages moved under `pdserve` is imported by its bare names), so `--baseline` c
 any checkout, e.g. `git worktree add /tmp/base main`; this
 script relies only on the public Engine API (plus the graph of the decode bucket, to time
 its replay alone). This tree runs once per `--kv-cache-dtypes` entry (the baseline at its
-default). Figures, random token ids throughout:
+default) and `--quantizations` entry (weights as stored, or FP8 quantized at load). Figures,
+random token ids throughout:
 - decode: one stream, 1k-token prompt, greedy, 512 tokens; tokens/s after the first token.
 - prefill: one fresh 4k-token prompt alone, time to its first token (best and median of 3).
 - step: 256 sequences at ~1.5k context, all decoding: a step's wall time back to back
@@ -19,7 +20,8 @@ default). Figures, random token ids throughout:
   decode step plus that chunk alone.
 - offline: N requests of 1k random ids, 1k output tokens each (ignore_eos, temperature 1),
   `Engine.generate`: output tokens/s.
-Limits printed beside them: the weight-read bound for decode (bytes / 4.3 TB/s; a Mixture of
+Limits printed beside them: the weight-read bound for decode (bytes / the device's measured
+copy bandwidth: 4.3 TB/s on an H200, 3.0 on an H100; a Mixture of
 Experts counts the experts a token uses, top-k of them), the compute bound for prefill (~700
 TFLOP/s, the active parameters). A tree that fails leaves its column empty.
 """
@@ -38,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-COPY_BW = 4.3e12  # bytes/s, measured device copy on the H200 (read + write)
+COPY_BW = {"H200": 4.3e12, "H100": 3.0e12}  # bytes/s, measured device copy (read + write), KINDS.md
 PEAK_FLOPS = 700e12  # bf16 dense matmul, attainable
 
 
@@ -53,7 +55,7 @@ def _sync() -> None:
 
 
 def measure(package: str, model: str, offline_requests: int, profile: bool = False,
-            kv_cache_dtype: str = "auto") -> dict[str, float]:
+            kv_cache_dtype: str = "auto", quantization: str = "none") -> dict[str, float]:
     """Every figure for the engine package `package` (runs in the worker process)."""
     import importlib
 
@@ -65,7 +67,8 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
 
     # A baseline from before kv_cache_dtype existed takes no such field.
     kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
-    engine = Engine(EngineConfig(model=ModelConfig(source=model, device="cuda"),
+    quant = {} if quantization == "none" else {"quantization": quantization}
+    engine = Engine(EngineConfig(model=ModelConfig(source=model, device="cuda", **quant),
                                  cache=CacheConfig(enable_prefix_caching=False, **kv),
                                  scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=512)))
     arch = engine.arch
@@ -73,7 +76,12 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
     rng = random.Random(0)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     num_params = sum(p.numel() for p in engine.model.parameters())
-    out: dict[str, float] = {"weight_bytes": float(weight_bytes), "num_params": float(num_params)}
+    import torch
+
+    name = torch.cuda.get_device_name()
+    copy_bw = next((bw for chip, bw in COPY_BW.items() if chip in name), COPY_BW["H200"])
+    out: dict[str, float] = {"weight_bytes": float(weight_bytes), "num_params": float(num_params),
+                             "copy_bw": copy_bw, "peak_flops": PEAK_FLOPS * (2 if quant else 1)}  # FP8 dots
     if getattr(arch, "moe", None) is not None:  # a token reads only its experts' weights
         active = importlib.import_module(f"{package}.models.registry").param_counts(arch).active
         out["weight_bytes"] = float(weight_bytes * active / num_params)
@@ -190,7 +198,7 @@ def _graph_ms(engine, bucket: int, key: str, profile: bool) -> dict[str, float]:
     return {key: start.elapsed_time(end) / 30}
 
 
-def _run_tree(tree: Path, args: argparse.Namespace, kv_cache_dtype: str) -> dict[str, float]:
+def _run_tree(tree: Path, args: argparse.Namespace, kv_cache_dtype: str, quantization: str) -> dict[str, float]:
     moved = '"pdserve" = "."' in (tree / "pyproject.toml").read_text()
     with tempfile.NamedTemporaryFile(suffix=".json") as f, tempfile.TemporaryDirectory() as links:
         (Path(links) / "pdserve").symlink_to(tree, target_is_directory=True)
@@ -198,6 +206,7 @@ def _run_tree(tree: Path, args: argparse.Namespace, kv_cache_dtype: str) -> dict
         argv = [__file__, "--worker", f.name, "--package", "pdserve.engine" if moved else "engine",
                 "--model", args.model, "--offline-requests", str(args.offline_requests),
                 "--kv-cache-dtypes", kv_cache_dtype]
+        argv += ["--quantizations", quantization] if quantization != "none" else []
         argv += ["--profile"] if args.profile else []
         # Run by path without its folder on sys.path (benchmarks/kernels.py would shadow `kernels`).
         code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -224,8 +233,8 @@ ROWS = [  # key, label, better
 def _limits(r: dict[str, float]) -> dict[str, str]:
     w = r["weight_bytes"]
     return {
-        "decode_tok_s": f"{COPY_BW / w:.0f}",
-        "prefill_4k_ms_min": f"{2 * r['num_params'] * 4096 / PEAK_FLOPS * 1e3:.0f} (GEMMs only)",
+        "decode_tok_s": f"{r.get('copy_bw', COPY_BW['H200']) / w:.0f}",
+        "prefill_4k_ms_min": f"{2 * r['num_params'] * 4096 / r.get('peak_flops', PEAK_FLOPS) * 1e3:.0f} (GEMMs only)",
         "mixed_256_512_ms": f"{r.get('step_256_wall_ms', 0) + r.get('chunk_512_ms', 0):.1f} (step + chunk)",
     }
 
@@ -239,19 +248,22 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print the decode graphs' kernels (torch.profiler)")
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8"],
                         help="KV cache dtypes to run this tree at (CacheConfig.kv_cache_dtype)")
+    parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "fp8"],
+                        help="weights to run this tree with (ModelConfig.quantization), each at every KV dtype")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--package", default="pdserve.engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         Path(args.worker).write_text(json.dumps(measure(args.package, args.model, args.offline_requests, args.profile,
-                                                        args.kv_cache_dtypes[0])))
+                                                        args.kv_cache_dtypes[0], args.quantizations[0])))
         return
     here = Path(__file__).resolve().parents[1]
-    trees = [("baseline", args.baseline.resolve(), "auto")] if args.baseline else []
-    trees += [("this tree" + ("" if kv == "auto" else f", {kv} KV"), here, kv) for kv in args.kv_cache_dtypes]
+    trees = [("baseline", args.baseline.resolve(), "auto", "none")] if args.baseline else []
+    trees += [("this tree" + ("" if q == "none" else f", {q} weights") + ("" if kv == "auto" else f", {kv} KV"),
+               here, kv, q) for q in args.quantizations for kv in args.kv_cache_dtypes]
     results = {}
-    for name, tree, kv in trees:
-        results[name] = _run_tree(tree, args, kv)
+    for name, tree, kv, q in trees:
+        results[name] = _run_tree(tree, args, kv, q)
         print(json.dumps({name: results[name]}), flush=True)  # kept if a later tree does not finish
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -14,9 +14,12 @@ head dim 128, bf16, KV block 16), with baselines measured in the same run:
   K/V laid out contiguously;
 - verify (a speculative verification step: 5 new tokens after the context), 1 x 32k,
   8 x 4k, 64 x 4k: bandwidth of paged_verify beside flash_prefill and the Hopper kernel's
-  paged entry point on the same cache.
+  paged entry point on the same cache;
+- decode over an FP8 (e4m3) cache, 64 x 4k and 256 x 1.5k (`--only fp8kv`): bandwidth of its
+  bytes (half a bf16 cache's), error against SDPA on the cache dequantized, the default tiling
+  and (with --sweep) the others.
 
-    python -m benchmarks.kernels [--sweep] [--json PATH] [--only prefill|decode]
+    python -m benchmarks.kernels [--sweep] [--json PATH] [--only prefill|decode|fp8kv]
                                  [--prefill-configs "M,N,W,S,A;..."]
 
 (as a module: run as a script, this file's own name would shadow the kernels package).
@@ -40,6 +43,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
+from pdserve.kernels import fp8
 from pdserve.kernels.flash_prefill import flash_prefill
 from pdserve.kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
 from pdserve.kernels.paged_decode import decode_num_splits, decode_workspace, paged_decode, paged_verify
@@ -58,6 +62,8 @@ PREFILL_CHUNKED = (2, 4096, 4096)  # batch, context already in the cache, new to
 DECODE_SWEEP = [(32, 4, 3), (64, 4, 3), (128, 4, 2)]  # block_n, num_warps, num_stages
 DECODE_SWEEP_CASES = [(1, 4096), (1, 32768), (8, 4096), (8, 32768)]
 DECODE_ROTATE_BYTES = 1 << 30
+FP8_DECODE_CASES = [(64, 4096), (256, 1536)]  # issue 42's figures
+FP8_DECODE_SWEEP = [(64, 4, 3), (128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2)]
 VERIFY_TOKENS = 5  # K = 4 drafted tokens + the last sampled one
 VERIFY_CASES = [(1, 32768), (8, 4096), (64, 4096)]  # batch, keys per sequence (new tokens included)
 
@@ -308,6 +314,47 @@ def decode(batch: int, context: int, sweep: bool) -> list[Row]:
     return rows
 
 
+def decode_fp8(batch: int, context: int, sweep: bool) -> list[Row]:
+    """paged_decode over an e4m3 cache: the rate counts the FP8 bytes it reads."""
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM  # one byte an element
+    num_sets = -(-DECODE_ROTATE_BYTES // kv_bytes)
+    sets, refs = [], []
+    for i in range(num_sets):
+        q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        k = fp8.quantize(torch.randn(batch, context, NUM_KV_HEADS, HEAD_DIM, device="cuda"))
+        v = fp8.quantize(torch.randn(batch, context, NUM_KV_HEADS, HEAD_DIM, device="cuda"))
+        if i == 0:
+            refs = [q, k.to(DTYPE), v.to(DTYPE)]
+        sets.append((q, *_paged(k, v)))
+    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    out = torch.empty_like(sets[0][0])
+    scale = HEAD_DIM ** -0.5
+    nbytes = kv_bytes + 2 * out.nbytes
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    q, k, v = refs
+    ref = F.scaled_dot_product_attention(q.view(batch, NUM_KV_HEADS, group, HEAD_DIM), k.transpose(1, 2),
+                                         v.transpose(1, 2), scale=scale).reshape_as(out)
+    default_splits = decode_num_splits(batch, NUM_KV_HEADS, HEAD_DIM, context, out.device)
+    configs = [(default_splits, None, None, None)]
+    if sweep:
+        configs += [(n, *c) for n in sorted({max(1, default_splits // 2), default_splits, default_splits * 2})
+                    for c in FP8_DECODE_SWEEP]
+    rows = []
+    for splits, block_n, num_warps, num_stages in configs:
+        tiling = {} if block_n is None else {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
+        ws = decode_workspace(batch, NUM_Q_HEADS, HEAD_DIM, splits, out.device)
+        fns = [lambda s=s: paged_decode(s[0], s[1], s[2], s[3], seq_lens, scale, out=out, workspace=ws, **tiling)
+               for s in sets]
+        out.fill_(float("nan"))
+        if not _runs(fns[0], tiling):
+            continue
+        err = _rel_err(out, ref)
+        ms = _bench_graph(fns)
+        name = "fp8 default" if block_n is None else f"fp8 (S{splits},{block_n},{num_warps},{num_stages})"
+        rows.append(Row("decode", f"{batch}x{context}", f"ours {name}", ms, nbytes / ms / 1e9, err))
+    return rows
+
+
 def _print(rows: list[Row], copy_tbs: float) -> None:
     for r in rows:
         pct = f"{100 * r.rate / copy_tbs:6.1f}%" if r.kind in ("decode", "verify") else ""
@@ -319,7 +366,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time tuning variants")
     parser.add_argument("--json", help="write every row here")
-    parser.add_argument("--only", choices=["prefill", "decode"], help="run one half")
+    parser.add_argument("--only", choices=["prefill", "decode", "fp8kv"], help="run one part")
     parser.add_argument("--prefill-configs", help="prefill sweep instead of the built-in one: "
                         "'block_m,block_n,num_warps,num_stages,maxnreg;...' (implies --sweep)")
     args = parser.parse_args()
@@ -333,10 +380,12 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  copy {copy_tbs:.2f} TB/s  matmul {rows[1].rate:.0f} TFLOP/s")
     print(header)
     cases = []
-    if args.only != "decode":
+    if args.only not in ("decode", "fp8kv"):
         cases += [lambda n=n: prefill(n, prefill_configs) for n in PREFILL_LENS]
         cases.append(lambda: prefill_chunked(*PREFILL_CHUNKED))
-    if args.only != "prefill":
+    if args.only == "fp8kv":
+        cases += [lambda b=b, c=c: decode_fp8(b, c, args.sweep) for b, c in FP8_DECODE_CASES]
+    elif args.only != "prefill":
         cases += [lambda b=b, c=c: decode(b, c, args.sweep) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
         cases += [lambda b=b, c=c: verify(b, c - VERIFY_TOKENS, VERIFY_TOKENS) for b, c in VERIFY_CASES]
     for run_case in cases:  # rows print as they come, so a run cut short still reports

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels.fp8_gemm import FP8, SCALE_BLOCK, fp8_gemm
+from pdserve.kernels.fp8_quant import quantize_per_token
 from pdserve.kernels.gemv import gemv
 
 E4M3_MAX = 448.0
@@ -41,7 +42,9 @@ LAYERS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
 """Our linear layers that hold FP8 weights (checkpoint names: `CHECKPOINT_LAYERS`)."""
 CHECKPOINT_LAYERS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")  # compressed-tensors' / quant_method fp8's with blocks
-MAX_KERNEL_ROWS = 16  # up to here the weight read dominates: kernels.fp8_gemm, x kept as it is
+MAX_KERNEL_ROWS = 1  # x kept as it is up to here (kernels.gemv); beyond, per-channel weights take
+# cuBLASLt's scaled matmul with x quantized (at 8-16 rows 0.17-0.24 ms a layer on the H100 where the
+# untuned fp8_gemm took 0.26: RESULTS "FP8 weights on the H100", benchmarks/fp8_linear.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,15 +196,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
            blocked: bool) -> torch.Tensor:
     """x [T, K] @ dequantize(weight, scale).T (+ bias) -> [T, N] in x's dtype.
 
-    CPU: the weight dequantized to float32 for this call. CUDA: `kernels.gemv` for one row,
-    `kernels.fp8_gemm` up to MAX_KERNEL_ROWS rows and for block scales; beyond, per-channel
-    weights go through cuBLASLt's scaled matmul with x quantized per token (`_scaled_mm`)."""
+    CPU: the weight dequantized to float32 for this call. CUDA: `kernels.gemv` for one row;
+    beyond, per-channel weights go through cuBLASLt's scaled matmul with x quantized per token
+    (`_scaled_mm`), block scales (and shapes it does not take) through `kernels.fp8_gemm`."""
     if not x.is_cuda:
         return nn.functional.linear(x, dequantize(weight, scale, blocked).to(x.dtype), bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if x.shape[0] == 1:  # a model's weights are final: read ahead
+    if x.shape[0] <= MAX_KERNEL_ROWS:  # a model's weights are final: read ahead
         return gemv(x, weight, bias, read_ahead=True, scale=scale, blocked=blocked)
-    if blocked or x.shape[0] <= MAX_KERNEL_ROWS or not _scaled_mm_fits(x, weight):
+    if blocked or not _scaled_mm_fits(x, weight):
         return fp8_gemm(x, weight, scale, bias, blocked=blocked)
     return _scaled_mm(x, weight, scale, bias)
 
@@ -219,9 +222,9 @@ def _has_fp8_mma(device: torch.device) -> bool:
 
 
 def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x quantized per token (each row's amax / 448) times the per-channel weights, on the
-    FP8 tensor cores, scaled back in cuBLASLt's epilogue; the bias added after (in bfloat16)."""
-    x_scale = (x.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    x_fp8 = (x.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    """x quantized per token (each row's amax / 448, `kernels.fp8_quant`) times the
+    per-channel weights, on the FP8 tensor cores, scaled back in cuBLASLt's epilogue; the bias
+    added after (in bfloat16)."""
+    x_fp8, x_scale = quantize_per_token(x)
     y = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
     return y if bias is None else y + bias

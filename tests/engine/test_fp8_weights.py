@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.models import fp8
 from pdserve.engine.sampling import SamplingParams
@@ -257,7 +257,9 @@ def test_cuda_fp8_checkpoint_matches_hf_dequantized(name, tmp_path):
     family, shape, strategy, config, scale_name, input_scales = CHECKPOINTS[name]
     hf = _hf(family, shape)
     save_fp8_checkpoint(hf, tmp_path, strategy, config, scale_name, input_scales)
-    engine = Engine(EngineConfig(model=ModelConfig(source=str(tmp_path), device="cuda", dtype="float32")))
+    # A pool of its own size: the default takes most of the GPU, and an earlier case's engine still holds it.
+    engine = Engine(EngineConfig(model=ModelConfig(source=str(tmp_path), device="cuda", dtype="float32"),
+                                 cache=CacheConfig(num_blocks=256)))
     _assert_matches_hf(engine, hf, f"{name} on CUDA")
 
 
