@@ -105,8 +105,6 @@ class CompletionRequest(_GenerationRequest):
     def unsupported(self) -> str | None:
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
-        if self.echo and self.stream:
-            return "echo"  # with stream
         return _GenerationRequest.unsupported(self)
 
 

@@ -182,23 +182,33 @@ def _chat_finish(reason: FinishReason | None, num_calls: int) -> str | None:
 
 
 class CompletionRenderer:
-    """/v1/completions bodies: a whole response, or one chunk per text delta."""
+    """/v1/completions bodies: a whole response, or one chunk per text delta (with echo, the
+    first chunk of a choice starts with the prompt, and its tokens' logprobs)."""
 
     def __init__(self, processor: RequestProcessor, response_id: str, created: int, model: str) -> None:
         self.processor = processor
         self.head = {"id": response_id, "created": created, "model": model}
+        self._echoed: dict[int, int] = {}  # choice index -> its echoed prompt's text length
 
     def chunks(self, choice: Choice, delta: TextDelta) -> list[m.CompletionResponse]:
         """`delta`, already added to `choice.output`, as a stream chunk."""
+        prompt_text, token_ids, entries = "", [lp.token_id for lp in delta.logprobs], list(delta.logprobs)
+        if choice.echo and choice.index not in self._echoed:
+            prompt_text = self.processor.decode(choice.request.prompt_token_ids)
+            self._echoed[choice.index] = len(prompt_text)
+            token_ids = [*choice.request.prompt_token_ids, *token_ids]
+            entries = [*delta.prompt_logprobs, *entries]
         text_offset = len(choice.output.text) - len(delta.text)
+        if choice.echo and not prompt_text:
+            text_offset += self._echoed[choice.index]
         logprobs = prompt_logprobs = None
         if choice.request.params.logprobs is not None:
-            logprobs = self._logprobs([lp.token_id for lp in delta.logprobs], delta.logprobs, text_offset)
+            logprobs = self._logprobs(token_ids, entries, text_offset, choice.request.params.logprobs)
         num_prompt_top = choice.request.params.prompt_logprobs
         if num_prompt_top is not None and delta.prompt_logprobs:  # the first chunk, as vLLM streams them
             prompt_logprobs = self._prompt_logprobs(delta.prompt_logprobs, num_prompt_top)
         return [m.CompletionResponse(**self.head, choices=[m.CompletionChoice(
-            index=choice.index, text=delta.text, logprobs=logprobs, finish_reason=_finish(delta),
+            index=choice.index, text=prompt_text + delta.text, logprobs=logprobs, finish_reason=_finish(delta),
             prompt_logprobs=prompt_logprobs)])]
 
     def usage_chunk(self, choices: list[Choice]) -> m.CompletionResponse:

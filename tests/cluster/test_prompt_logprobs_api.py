@@ -82,6 +82,25 @@ def test_echo_puts_the_prompt_before_the_completion(client, model, prompt_ids, r
     assert bare.choices[0].text == choice.text and bare.choices[0].logprobs is None
 
 
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_a_streamed_echo_assembles_to_the_whole_response(client, model, max_tokens):
+    """The first chunk starts with the prompt and its tokens' logprobs; the chunks joined are
+    the unstreamed choice: text, tokens, logprobs and each token's offset in the echoed text."""
+    whole = client.completions.create(model=model, prompt=PROMPT, echo=True, logprobs=2, max_tokens=max_tokens,
+                                      temperature=0).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(
+        model=model, prompt=PROMPT, echo=True, logprobs=2, max_tokens=max_tokens, temperature=0, stream=True)
+        if c.choices]
+    assert chunks[0].text.startswith(PROMPT)
+    assert "".join(c.text for c in chunks) == whole.text
+    joined = {field: [x for c in chunks for x in getattr(c.logprobs, field)]
+              for field in ("tokens", "token_logprobs", "text_offset", "top_logprobs")}
+    assert joined["tokens"] == whole.logprobs.tokens and joined["text_offset"] == whole.logprobs.text_offset
+    assert joined["token_logprobs"] == pytest.approx(whole.logprobs.token_logprobs, abs=1e-6)
+    assert [t and sorted(t) for t in joined["top_logprobs"]] == [t and sorted(t) for t in whole.logprobs.top_logprobs]
+    assert chunks[-1].finish_reason == whole.finish_reason == "length"
+
+
 def test_vllm_prompt_logprobs(client, model, prompt_ids, small_model, tokenizer):
     """A list with null first, then {token id: {logprob, rank, decoded_token}} of the prompt's
     token and its top alternatives, computed afresh for a prompt the prefix cache holds."""
@@ -145,7 +164,6 @@ def test_colocated_serving_computes_them_too(colocated_server, prompt_ids, refer
 @pytest.mark.parametrize("path, body, param, words", [
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs", "[0, 20]"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, "echo", "not supported"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "only with echo"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo",
      "not supported"),
