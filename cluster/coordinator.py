@@ -304,11 +304,12 @@ class Coordinator:
         if not out.needs_decode:  # the first token ended it: give the reservation back
             await self._abort(decode, req.request_id)
             return out.first, None
-        return out.first, asyncio.ensure_future(self._admit(decode, req.request_id, out.first.token_ids[0]))
+        return out.first, asyncio.ensure_future(self._admit(decode, req.request_id, out.first.token_ids[0],
+                                                            out.grammar))
 
-    async def _admit(self, decode: Worker, request_id: str, first_token_id: int) -> None:
+    async def _admit(self, decode: Worker, request_id: str, first_token_id: int, grammar: str | None) -> None:
         try:
-            await decode.actor.admit.remote(request_id, first_token_id)
+            await decode.actor.admit.remote(request_id, first_token_id, grammar)
         except TransferError as e:
             raise _transfer_failed(decode, e) from e
         except ACTOR_LOST as e:

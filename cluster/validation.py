@@ -68,10 +68,11 @@ def parse_request(request: pb.GenerateRequest, processor: RequestProcessor) -> P
             kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
     if which == "messages":
         processed = processor.process(messages=messages, params=params, chat_template_kwargs=kwargs,
-                                      tools=_tools(chat))
+                                      tools=_tools(chat), params_checked=True)
     else:
         prompt = request.prompt if which == "prompt" else list(request.prompt_token_ids.ids)
-        processed = processor.process(prompt, params=params, token_ids_field="prompt_token_ids")
+        processed = processor.process(prompt, params=params, token_ids_field="prompt_token_ids",
+                                      params_checked=True)
     return prompt_only(processed) if only_prompt else processed
 
 

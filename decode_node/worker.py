@@ -45,19 +45,19 @@ class DecodeWorker(LoopWorker):
 
     async def submit(self, req: WorkerRequest) -> None:
         """Prefill and decode here (colocated mode)."""
-        await self.loop.call(lambda e: e.add_request(list(req.prompt_token_ids), req.params, req.request_id,
-                                                     num_prior_output_tokens=req.num_prior_output_tokens))
+        await self.loop.call(lambda e: e.add_worker_request(req))
 
     async def reserve(self, req: WorkerRequest) -> None:
-        """Take blocks for the prompt and start expecting its KV. Raises NoCapacity or ValueError."""
+        """Take blocks for the prompt and start expecting its KV. Raises NoCapacity or ValueError
+        (BadWorkerRequest: `req` failed its integrity check; the frontend validated it)."""
         if self._receiver is None:
             raise RuntimeError(f"decode worker {self.worker_id} has no KV receiver (colocated mode)")
-        block_ids = await self.loop.call(lambda e: e.reserve(req.request_id, list(req.prompt_token_ids), req.params,
-                                                              req.num_prior_output_tokens))
+        block_ids = await self.loop.call(lambda e: e.reserve(req))
         self._landing[req.request_id] = asyncio.ensure_future(self._receiver.expect(req.request_id, block_ids))
 
-    async def admit(self, request_id: str, first_token_id: int) -> KVTransferInfo:
-        """Wait (bounded by the transfer timeout) for the KV, then decode from `first_token_id`.
+    async def admit(self, request_id: str, first_token_id: int, grammar: str | None = None) -> KVTransferInfo:
+        """Wait (bounded by the transfer timeout) for the KV, then decode from `first_token_id`
+        (`grammar`: the request's compiled grammar from its prefill worker, `PrefillOutput.grammar`).
 
         On a failed transfer the reserved blocks are freed and the TransferError raised.
         """
@@ -68,8 +68,8 @@ class DecodeWorker(LoopWorker):
             result.raise_for_error()
         # Not awaited: the engine admits it before its next step; waiting would add the rest of
         # the current step to the request's first token. A failure here is a bug, logged.
-        self.loop.submit(lambda e: e.admit_prefilled(request_id, first_token_id, result.ready)).add_done_callback(
-            log_failure)
+        self.loop.submit(lambda e: e.admit_prefilled(request_id, first_token_id, result.ready, grammar)
+                         ).add_done_callback(log_failure)
         return KVTransferInfo(result.num_bytes, result.transport, result.elapsed_s, result.direct)
 
     async def abort(self, request_id: str) -> bool:

@@ -2,9 +2,12 @@
 
 One process, one model, one KV pool. Prefill and decode workers wrap the same
 pieces; this class is what `pdserve generate` and the tests drive directly. It is a
-façade: it validates requests (the request processor) and turns deltas into text; the
-step loop is `EngineCore` (step_core.py), the KV cache with its tiers and events
-`KVCache` (kv_cache.py), and the disaggregated states `KVHandoff` (kv_handoff.py).
+façade: it validates the requests it is given (`add_request`, `generate`: the request
+processor, where the offline API's requests enter) and turns deltas into text, and takes
+the workers' `WorkerRequest`s, which a frontend validated, on an integrity check alone
+(`add_worker_request`, `reserve`); the step loop is `EngineCore` (step_core.py), the KV
+cache with its tiers and events `KVCache` (kv_cache.py), and the disaggregated states
+`KVHandoff` (kv_handoff.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_events import DISK_TIER, HOST_TIER, KVSnapshot
 from pdserve.engine.kv_handoff import KVComputed, KVHandoff
+from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
 from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
 from pdserve.engine.sampling import SamplingParams
@@ -89,7 +93,20 @@ class Engine:
         if params is not None and params.stop:
             raise ValueError("stop strings are checked on text, which the engine does not make: use generate() or "
                              "generate_stream(), or engine.processor.output_stream() over the deltas")
-        return self._add(self.processor.process(prompt, params=params), request_id, hold_kv, num_prior_output_tokens)
+        request = self.processor.process(prompt, params=params)
+        _check_prior(num_prior_output_tokens, request)
+        return self._add(request, request_id, hold_kv, num_prior_output_tokens)
+
+    def add_worker_request(self, req: WorkerRequest, hold_kv: bool = False) -> str:
+        """Queue a request that a frontend validated (`RequestProcessor.process`): a worker's
+        way in. Only its integrity is checked (`WorkerRequest.check`: BadWorkerRequest, a
+        ValueError); `hold_kv` as in `add_request`."""
+        self._check(req)
+        request = ProcessedRequest(req.prompt_token_ids, req.params)
+        return self._add(request, req.request_id, hold_kv, req.num_prior_output_tokens)
+
+    def _check(self, req: WorkerRequest) -> None:
+        req.check(self.arch.vocab_size, self.max_model_len, self.tokenizer is not None)
 
     def _add(self, request: ProcessedRequest, request_id: str | None, hold_kv: bool = False,
              num_prior_output_tokens: int = 0) -> str:
@@ -104,7 +121,7 @@ class Engine:
 
     def _sequence(self, request_id: str, request: ProcessedRequest, num_prior_output_tokens: int) -> Sequence:
         return Sequence(request_id, request.prompt_token_ids, request.params, self.pool.layout.block_size,
-                        num_prior_output_tokens=_checked_prior(num_prior_output_tokens, request))
+                        num_prior_output_tokens=num_prior_output_tokens)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request at once and free its blocks (held ones too); False if it is unknown or done."""
@@ -117,32 +134,37 @@ class Engine:
         """Free a held request's blocks (full ones stay in the prefix cache)."""
         return self.handoff.release(request_id)
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                num_prior_output_tokens: int = 0) -> list[int]:
-        """Allocate blocks for a prompt whose KV another worker will write
-        (`num_prior_output_tokens`: as in `add_request`).
+    def reserve(self, req: WorkerRequest) -> list[int]:
+        """Allocate blocks for the prompt of `req` (a frontend validated it: only its integrity
+        is checked, as by `add_worker_request`), whose KV another worker will write.
 
-        Returns the block ids (in position order). Raises ValueError for an
-        invalid request and NoCapacity when seats or blocks are short.
+        Returns the block ids (in position order). Raises ValueError (BadWorkerRequest, or an
+        id in use) and NoCapacity when seats or blocks are short.
         """
-        request = self.processor.process(prompt_token_ids, params=params)
-        self._check_unused(request_id)
+        self._check(req)
+        self._check_unused(req.request_id)
         self.handoff.check_seat()
-        seq = self._sequence(request_id, request, num_prior_output_tokens)
+        seq = self._sequence(req.request_id, ProcessedRequest(req.prompt_token_ids, req.params),
+                             req.num_prior_output_tokens)
         block_ids = self.handoff.reserve(seq)
         self.core.adopt(seq)
         return block_ids
 
-    def admit_prefilled(self, request_id: str, first_token_id: int, kv_ready: torch.cuda.Event | None = None) -> None:
+    def admit_prefilled(self, request_id: str, first_token_id: int, kv_ready: torch.cuda.Event | None = None,
+                        grammar: str | None = None) -> None:
         """The reserved blocks hold the prompt's KV: decode from `first_token_id` on.
 
         `kv_ready`: the KV is still being copied in and is there once this CUDA event has
         completed. The sequence waits outside the batch until then, so that no step (and no
         other sequence) waits for the copy.
+        `grammar`: the request's compiled grammar as its prefill worker serialized it
+        (`StructuredOutputs.export`), taken into this engine's cache instead of compiling it again.
         """
         seq = self.core.requests.get(request_id)
         if seq is None:
             raise ValueError(f"request {request_id!r} is not waiting for its KV")
+        if grammar is not None and seq.params.structured is not None:
+            self.structured.adopt(seq.params.structured, grammar)
         self.handoff.land(seq, first_token_id, kv_ready)
 
     def set_kv_computed_callback(self, callback: KVComputed | None) -> None:
@@ -263,8 +285,7 @@ class Engine:
                 self.abort(rid)
 
 
-def _checked_prior(num_prior_output_tokens: int, request: ProcessedRequest) -> int:
+def _check_prior(num_prior_output_tokens: int, request: ProcessedRequest) -> None:
     if not 0 <= num_prior_output_tokens <= len(request.prompt_token_ids):
         raise ValueError(f"num_prior_output_tokens must be in [0, {len(request.prompt_token_ids)}] (the prompt's "
                          f"length), got {num_prior_output_tokens}")
-    return num_prior_output_tokens

@@ -1,7 +1,11 @@
 """Structured outputs: grammar-constrained decoding with xgrammar.
 
-A request whose `SamplingParams.structured` is set gets a grammar matcher here (its
-schema compiled once per engine: xgrammar's compiler caches compiled grammars by schema).
+A request whose `SamplingParams.structured` is set gets a grammar matcher here. Its grammar
+is compiled once per request across the cluster: each engine keeps its compiled grammars in a
+bounded LRU keyed by the constraint (`StructuredOutput`: kind and schema or tag text; the
+tokenizer is the engine's own), and a prefill worker hands the one it compiled, serialized
+(`export`), to the decode worker, which takes it into its cache (`adopt`) instead of compiling
+it again. (xgrammar's own compiler cache is off: it cannot take a grammar compiled elsewhere.)
 Each step, the logits of its rows are masked to the tokens the grammar allows after the
 tokens it has so far; every accepted token advances the matcher, and the request ends
 (STOP) once its grammar is complete. Speculative verification masks each of the K+1
@@ -10,7 +14,7 @@ so a draft token outside the grammar has probability 0 under the target and is r
 
 Batches without a constrained row pay no tensor work: `mask_logits` looks at each row's
 params and returns. xgrammar and the tokenizer info and compiler (built once per engine, on
-its first constrained request: ~0.25 s for this tokenizer) are loaded lazily, so engines
+its first constrained request or grammar adopted: ~0.25 s for this tokenizer) are loaded lazily, so engines
 that never see a constrained request never load them.
 """
 
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +92,13 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self._compiler: Any = None  # xgr.GrammarCompiler, made on the first constrained request
+        self._info: Any = None  # its xgr.TokenizerInfo
+        # Compiled grammars (xgr.CompiledGrammar) by constraint, least recently used first,
+        # bounded by _CACHE_LIMIT_BYTES; the lock because `export` runs on a worker's event loop.
+        self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._compiled_bytes = 0
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # grammars this engine compiled (not taken from its cache or another worker)
         self._no_control_bytes: torch.Tensor | None = None  # packed like a bitmask row: see _fill
         self._matchers: dict[Sequence, _Matcher] = {}
 
@@ -208,13 +221,18 @@ class StructuredOutputs:
     def _new_matcher(self, structured: StructuredOutput) -> Any:
         import xgrammar as xgr
 
-        if self._compiler is None:
-            if self.tokenizer is None:
-                raise ValueError("structured outputs need the model's tokenizer")
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=list(self.stop_token_ids))
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=_CACHE_LIMIT_BYTES)
-            self._no_control_bytes = _packed_tokens_without_control_bytes(info.decoded_vocab, self.vocab_size)
+        return xgr.GrammarMatcher(self._grammar(structured))
+
+    # Compiled grammars: compiled once, cached by key, handed from a prefill worker ----------
+
+    def _grammar(self, structured: StructuredOutput) -> Any:
+        """The compiled grammar of `structured`: from the cache, else compiled and cached."""
+        self._ensure_compiler()
+        with self._lock:
+            compiled = self._compiled.get(structured)
+            if compiled is not None:
+                self._compiled.move_to_end(structured)
+                return compiled
         if structured.kind == "structural_tag":
             compiled = self._compiler.compile_structural_tag(structured.structural_tag)
         elif structured.kind == "json_object":
@@ -224,7 +242,61 @@ class StructuredOutputs:
         else:
             compiled = self._compiler.compile_json_schema(structured.json_schema, any_whitespace=False,
                                                           separators=_SEPARATORS)
-        return xgr.GrammarMatcher(compiled)
+        self.num_compiled += 1
+        self._keep(structured, compiled)
+        return compiled
+
+    def export(self, structured: StructuredOutput) -> str | None:
+        """`structured`'s compiled grammar serialized (xgrammar's JSON, with the tokenizer's
+        metadata), for another worker of the same model to `adopt`; None when not compiled here.
+        Thread-safe: a prefill worker calls it on its event loop while the engine steps."""
+        with self._lock:
+            compiled = self._compiled.get(structured)
+        return None if compiled is None else compiled.serialize_json()
+
+    def adopt(self, structured: StructuredOutput, serialized: str) -> None:
+        """Take the compiled grammar of `structured` that another worker `export`ed into the
+        cache (unless it is there already). One that does not fit this engine's tokenizer
+        (xgrammar checks its metadata) or version is dropped, with a warning: the grammar is
+        compiled here when first needed."""
+        self._ensure_compiler()
+        with self._lock:
+            if structured in self._compiled:
+                return
+        import xgrammar as xgr
+
+        try:
+            compiled = xgr.CompiledGrammar.deserialize_json(serialized, self._info)
+        except Exception as e:  # xgrammar's DeserializeFormatError / DeserializeVersionError / InvalidJSONError
+            logger.warning("a compiled grammar from another worker does not fit this one (%s): compiling it here",
+                           _clean(e))
+            return
+        self._keep(structured, compiled)
+
+    def _keep(self, structured: StructuredOutput, compiled: Any) -> None:
+        """Cache `compiled`, evicting the least recently used beyond _CACHE_LIMIT_BYTES."""
+        with self._lock:
+            if structured in self._compiled:
+                return
+            self._compiled[structured] = compiled
+            self._compiled_bytes += compiled.memory_size_bytes
+            while self._compiled_bytes > _CACHE_LIMIT_BYTES and len(self._compiled) > 1:
+                _, old = self._compiled.popitem(last=False)
+                self._compiled_bytes -= old.memory_size_bytes
+
+    def _ensure_compiler(self) -> None:
+        """The tokenizer info and compiler, built on first use (~0.25 s for the default tokenizer)."""
+        if self._compiler is not None:
+            return
+        import xgrammar as xgr
+
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer")
+        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                  stop_token_ids=list(self.stop_token_ids))
+        self._no_control_bytes = _packed_tokens_without_control_bytes(info.decoded_vocab, self.vocab_size)
+        self._info = info
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
 
 def apply_mask(logits_rows: torch.Tensor, allowed: torch.Tensor) -> None:

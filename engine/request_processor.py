@@ -72,19 +72,24 @@ class RequestProcessor:
     def process(self, prompt: str | Sequence[int] | None = None, messages: list[dict[str, Any]] | None = None,
                 params: SamplingParams | None = None, *, token_ids_field: str = "prompt",
                 chat_template_kwargs: Mapping[str, Any] | None = None,
-                tools: ToolRequest | None = None) -> ProcessedRequest:
+                tools: ToolRequest | None = None, params_checked: bool = False) -> ProcessedRequest:
         """Validate and tokenize one request: a `prompt` (text or token ids) or chat `messages`
         (with `chat_template_kwargs` for the template, e.g. {"enable_thinking": False}, and the
-        chat's `tools`).
+        chat's `tools`). The one validation a request gets, where it enters (the frontends, the
+        offline `Engine`): workers trust the `WorkerRequest` made of it (`WorkerRequest.check`).
 
         token_ids_field: what errors call a prompt given as token ids (gRPC: prompt_token_ids).
+        params_checked: `params` went through `check_params` already (the gRPC frontend checks
+            them first, to name their fields `sampling.*`): not again, unless tools change them.
         """
         params = params or SamplingParams()
         if (prompt is None) == (messages is None):
             raise ValueError("give one of prompt or messages")
         fmt = None
         if tools is not None:
-            fmt, params = self._tools(tools, params)
+            fmt, forced = self._tools(tools, params)
+            params_checked = params_checked and forced is params  # a forced choice's grammar is new
+            params = forced
         if messages is not None:
             kwargs = {**(chat_template_kwargs or {}), **(tools.template_kwargs() if tools is not None else {})}
             field, token_ids = "messages", self.apply_chat_template(messages, kwargs)
@@ -100,7 +105,8 @@ class RequestProcessor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{field} has token ids {bad[:4]} outside the vocabulary [0, {self.vocab_size})")
-        self.check_params(params)
+        if not params_checked:
+            self.check_params(params)
         return ProcessedRequest(tuple(token_ids), dataclasses.replace(params, stop=()), params.stop, fmt)
 
     def _tools(self, tools: ToolRequest, params: SamplingParams) -> tuple[ToolFormat | None, SamplingParams]:

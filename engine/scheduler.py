@@ -276,3 +276,45 @@ class Scheduler:
         seq.finish_reason = reason
         seq.finishing = False
         del seq.token_ids[min(seq.num_known_tokens, seq.num_tokens if num_tokens is None else num_tokens):]
+
+
+# The draft model's shadow sequences ------------------------------------------------------
+# A model drafter keeps, per target sequence, a shadow: the draft's own KV positions in its
+# own block manager (`engine/speculative/draft_model.py`). The drafter decides when a shadow
+# moves; these functions are the only code that writes one, so that every write to a
+# `Sequence`, a target's or a shadow, is in this module.
+
+
+def shadow_rewind(shadow: Sequence, num_tokens: int, token_ids: list[int] | tuple[int, ...] = (),
+                  num_computed_tokens: int | None = None) -> None:
+    """`shadow`'s tokens cut to its first `num_tokens`, then `token_ids` appended; its KV
+    counted up to `num_computed_tokens` (default: `num_tokens`)."""
+    del shadow.token_ids[num_tokens:]
+    shadow.token_ids.extend(token_ids)
+    shadow.num_computed_tokens = num_tokens if num_computed_tokens is None else num_computed_tokens
+
+
+def shadow_advance(shadow: Sequence, num_new_tokens: int) -> None:
+    """A draft step computed `num_new_tokens` more of `shadow`'s positions."""
+    shadow.num_computed_tokens += num_new_tokens
+
+
+def shadow_append_placeholders(shadow: Sequence, num_spec_tokens: int = 0) -> None:
+    """One drafted token still on the device at `shadow`'s end (and, for a catch-up fed the
+    positions a verification checked, `num_spec_tokens` more behind it as speculative ones)."""
+    shadow.token_ids.append(PLACEHOLDER_TOKEN_ID)
+    shadow.spec_token_ids[:] = [PLACEHOLDER_TOKEN_ID] * num_spec_tokens
+
+
+def shadow_caught_up(shadow: Sequence, num_computed_tokens: int) -> None:
+    """A catch-up's forward is queued: its KV covers `num_computed_tokens`, no speculative tail."""
+    shadow.num_computed_tokens = num_computed_tokens
+    shadow.spec_token_ids.clear()
+
+
+def shadow_fill_drafted(shadow: Sequence, token_ids: list[int]) -> None:
+    """The drafted tokens read back, in place of the `len(token_ids)` placeholders at `shadow`'s
+    end (left as they are when those positions were rewritten since)."""
+    tail = len(shadow.token_ids) - len(token_ids)
+    if shadow.token_ids[tail:] == [PLACEHOLDER_TOKEN_ID] * len(token_ids):
+        shadow.token_ids[tail:] = token_ids

@@ -72,14 +72,14 @@ class PrefillWorker(LoopWorker):
         rid = req.request_id
         waiter: asyncio.Future[TokenDelta] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = waiter
-        params = dataclasses.replace(req.params, max_tokens=1)
+        # Validated by the frontend: the engine checks its integrity only (WorkerRequest.check).
+        share = dataclasses.replace(req, params=dataclasses.replace(req.params, max_tokens=1))
         if decode_peer is not None:
             # The decode worker's grant of its blocks (direct writes) travels while we compute.
             self._peers[rid] = decode_peer
             self._sender.prepare(rid, decode_peer)
         try:
-            await self.loop.call(lambda e: e.add_request(list(req.prompt_token_ids), params, rid, hold_kv=True,
-                                                        num_prior_output_tokens=req.num_prior_output_tokens))
+            await self.loop.call(lambda e: e.add_worker_request(share, hold_kv=True))
             taken = time.perf_counter()
             # No bound of its own: a long prompt's steps take minutes on a CPU. The request's
             # deadline cancels this call, and the pool replaces an engine that stopped progressing.
@@ -113,7 +113,10 @@ class PrefillWorker(LoopWorker):
         first = dataclasses.replace(first, finish_reason=None if needs_decode else first.finish_reason,
                                     held_block_ids=())
         times = PrefillTimes(taken - called, sampled - taken, sent - sampled)
-        return PrefillOutput(first, needs_decode, transfer, times)
+        # The grammar compiled for the first token goes to the decode worker, which need not compile it again.
+        structured = req.params.structured
+        grammar = self.loop.engine.structured.export(structured) if needs_decode and structured is not None else None
+        return PrefillOutput(first, needs_decode, transfer, times, grammar)
 
     async def _stop_sending(self, rid: str) -> None:
         """Whatever of `rid` is still being sent or prepared stops before its blocks go back."""

@@ -1,7 +1,9 @@
 """One writer of a sequence's state: production code writes a `Sequence` field only in the
-scheduler (`engine/scheduler.py`), and the block manager its block fields. Checked on the
-source's syntax trees: an assignment, augmented assignment or `del` of such a field (or of an
-item or slice of it), or a mutating call on it (`append`, `extend`, ...), is a write.
+scheduler (`engine/scheduler.py`: a target's sequences, and through its `shadow_*` functions,
+which the drafter calls, the draft model's shadow sequences), and the block manager its block
+fields. Checked on the source's syntax trees: an assignment, augmented assignment or `del` of
+such a field (or of an item or slice of it), or a mutating call on it (`append`, `extend`,
+...), is a write.
 
 A write is recognised by the field's name on anything but `self`: other classes have fields of
 the same names (a delta's `token_ids`), and a sequence is never `self` outside its own class.
@@ -26,9 +28,6 @@ WRITERS = {
     "engine/block_manager.py": BLOCK_FIELDS,
     "engine/sequence.py": FIELDS,  # its own methods (`self`) and construction
     "cluster/service.py": {"finish_reason"},  # a gRPC response's
-    # Not yet: the draft model's shadow sequences (the draft's own KV positions, one per target
-    # sequence, in the draft's own block manager), which the drafter writes as their scheduler.
-    "engine/speculative/draft_model.py": FIELDS,
 }
 
 

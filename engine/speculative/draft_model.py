@@ -37,8 +37,15 @@ from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.models.layers import Linear
 from pdserve.engine.models.registry import param_counts
 from pdserve.engine.sampler import Sampler, on_device
-from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
+from pdserve.engine.scheduler import (
+    ScheduledBatch,
+    shadow_advance,
+    shadow_append_placeholders,
+    shadow_caught_up,
+    shadow_fill_drafted,
+    shadow_rewind,
+)
+from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculator import Proposals
 from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
 from pdserve.engine.weights import load_model, load_tokenizer, resolve_model
@@ -159,7 +166,7 @@ class ModelDrafter:
                     budget_left -= num_new
             logits = self.runner.compute_logits(batch, in_flight) if batch.seqs else None
             for shadow, num_new in zip(batch.seqs, batch.num_new_tokens):
-                shadow.num_computed_tokens += num_new
+                shadow_advance(shadow, num_new)
             # A sequence whose catch-up did not fit this step's budget proposes nothing.
             fresh = [i for i in active if logits is not None and shadows[i] in logits]
             active = early + fresh
@@ -177,7 +184,7 @@ class ModelDrafter:
                 probs[:, j].index_copy_(0, on_device(active, torch.int64, self.device), q)
             for i in active:
                 counts[i] += 1
-                shadows[i].token_ids.append(PLACEHOLDER_TOKEN_ID)  # learnt after verification
+                shadow_append_placeholders(shadows[i])  # learnt after verification
             in_flight = InFlightTokens(tokens, {shadows[i]: r for r, i in enumerate(active)})
             # The last drafted token is not fed: the target computes its KV if it is accepted.
             active = sorted(i for i in active if counts[i] < num_tokens[i])
@@ -231,12 +238,10 @@ class ModelDrafter:
         batch, picked = ScheduledBatch(), []
         for i, seq, shadow, w in candidates:
             start = seq.num_tokens  # the draft's KV covers the positions before it
-            shadow.num_computed_tokens = start
-            del shadow.token_ids[start:]
+            shadow_rewind(shadow, start)
             if not self.block_manager.allocate(shadow, w):  # the next proposal catches up instead
                 continue
-            shadow.token_ids.append(PLACEHOLDER_TOKEN_ID)
-            shadow.spec_token_ids[:] = [PLACEHOLDER_TOKEN_ID] * (w - 1)
+            shadow_append_placeholders(shadow, w - 1)
             batch.seqs.append(shadow)
             batch.num_new_tokens.append(w)
             picked.append((i, seq, start))
@@ -250,8 +255,7 @@ class ModelDrafter:
         logits = self.runner.compute_logits(batch, InFlightTokens(token_ids.reshape(-1), rows_of))
         firsts = []
         for shadow, w, (i, seq, start) in zip(batch.seqs, batch.num_new_tokens, picked):
-            shadow.num_computed_tokens = start + w
-            shadow.spec_token_ids.clear()
+            shadow_caught_up(shadow, start + w)
             self._caught_up[seq] = _CaughtUp(start, w, len(firsts))
             firsts.append(logits.spans[shadow][0])
         rows = [i for i, _, _ in picked]
@@ -270,9 +274,7 @@ class ModelDrafter:
                 continue
             assert len(ids) <= c.width
             c.kept = len(ids)
-            del shadow.token_ids[c.start:]
-            shadow.token_ids.extend(ids)
-            shadow.num_computed_tokens = c.start + c.kept
+            shadow_rewind(shadow, c.start, ids, c.start + c.kept)
             self.block_manager.trim(shadow, shadow.num_computed_tokens)
 
     def _take_caught_up(self, seqs: list[Sequence]) -> dict[int, int]:
@@ -289,8 +291,7 @@ class ModelDrafter:
         for seq, c in records.items():
             shadow = self._shadows.get(seq)
             if c.kept is None and shadow is not None:
-                shadow.num_computed_tokens = c.start
-                del shadow.token_ids[c.start:]
+                shadow_rewind(shadow, c.start)
                 self.block_manager.trim(shadow, c.start)
         return ready
 
@@ -333,9 +334,7 @@ class ModelDrafter:
             return
         ids = drafted.tolist()
         for shadow, row, count in entries:
-            tail = len(shadow.token_ids) - count
-            if shadow.token_ids[tail:] == [PLACEHOLDER_TOKEN_ID] * count:
-                shadow.token_ids[tail:] = ids[row][:count]
+            shadow_fill_drafted(shadow, ids[row][:count])
 
     def _sync(self, seq: Sequence) -> Sequence:
         """The shadow of `seq`, its KV kept only where the draft saw the target's tokens."""
@@ -355,9 +354,7 @@ class ModelDrafter:
                 valid = pos
                 break
         valid = max(valid, 0)
-        shadow.num_computed_tokens = valid
-        del shadow.token_ids[valid:]
-        shadow.token_ids.extend(seq.token_ids[valid:])
+        shadow_rewind(shadow, valid, seq.token_ids[valid:])
         self.block_manager.trim(shadow, valid)
         return shadow
 

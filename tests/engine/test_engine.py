@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve.engine.kv_handoff import NoCapacity
+from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import FinishReason
 from tests.engine.prompts import prompt_ids
@@ -79,7 +80,7 @@ def test_a_seeded_request_draws_the_same_tokens_wherever_they_are_sampled(engine
     rid = prefill.add_request(PROMPT, dataclasses.replace(seeded, max_tokens=1), hold_kv=True)
     (first,) = [d for _ in range(4) for d in prefill.step()]
     assert first.token_ids == (alone[0],)
-    dst = engine.reserve("split", engine.tokenize(PROMPT), seeded)
+    dst = engine.reserve(WorkerRequest("split", tuple(engine.tokenize(PROMPT)), seeded))
     engine.pool.kv[:, :, dst] = prefill.pool.kv[:, :, list(first.held_block_ids)]
     assert prefill.release(rid)
     engine.admit_prefilled("split", first.token_ids[0])
@@ -147,7 +148,7 @@ def _prefilled(engine, make_engine, prompt: str, request_id: str, params: Sampli
     prefill = make_engine()
     rid = prefill.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
     (last,) = [d for _ in range(4) for d in prefill.step()]
-    dst = engine.reserve(request_id, engine.tokenize(prompt), params)
+    dst = engine.reserve(WorkerRequest(request_id, tuple(engine.tokenize(prompt)), params))
     engine.pool.kv[:, :, dst] = prefill.pool.kv[:, :, list(last.held_block_ids)]
     assert prefill.release(rid)
     return last.token_ids[0]
@@ -248,9 +249,9 @@ def test_a_reservation_takes_what_the_load_says_it_may(make_engine, tokenizer):
         assert may == engine.block_manager.num_free_blocks - len(taken)
         if may < 3:
             with pytest.raises(NoCapacity, match="not enough free KV blocks"):
-                engine.reserve(f"r{i}", prompt, params)
+                engine.reserve(WorkerRequest(f"r{i}", tuple(prompt), params))
             break
-        taken.append(engine.reserve(f"r{i}", prompt, params))
+        taken.append(engine.reserve(WorkerRequest(f"r{i}", tuple(prompt), params)))
     assert len(taken) == 3  # 12 blocks: 3 + 3 + 3 taken, 3 free less 3 of headroom
     for i in range(len(taken)):
         engine.abort(f"r{i}")

@@ -12,6 +12,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig, SpecConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.models.arch import DUMMY_SHAPES
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import Sequence
@@ -282,7 +283,7 @@ def test_decode_worker_path_builds_the_draft_kv_from_the_received_prompt(engine,
         for delta in prefill.step():
             first_token, held = delta.token_ids[0], delta.held_block_ids
     assert held, "the last delta of a hold_kv request names its blocks"
-    dst = engine.reserve("received", prompt, params)
+    dst = engine.reserve(WorkerRequest("received", tuple(prompt), params))
     engine.pool.kv[:, :, dst] = prefill.pool.kv[:, :, list(held)]
     prefill.release(rid)
     engine.admit_prefilled("received", first_token)
