@@ -95,6 +95,7 @@ def test_a_schema_is_compiled_once_across_prefill_and_decode(make_engine):
     (first,) = [d for _ in range(4) for d in prefill.step()]
     grammar = prefill.structured.export(params.structured)
     assert prefill.structured.num_compiled == 1 and grammar is not None
+    assert prefill.structured.export(params.structured) is grammar  # serialized once, not per request
     dst = decode.reserve(req)
     decode.pool.kv[:, :, dst] = prefill.pool.kv[:, :, list(first.held_block_ids)]
     assert prefill.release("r")
