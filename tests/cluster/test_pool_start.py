@@ -24,7 +24,7 @@ class _Worker:
     """Counts its constructions in `folder`; the first `crashes` of them end the process outright,
     as the kernel's OOM killer or a segfault would; with `raises`, every one raises instead."""
 
-    def __init__(self, worker_id: str, folder: str, crashes: int, raises: bool) -> None:
+    def __init__(self, worker_id: str, folder: str, crashes: int, raises: bool, slot: str | None = None) -> None:
         made = len(os.listdir(folder))
         Path(folder, f"{made}").touch()
         if raises:
