@@ -143,17 +143,19 @@ def test_the_index_equals_every_worker_after_preemptions_a_migration_restarts_an
     index = coordinator.kv_index
     lost_ids: list[str] = []
 
-    # Preemptions: long answers side by side outgrow the decode pools (24 blocks each).
+    # Preemptions: long answers side by side outgrow the decode pools (24 blocks each; a seat
+    # reserves its prompt's 4 blocks and one more, the answer grows to 14).
     preempted = _preemptions(srv)
-    prompts = [prompt_ids(tokenizer, 64, variant=80 + i) for i in range(4)]
+    prompts = [prompt_ids(tokenizer, 64, variant=80 + i) for i in range(6)]
+    params = dataclasses.replace(LONG, max_tokens=160)
     results: list[list[int]] = [[] for _ in prompts]
-    threads = [threading.Thread(target=lambda i=i: results[i].extend(collect(srv.target, prompts[i], LONG).token_ids))
+    threads = [threading.Thread(target=lambda i=i: results[i].extend(collect(srv.target, prompts[i], params).token_ids))
                for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert results == [r.token_ids for r in engine.generate(prompts, LONG)]
+    assert results == [r.token_ids for r in engine.generate(prompts, params)]
     wait_until(lambda: _preemptions(srv) > preempted, 30, "the decode workers' reports of a preemption")
 
     # A migration: the decode worker streaming a request is SIGKILLed mid-stream; the request
