@@ -28,6 +28,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from pdserve.benchmarks.serving import hop_means, hop_sums
 from pdserve.cluster.bench.multi_turn import MultiTurnWorkload
 from pdserve.cluster.cli import main as pdserve
 from pdserve.cluster.config import config_from_dict
@@ -136,8 +137,13 @@ def main() -> None:
             try:
                 target = f"127.0.0.1:{srv.server.port}"
                 _bench(target, args, Path(tmp, "warm.json"), workload=False)
+                before = hop_sums(srv.server.metrics)
                 runs[name] = _bench(target, args, Path(tmp, f"{name}.json"), workload=True)
                 runs[name].update(_tier_hits(srv.server))
+                hops = hop_means(before, hop_sums(srv.server.metrics))
+                runs[name].update({f"hop_{hop}_ms": ms for hop, ms in hops.items()})
+                print(f"{_LABELS[name]}: first token by hop (server, mean ms): "
+                      + ", ".join(f"{hop} {ms:.0f}" for hop, ms in hops.items()), flush=True)
             finally:
                 srv.stop()
     if args.json:

@@ -12,7 +12,10 @@ slot (`prefill-0`), the place it fills in its pool: its replacement takes the sa
 worker added later the lowest free one. The slot names the worker's local state that should
 outlive it, its KV disk tier (`<kv_tiers.disk_dir>/<slot>/`, `EngineConfig.for_worker`): a
 worker restarted in its slot finds the blocks its predecessor wrote there (each checked
-against the model and layout before it is served, `engine/kv_disk.py`).
+against the model and layout before it is served, `engine/kv_disk.py`). A lost worker's
+process may outlive `ray.kill` by a moment: a block file it finishes after its replacement
+scanned the folder is whole (written under a temporary name, then renamed) but not indexed,
+and stays unused until the next restart's scan or a wipe.
 """
 
 from __future__ import annotations
