@@ -5,6 +5,17 @@ Each actor has a concurrency group of its own for pings (`HEALTH_GROUP`): Ray ru
 on a separate thread and event loop, so a ping never waits behind the engine or
 behind the actor's other calls. A worker is replaced when Ray reports it dead, or
 when `WorkerHealth` finds it wedged (no answers) or stuck (no progress).
+
+Each worker has an id of its own (`prefill-3`: never reused, so the router's index, the
+token streams and the metrics never mistake a replacement for the worker it replaced) and a
+slot (`prefill-0`), the place it fills in its pool: its replacement takes the same slot, a
+worker added later the lowest free one. The slot names the worker's local state that should
+outlive it, its KV disk tier (`<kv_tiers.disk_dir>/<slot>/`, `EngineConfig.for_worker`): a
+worker restarted in its slot finds the blocks its predecessor wrote there (each checked
+against the model and layout before it is served, `engine/kv_disk.py`). A lost worker's
+process may outlive `ray.kill` by a moment: a block file it finishes after its replacement
+scanned the folder is whole (written under a temporary name, then renamed) but not indexed,
+and stays unused until the next restart's scan or a wipe.
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ class Worker:
     health: WorkerHealth
     address: PeerAddress | None = None
     phase: Phase = Phase.SERVING
+    slot: str | None = None  # its place in the pool (None: a stand-in's, which has none)
 
     @property
     def worker_id(self) -> str:
@@ -93,6 +105,7 @@ class Pool:
         # Told of a lost worker before it is replaced (the coordinator fails its requests).
         self.on_lost: Callable[[Worker], Awaitable[None]] | None = None
         self._ids = itertools.count()
+        self._starting: set[str] = set()  # slots of workers being spawned
         self.num_replaced = 0
         self.replacing = 0  # replacements under way: a request finding no healthy worker may wait for one
 
@@ -135,23 +148,36 @@ class Pool:
         await self._stop_actor(worker)
         logger.info("%s worker %s left its pool", self.role, worker.worker_id)
 
-    async def _spawn(self) -> Worker:
-        """A started worker. Ray at times reports an actor dead before its constructor ran (it never
-        got a process); that one is created again, up to `HealthConfig.start_attempts` times."""
-        worker_id = f"{self.role}-{next(self._ids)}"
-        for attempt in range(1, self.health.start_attempts + 1):
-            try:
-                actor, address = await self._start_actor(worker_id)
-                break
-            except ActorDiedError as e:
-                if e.actor_init_failed or attempt == self.health.start_attempts:
-                    raise
-                logger.warning("%s worker %s died before it started; creating it again (attempt %d of %d): %s",
-                               self.role, worker_id, attempt + 1, self.health.start_attempts, e)
-        logger.info("%s worker %s started%s", self.role, worker_id, f" (KV at {address})" if address else "")
-        return Worker(self.role, actor, WorkerState(worker_id), WorkerHealth(self.health, time.monotonic()), address)
+    def _free_slot(self) -> str:
+        """The lowest slot no live or starting worker fills."""
+        taken = self._starting | {w.slot for w in self.workers}
+        return next(slot for i in itertools.count() if (slot := f"{self.role}-{i}") not in taken)
 
-    async def _start_actor(self, worker_id: str) -> tuple[Any, PeerAddress | None]:
+    async def _spawn(self, slot: str | None = None) -> Worker:
+        """A started worker in `slot` (None: the lowest free one). Ray at times reports an actor dead
+        before its constructor ran (it never got a process); that one is created again, up to
+        `HealthConfig.start_attempts` times."""
+        worker_id = f"{self.role}-{next(self._ids)}"
+        slot = slot or self._free_slot()
+        self._starting.add(slot)
+        try:
+            for attempt in range(1, self.health.start_attempts + 1):
+                try:
+                    actor, address = await self._start_actor(worker_id, slot)
+                    break
+                except ActorDiedError as e:
+                    if e.actor_init_failed or attempt == self.health.start_attempts:
+                        raise
+                    logger.warning("%s worker %s died before it started; creating it again (attempt %d of %d): %s",
+                                   self.role, worker_id, attempt + 1, self.health.start_attempts, e)
+        finally:
+            self._starting.discard(slot)
+        logger.info("%s worker %s started in slot %s%s", self.role, worker_id, slot,
+                    f" (KV at {address})" if address else "")
+        return Worker(self.role, actor, WorkerState(worker_id), WorkerHealth(self.health, time.monotonic()), address,
+                      slot=slot)
+
+    async def _start_actor(self, worker_id: str, slot: str) -> tuple[Any, PeerAddress | None]:
         spec = self.spec
         # No task events: the coordinator's pings, load reads and long polls are one actor call
         # each, and Ray keeps an event of every call in the GCS (it grew ~2-4 MiB a minute in
@@ -161,7 +187,7 @@ class Pool:
         if spec.resource:
             options["resources"] = {spec.resource: 1}
         cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(spec.cls)  # not settable in .options()
-        actor = cls.options(**options).remote(worker_id, *spec.args)
+        actor = cls.options(**options).remote(worker_id, *spec.args, slot=slot)
         try:
             return actor, await asyncio.wait_for(actor.start.remote(), self.health.start_timeout_s)
         except asyncio.TimeoutError:
@@ -214,7 +240,7 @@ class Pool:
                 await self.on_lost(worker)
             ray.kill(worker.actor, no_restart=True)
             try:
-                fresh = await self._spawn()
+                fresh = await self._spawn(worker.slot)  # in its slot: it finds the disk tier it left
             except Exception:
                 logger.exception("could not replace %s worker %s", self.role, worker.worker_id)
                 return

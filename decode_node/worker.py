@@ -23,9 +23,11 @@ logger = logging.getLogger(__name__)
 
 class DecodeWorker(LoopWorker):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig | None,
-                 worker_config: WorkerConfig | None = None, loop_config: LoopConfig | None = None) -> None:
+                 worker_config: WorkerConfig | None = None, loop_config: LoopConfig | None = None, *,
+                 slot: str | None = None) -> None:
+        """`slot`: its place in the pool (`cluster.pools`), which names its KV disk tier; None: its id."""
         # speculative_engine: speculates when engine_config.spec says.
-        super().__init__(worker_id, speculative_engine(engine_config.for_worker(worker_id)), loop_config)
+        super().__init__(worker_id, speculative_engine(engine_config.for_worker(slot or worker_id)), loop_config)
         self._transport = transport
         self._config = worker_config or WorkerConfig()
         self._receiver = None

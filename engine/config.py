@@ -355,7 +355,8 @@ class EngineConfig:
         if self.spec.enabled and self.parallel.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet")
 
-    def for_worker(self, worker_id: str) -> EngineConfig:
-        """This config for one worker of a pool: its KV tiers' slot is its id (`prefill-0`), so
-        that the server started again finds each worker's disk tier where it left it."""
-        return dataclasses.replace(self, kv_tiers=dataclasses.replace(self.kv_tiers, slot=worker_id))
+    def for_worker(self, slot: str) -> EngineConfig:
+        """This config for the worker in a pool's `slot` (`prefill-0`, `cluster.pools`): its KV
+        tiers' slot, so that a worker restarted in the slot (a replacement, or the server started
+        again) finds the disk tier its predecessor left."""
+        return dataclasses.replace(self, kv_tiers=dataclasses.replace(self.kv_tiers, slot=slot))

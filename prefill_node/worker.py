@@ -23,8 +23,10 @@ logger = logging.getLogger(__name__)
 
 class PrefillWorker(LoopWorker):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig,
-                 worker_config: WorkerConfig | None = None, loop_config: LoopConfig | None = None) -> None:
-        super().__init__(worker_id, Engine(engine_config.for_worker(worker_id)), loop_config)
+                 worker_config: WorkerConfig | None = None, loop_config: LoopConfig | None = None, *,
+                 slot: str | None = None) -> None:
+        """`slot`: its place in the pool (`cluster.pools`), which names its KV disk tier; None: its id."""
+        super().__init__(worker_id, Engine(engine_config.for_worker(slot or worker_id)), loop_config)
         self._transport = transport
         self._config = worker_config or WorkerConfig()
         self._sender = None

@@ -4,7 +4,11 @@
         --sweep 1,2,4,inf --json results.json --plot plots/
 
 Prompts are random token ids of given lengths (`--dataset random`), the shipped
-chat-shaped set (`--dataset synthetic-chat`) or a JSONL file. Arrivals are a Poisson
+chat-shaped set (`--dataset synthetic-chat`), a JSONL file, or conversations whose every
+turn resends the one before and its answer (`--dataset multi-turn`, gRPC: `multi_turn.py`;
+`--num-prompts` conversations of `--num-turns` turns, `--input-len` tokens per user message,
+`--num-system-prompts` shared system prompts of `--system-len` tokens, `--max-concurrency`
+and `--request-rate` counting conversations). Arrivals are a Poisson
 process at `--request-rate` (or all at once), optionally capped at `--max-concurrency`
 in flight. Prints vllm bench serve's table per rate (same metric names in `--json`), and
 with `--metrics-url` the server's own request and token counts beside the client's.
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from pdserve.cluster.bench.backends import Backend, GrpcBackend, OpenAIBackend
 from pdserve.cluster.bench.dataset import SYNTHETIC_CHAT, BenchRequest, jsonl_requests, random_requests
+from pdserve.cluster.bench.multi_turn import MultiTurnWorkload, run_multi_turn
 from pdserve.cluster.bench.report import Slo, format_table, plot_cdfs, plot_sweep, summarize
 from pdserve.cluster.bench.runner import LoadShape, RunResult, run_load
 from pdserve.cluster.credentials import add_credential_args, from_args
@@ -36,13 +41,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default="127.0.0.1:50051",
                    help="host:port of pdserve's gRPC API, or http(s)://host:port of an OpenAI-compatible API")
     p.add_argument("--model", default=None, help="model name for the OpenAI API (default: the first listed)")
-    p.add_argument("--dataset", default="random", help="random, synthetic-chat, or a JSONL file")
+    p.add_argument("--dataset", default="random", help="random, synthetic-chat, multi-turn, or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=int, default=256, help="random prompts: tokens per prompt")
     p.add_argument("--output-len", type=int, default=None,
                    help="tokens per answer (default 128, or a JSONL line's own output_len)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="random lengths vary by +- this fraction")
     p.add_argument("--vocab-size", type=int, default=None, help="random ids below this (default: from the server)")
+    p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--num-system-prompts", type=int, default=4,
+                   help="multi-turn: system prompts the conversations share")
+    p.add_argument("--system-len", type=int, default=256, help="multi-turn: tokens per system prompt")
     p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson arrivals (default inf)")
     p.add_argument("--sweep", default=None, help="comma-separated request rates, one run each (e.g. 1,2,4,inf)")
     p.add_argument("--max-concurrency", type=int, default=None)
@@ -65,11 +74,18 @@ async def run_bench(args: argparse.Namespace) -> int:
     shapes = [LoadShape(rate, args.max_concurrency, args.timeout, args.seed) for rate in rates]
     backend = _backend(args)
     try:
-        requests = await _requests(args, backend)
+        if args.dataset == "multi-turn":
+            workload = await _multi_turn(args, backend)
+            requests = []
+        else:
+            requests = await _requests(args, backend)
         summaries = []
         for i, shape in enumerate(shapes):
             before = _scrape(args.metrics_url)
-            run = await run_load(backend, requests, shape, progress=not args.no_progress)
+            if args.dataset == "multi-turn":
+                run = await run_multi_turn(backend, workload, shape, progress=not args.no_progress)
+            else:
+                run = await run_load(backend, requests, shape, progress=not args.no_progress)
             summary = summarize(run, slo)
             if args.metrics_url:
                 summary.update(_server_counts(before, _scrape(args.metrics_url)))
@@ -114,6 +130,16 @@ async def _requests(args: argparse.Namespace, backend: Backend) -> list[BenchReq
     if not path.is_file():
         raise ValueError(f"--dataset: no such file {path} (or use random or synthetic-chat)")
     return jsonl_requests(path, args.num_prompts, args.output_len, args.seed)
+
+
+async def _multi_turn(args: argparse.Namespace, backend: Backend) -> MultiTurnWorkload:
+    if _is_http(args.target):
+        raise ValueError("--dataset multi-turn needs pdserve's gRPC API (it resends the answers' token ids)")
+    vocab = args.vocab_size or await backend.vocab_size()
+    if vocab is None:
+        raise ValueError("multi-turn prompts need --vocab-size against this API")
+    return MultiTurnWorkload(args.num_prompts, args.num_turns, args.num_system_prompts, args.system_len,
+                             args.input_len, args.output_len or _OUTPUT_LEN, vocab, args.seed)
 
 
 _OUTPUT_LEN = 128

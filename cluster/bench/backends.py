@@ -25,6 +25,8 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)  # when each streamed chunk with output arrived
     output_tokens: int = 0
     input_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server took from its KV caches (None: not said)
+    output_ids: list[int] = field(default_factory=list)  # the answer's token ids, where the API gives them
     error: str | None = None
 
     @property
@@ -93,8 +95,10 @@ class GrpcBackend:
                 if resp.token_ids:
                     result.chunk_times.append(time.perf_counter())
                     result.output_tokens += len(resp.token_ids)
+                    result.output_ids.extend(resp.token_ids)
                 if resp.HasField("usage"):
                     result.input_tokens = resp.usage.prompt_tokens
+                    result.cached_tokens = resp.usage.cached_prompt_tokens
         except grpc.aio.AioRpcError as e:
             result.error = f"{e.code().name}: {e.details()}"
         return result
@@ -154,9 +158,11 @@ class OpenAIBackend:
                     if any(_chunk_text(choice) for choice in chunk.get("choices") or ()):
                         result.chunk_times.append(time.perf_counter())
                         streamed += 1
-                    if chunk.get("usage"):
-                        result.output_tokens = chunk["usage"]["completion_tokens"]
-                        result.input_tokens = chunk["usage"]["prompt_tokens"]
+                    if usage := chunk.get("usage"):
+                        result.output_tokens = usage["completion_tokens"]
+                        result.input_tokens = usage["prompt_tokens"]
+                        if details := usage.get("prompt_tokens_details"):
+                            result.cached_tokens = details.get("cached_tokens")
         except self._httpx.HTTPError as e:
             result.error = f"{type(e).__name__}: {e}"
         if not result.output_tokens:  # a server that sends no usage: one token per chunk

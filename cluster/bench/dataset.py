@@ -46,10 +46,15 @@ def random_requests(num: int, input_len: int, output_len: int, vocab_size: int, 
     def length(n: int) -> int:
         return max(1, rng.randint(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))))
 
-    return [BenchRequest(output_len=length(output_len),
-                         prompt_ids=tuple(rng.randrange(_ID_MARGIN, vocab_size - _ID_MARGIN)
-                                          for _ in range(length(input_len))))
+    return [BenchRequest(output_len=length(output_len), prompt_ids=random_ids(rng, length(input_len), vocab_size))
             for _ in range(num)]
+
+
+def random_ids(rng: random.Random, num: int, vocab_size: int) -> tuple[int, ...]:
+    """`num` random token ids clear of the vocabulary's ends."""
+    if vocab_size <= 2 * _ID_MARGIN:
+        raise ValueError(f"vocabulary of {vocab_size} is too small for random prompts")
+    return tuple(rng.randrange(_ID_MARGIN, vocab_size - _ID_MARGIN) for _ in range(num))
 
 
 def jsonl_requests(path: Path, num: int, output_len: int | None = None, seed: int = 0,

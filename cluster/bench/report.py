@@ -61,6 +61,11 @@ def summarize(run: RunResult, slo: Slo = Slo()) -> dict[str, float | int | None]
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
     }
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    if cached and len(cached) == len(ok):  # the server said, for every request, what came from its caches
+        out["total_cached_tokens"] = sum(cached)
+        out["total_computed_prompt_tokens"] = input_tokens - sum(cached)
+        out["mean_computed_prompt_tokens"] = (input_tokens - sum(cached)) / len(ok)
     if slo.is_set:
         good = sum(1 for r in ok if _meets(r, slo))
         out["request_goodput"] = good / duration
@@ -100,6 +105,12 @@ def format_table(summary: dict[str, float | int | None], errors: list[str] = ())
         ("Benchmark duration (s):", f"{summary['duration']:.2f}"),
         ("Total input tokens:", summary["total_input_tokens"]),
         ("Total generated tokens:", summary["total_output_tokens"]),
+    ]
+    if "total_cached_tokens" in summary:  # prompt tokens the server computed (not from its KV caches)
+        rows += [("Total cached prompt tokens:", summary["total_cached_tokens"]),
+                 ("Total computed prompt tokens:", summary["total_computed_prompt_tokens"]),
+                 ("Computed prompt tokens per request:", f"{summary['mean_computed_prompt_tokens']:.1f}")]
+    rows += [
         ("Request throughput (req/s):", f"{summary['request_throughput']:.2f}"),
     ]
     if "request_goodput" in summary:

@@ -97,3 +97,25 @@ def test_bench_chat_set_and_a_bad_target(srv, tmp_path, capsys):
     assert all(r["input_tokens"] > 10 for r in doc["requests"])  # the server's count of the templated chat
     assert main(["bench", "--target", srv.target, "--dataset", str(tmp_path / "missing.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_multi_turn_conversations_resend_their_history_and_count_what_the_caches_gave(srv, tmp_path, capsys):
+    out = tmp_path / "multi.json"
+    assert main(["bench", "--target", srv.target, "--dataset", "multi-turn", "--num-prompts", "3", "--num-turns", "3",
+                 "--num-system-prompts", "2", "--system-len", "32", "--input-len", "16", "--output-len", "4",
+                 "--max-concurrency", "2", "--temperature", "0", "--json", str(out), "--no-progress"]) == 0
+    assert "Computed prompt tokens per request:" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    (run,) = doc["runs"]
+    assert run["completed"] == 9 and run["failed"] == 0
+    # Conversation by conversation: turn k+1's prompt is turn k's, its 4-token answer and 16 more.
+    lengths = [r["input_tokens"] for r in doc["requests"]]
+    assert lengths == [48, 68, 88] * 3
+    answers = [r["output_ids"] for r in doc["requests"]]
+    assert all(len(a) == 4 for a in answers)
+    # A later turn finds at least its system prompt's 2 blocks in the server's prefix cache.
+    later = [r["cached_tokens"] for i, r in enumerate(doc["requests"]) if i % 3]
+    assert all(c >= 32 for c in later)
+    assert run["total_computed_prompt_tokens"] == sum(lengths) - run["total_cached_tokens"]
+    assert main(["bench", "--target", srv.http_url, "--dataset", "multi-turn"]) == 2  # needs the token ids
+    assert "gRPC" in capsys.readouterr().err

@@ -31,7 +31,7 @@ class _Pool(Pool):
         self.workers = [Worker(role, None, WorkerState(f"{role}-{i}"), None) for i in range(num_workers)]
         self.events: list[str] = []
 
-    async def _spawn(self) -> Worker:
+    async def _spawn(self, slot: str | None = None) -> Worker:
         worker_id = f"{self.role}-{next(self._ids)}"
         self.events.append(f"start {worker_id}")
         return Worker(self.role, None, WorkerState(worker_id), None)
