@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
 import statistics
 import time
@@ -80,15 +81,27 @@ def traffic(phases: tuple[Phase, ...], phase_s: float, vocab: int, seed: int) ->
     return out
 
 
-async def send_all(backend: GrpcBackend, sent: list[Sent]) -> tuple[float, list[RequestResult]]:
-    """Sends each request at its time; returns the run's start (perf_counter) and the results."""
+async def send_all(backend: GrpcBackend, sent: list[Sent]) -> tuple[float, list[RequestResult], list[float]]:
+    """Sends each request at its time; returns the run's start (perf_counter), the results, and
+    the machine's 1-minute load average every 10 s meanwhile (others' jobs share its cores)."""
     start = time.perf_counter()
+    loads: list[float] = []
 
     async def one(s: Sent) -> RequestResult:
         await asyncio.sleep(max(0.0, start + s.at_s - time.perf_counter()))
         return await backend.send(s.request, TIMEOUT_S)
 
-    return start, list(await asyncio.gather(*(one(s) for s in sent)))
+    async def sample() -> None:
+        while True:
+            loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
+            await asyncio.sleep(10)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        results = list(await asyncio.gather(*(one(s) for s in sent)))
+    finally:
+        sampler.cancel()
+    return start, results, loads
 
 
 async def unloaded(backend: GrpcBackend, phases: tuple[Phase, ...], vocab: int, n: int) -> list[tuple[float, float]]:
@@ -121,7 +134,8 @@ class Decisions(logging.Handler):
 
 async def run_once(args: argparse.Namespace, split: Split, planner: dict[str, object] | None,
                    phases: tuple[Phase, ...], targets: Targets | None) -> dict[str, object]:
-    """One server; the unloaded measurement when `targets` is None; then the traffic."""
+    """One server; the unloaded measurement when `targets` is None; then the traffic (unless
+    the fixed split's traffic comes after the planner's)."""
     pools: dict[str, object] = {"mode": "disaggregated", "num_prefill": split.num_prefill,
                                 "num_decode": split.num_decode}
     if planner is not None:
@@ -136,6 +150,8 @@ async def run_once(args: argparse.Namespace, split: Split, planner: dict[str, ob
             measured = await unloaded(backend, phases, vocab, args.unloaded_requests)
             out["unloaded"] = measured
             print(f"unloaded (TTFT ms, ITL ms) per phase: {measured}", flush=True)
+            if args.fixed_after:
+                return out
         else:  # warm the workers as the unloaded measurement did on the first server
             for i, phase in enumerate(phases):
                 await backend.send(random_requests(1, phase.input_len, phase.output_len, vocab, seed=900 + i)[0],
@@ -144,7 +160,7 @@ async def run_once(args: argparse.Namespace, split: Split, planner: dict[str, ob
         decisions = Decisions()
         logging.getLogger("pdserve.cluster").addHandler(decisions)
         wall0 = time.time()
-        start, out["results"] = await send_all(backend, out["sent"])  # type: ignore[arg-type]
+        start, out["results"], out["loads"] = await send_all(backend, out["sent"])  # type: ignore[arg-type]
         logging.getLogger("pdserve.cluster").removeHandler(decisions)
         out["start"] = start
         out["decisions"] = [(t - wall0, msg) for t, msg in decisions.lines]
@@ -182,6 +198,9 @@ def main() -> None:
     p.add_argument("--phase2", default="256,4,1.0", help="input tokens, output tokens, requests/s")
     p.add_argument("--unloaded-requests", type=int, default=3)
     p.add_argument("--interval-s", type=float, default=5.0, help="the planner's interval")
+    p.add_argument("--fixed-after", action="store_true",
+                   help="run the fixed split's traffic after the planner's (the first server measures the "
+                        "unloaded figures only): the other order, against drift in the machine's load")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, default=None, help="write every request's figures (JSON) here")
     args = p.parse_args()
@@ -196,8 +215,8 @@ def main() -> None:
     budget = split.num_prefill + split.num_decode
     init_ray(None, "127.0.0.1", num_cpus=2 * budget)  # the workers' num_cpus=1 each, on a 2-core machine
 
-    fixed = asyncio.run(run_once(args, split, None, phases, None))
-    unl: list[tuple[float, float]] = fixed["unloaded"]  # type: ignore[assignment]
+    first = asyncio.run(run_once(args, split, None, phases, None))  # the unloaded figures, and the fixed run
+    unl: list[tuple[float, float]] = first["unloaded"]  # type: ignore[assignment]
     targets = Targets(2 * max(t for t, _ in unl), 1.5 * max(i for _, i in unl))
     print(f"targets: TTFT {targets.ttft_ms:.0f} ms, ITL {targets.itl_ms:.0f} ms", flush=True)
     for i, ph in enumerate(phases):  # the simulator's view of each split of the budget, per phase
@@ -212,19 +231,24 @@ def main() -> None:
                "window_s": 3 * args.interval_s, "min_change_interval_s": 6 * args.interval_s, "hysteresis": 2,
                "min_requests": 5, "sim_requests": 200}
     planned = asyncio.run(run_once(args, split, planner, phases, targets))
+    fixed = asyncio.run(run_once(args, split, None, phases, targets)) if args.fixed_after else first
 
     print(f"\ntargets: TTFT {targets.ttft_ms:.0f} ms, ITL {targets.itl_ms:.0f} ms (unloaded: {unl})")
     print("| run | traffic | requests | failed | meet both | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for line in rows(f"fixed {split}", fixed, phases, targets) + rows("planner", planned, phases, targets):
         print(line)
+    for name, run in (("fixed", fixed), ("planner", planned)):
+        loads: list[float] = run["loads"]  # type: ignore[assignment]
+        print(f"{name} run: load average (1 min) mean {statistics.mean(loads):.1f}, min {min(loads):.1f}, "
+              f"max {max(loads):.1f} on {os.cpu_count()} cores")
     print(f"\nplanner's decisions (phase 2 starts at {args.phase_s:.0f} s):")
     for t, msg in planned["decisions"]:  # type: ignore[union-attr]
         print(f"  {t:7.1f} s  {msg[:400]}")
     if args.out:
         args.out.write_text(json.dumps({
             "targets": asdict(targets), "unloaded": unl, "args": {k: str(v) for k, v in vars(args).items()},
-            "runs": {name: {"decisions": run["decisions"], "requests": [
+            "runs": {name: {"decisions": run["decisions"], "loads": run["loads"], "requests": [
                 {"phase": s.phase, "at_s": s.at_s, "start_s": r.start - run["start"],
                  "ttft_ms": r.ttft * 1e3 if r.ok else None, "itl_ms": r.tpot * 1e3 if r.tpot else None,
                  "error": r.error} for s, r in zip(run["sent"], run["results"])]}
