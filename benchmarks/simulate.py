@@ -8,15 +8,20 @@
    setup (1 prefill + 1 decode; 1 colocated) and traffic mix, `simulate` at the mix's rate.
 3. The measurements: an in-process server of each setup, each mix sent through `pdserve
    bench`'s gRPC backend and load generator (Poisson arrivals, greedy, exact output lengths).
-The prediction knows only the engine's step costs: what it misses is the serving path's own
-cost (Ray calls, token polling, gRPC, the KV transfer's handshake), and on a shared CPU the
-other processes' load, which the profile saw at another moment.
+The step costs are the engine's alone; the serving path's own latency (Ray calls, token
+polling, gRPC, the KV transfer's handshake) is measured first (unless `--no-calibrate`) on a
+1 prefill + 1 decode server: requests of a shape of neither mix (16 tokens in, 8 out), one at
+a time; what their median TTFT and ITL exceed the simulator's prediction by becomes the
+profile's `ttft_overhead_s` and `itl_overhead_s` (the colocated setup is predicted with the
+same). What the prediction still misses is, on a shared CPU, the other processes' load,
+which the profile saw at another moment.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -60,6 +65,34 @@ def _profile(args: argparse.Namespace) -> StepCosts:
     return costs
 
 
+CALIBRATION = (16, 8)  # prompt and output tokens: a shape of neither mix
+
+
+async def calibrate(costs: StepCosts, n: int) -> StepCosts:
+    """`costs` with the serving overheads a 1P+1D server shows on `n` requests sent one at a time."""
+    config = config_from_dict({"server": {"port": 0, "metrics_port": 0, "http": False},
+                               "pools": {"mode": "disaggregated", "num_prefill": 1, "num_decode": 1}})
+    server = await start_server(config)
+    backend = GrpcBackend(f"127.0.0.1:{server.port}", temperature=0.0)
+    prompt, output = CALIBRATION
+    try:
+        vocab = await backend.vocab_size()
+        await run_load(backend, random_requests(1, 32, 2, vocab, seed=9), LoadShape(), progress=False)  # warm up
+        run = await run_load(backend, random_requests(n, prompt, output, vocab, seed=3),
+                             LoadShape(max_concurrency=1), progress=False)
+    finally:
+        await backend.close()
+        await server.stop()
+    s = summarize(run)
+    pred = simulate(costs, Split(1, 1), Traffic(0.01, Lengths(prompt), Lengths(output), n, poisson=False))
+    ttft_s = max(0.0, (s["median_ttft_ms"] - pred.ttft_ms[50]) / 1e3)
+    itl_s = max(0.0, (s["median_itl_ms"] - pred.itl_ms[50]) / 1e3)
+    print(f"calibration ({n} x {prompt} in, {output} out, one at a time): measured TTFT {s['median_ttft_ms']:.0f} "
+          f"ms, ITL {s['median_itl_ms']:.1f} ms; engine-only prediction {pred.ttft_ms[50]:.0f}, "
+          f"{pred.itl_ms[50]:.1f}: overheads {1e3 * ttft_s:.0f} ms, {1e3 * itl_s:.1f} ms", flush=True)
+    return dataclasses.replace(costs, ttft_overhead_s=ttft_s, itl_overhead_s=itl_s)
+
+
 async def measure(mode: str, mixes: dict[str, tuple[float, int, int]], n: int) -> dict[str, dict]:
     config = config_from_dict({"server": {"port": 0, "metrics_port": 0, "http": False},
                                "pools": {"mode": mode, "num_prefill": 1, "num_decode": 1}})
@@ -88,10 +121,17 @@ def main() -> None:
     p.add_argument("--chat-rate", type=float, default=0.05)
     p.add_argument("--long-rate", type=float, default=0.03)
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="predict from the engine's step costs alone (the profile's own overheads, if any)")
+    p.add_argument("--calibration-requests", type=int, default=5)
     p.add_argument("--out", type=Path, default=None, help="write predictions and measurements (JSON) here")
     args = p.parse_args()
     setups = {name: SETUPS[name] for name in args.setups.split(",")}
     costs = _profile(args)
+    if not args.no_calibrate:
+        costs = asyncio.run(calibrate(costs, args.calibration_requests))
+        if args.out:
+            costs.save(args.out.with_suffix(".profile.json"))
     mixes = _mixes(args)
     predicted = {}
     for setup, (_, split) in setups.items():

@@ -12,7 +12,8 @@ Each `observe` (one per interval) estimates the traffic from the window's load r
 smallest budget that meets the targets (all of it when none does), and compares the best with
 the present split. It moves only when that is worth it and lasting:
 - the present split misses a target (predicted, or observed: the TTFT and ITL histograms,
-  or a prefill backlog that alone takes longer than the TTFT target) and the best meets both;
+  or a prefill backlog that alone takes longer than the TTFT target) and the best of at
+  least as many workers meets both (a split that misses is never shrunk);
 - or fewer workers meet both with `min_gain` to spare (idle GPUs go back);
 - or no split meets them (reported as unmeetable at every interval, not chased) and the best
   is predicted better by `min_gain`;
@@ -141,10 +142,14 @@ class Planner:
         if traffic is None:
             return Decision(obs.now, current, current, (), "too little traffic in the window to plan from",
                             False, None, self.config.dry_run)
-        target, predicted, unmeetable = self._best(traffic, obs)
         now_pred = self._predict(current, traffic)
-        now_score, score = self._score(now_pred), self._score(predicted)
         missed = self._observed_miss(obs)
+        # A split that misses the targets is never shrunk: where it misses as observed while
+        # its prediction meets them, the prediction is the optimistic one (the serving path,
+        # a shared host), and fewer workers would miss by more.
+        at_least = current.num_prefill + current.num_decode if missed or self._score(now_pred) > 1 else 0
+        target, predicted, unmeetable = self._best(traffic, obs, at_least)
+        now_score, score = self._score(now_pred), self._score(predicted)
         about = (f"{traffic.rate_per_s:.2f} req/s, prompts ~{traffic.prompt.mean}, outputs ~{traffic.output.mean} "
                  f"tokens; {current} predicted {self._describe(now_pred)}{missed}")
         if target != current:
@@ -198,11 +203,11 @@ class Planner:
         return Traffic(arrived / span, Lengths(prompt, LENGTH_SPREAD), Lengths(output, LENGTH_SPREAD),
                        self.config.sim_requests)
 
-    def _best(self, traffic: Traffic, obs: Observation) -> tuple[Split, Prediction, bool]:
-        """The best split of the fewest workers that meet the targets with `min_gain` to spare
-        (a binary search: more workers never predict worse), else of the whole budget; and
-        whether even that misses them."""
-        lo, hi = self.config.min_prefill + self.config.min_decode, self.budget
+    def _best(self, traffic: Traffic, obs: Observation, at_least: int = 0) -> tuple[Split, Prediction, bool]:
+        """The best split of the fewest workers (`at_least` of them) that meet the targets with
+        `min_gain` to spare (a binary search: more workers never predict worse), else of the
+        whole budget; and whether even that misses them."""
+        lo, hi = max(self.config.min_prefill + self.config.min_decode, min(at_least, self.budget)), self.budget
         best = self._best_of(hi, traffic, obs)
         score = self._score(best[1])
         if score > 1 - self.config.min_gain:

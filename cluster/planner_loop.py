@@ -69,15 +69,23 @@ class PlannerLoop:
         return {name: out.get(name, 0.0) for name in _COUNTERS} | out
 
     def _quantile_ms(self, delta: dict[str, float], which: str) -> float | None:
-        """The interval's percentile from its bucket counts (the bucket's upper bound), None if empty."""
+        """The interval's percentile from its bucket counts, None if empty: linear within the
+        bucket it falls in, as Prometheus' histogram_quantile (the bucket's upper bound alone
+        reads up to 2.5x high with these buckets: 1.1 s as 2.5 s, against a 1.2 s target a miss
+        that is not one); past the last finite bound, that bound."""
         prefix = f"{_HISTOGRAMS[which]}_bucket|"
         buckets = sorted((float(k[len(prefix):]), v) for k, v in delta.items() if k.startswith(prefix))
         total = buckets[-1][1] if buckets else 0.0
         if total <= 0:
             return None
+        rank = self.config.percentile / 100 * total
+        lower, below = 0.0, 0.0  # the bucket's lower bound, and the samples under it
         for bound, count in buckets:
-            if count >= self.config.percentile / 100 * total:
-                return 1e3 * bound if math.isfinite(bound) else 1e3 * max(b for b, _ in buckets if math.isfinite(b))
+            if count >= rank:
+                if not math.isfinite(bound):
+                    return 1e3 * lower
+                return 1e3 * (lower + (bound - lower) * (rank - below) / max(count - below, 1e-9))
+            lower, below = bound, count
         return None
 
     async def _act(self, action: Action) -> bool:

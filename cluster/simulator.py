@@ -19,7 +19,9 @@ The model, as the engine and the coordinator work:
   worker's batch at its next step, seats (`max_num_seqs`) permitting; colocated, a prompt
   takes its seat when its first chunk runs, and joins its worker's batch at once.
 ITL is every gap between a request's tokens (the first decode token's gap includes the
-transfer and the wait for a seat), as `pdserve bench` measures it.
+transfer and the wait for a seat), as `pdserve bench` measures it. The profile's serving
+overheads (`ttft_overhead_s`, `itl_overhead_s`: what a served request waits besides the
+engine's steps) are added to each TTFT and each gap.
 """
 
 from __future__ import annotations
@@ -296,9 +298,10 @@ def simulate(costs: StepCosts, split: Split, traffic: Traffic, slo: Slo = Slo(),
     run = _Run(costs, split)
     run.run(requests)
     done = run.done
-    ttft = [r.first_token - r.arrival for r in done]
-    tpot = [(r.finish - r.first_token) / (r.output - 1) if r.output > 1 else 0.0 for r in done]
-    gaps = run.itl_steps + [(r.first_gap, 1) for r in done if r.output > 1]
+    ttft_extra, itl_extra = costs.ttft_overhead_s, costs.itl_overhead_s  # the serving path's, latency only
+    ttft = [r.first_token - r.arrival + ttft_extra for r in done]
+    tpot = [(r.finish - r.first_token) / (r.output - 1) + itl_extra if r.output > 1 else 0.0 for r in done]
+    gaps = [(g + itl_extra, n) for g, n in run.itl_steps] + [(r.first_gap + itl_extra, 1) for r in done if r.output > 1]
     met = sum(1 for a, b in zip(ttft, tpot) if a * 1e3 <= slo.ttft_ms and b * 1e3 <= slo.itl_ms)
     duration = max(r.finish for r in done) - min(r.arrival for r in done)
     return Prediction(split, len(done), _percentiles(ttft), _weighted_percentiles(gaps), _percentiles(tpot),

@@ -7,7 +7,8 @@ A profile is a JSON file (`pdserve profile` writes one, `pdserve simulate --prof
      "decode_context_tokens": 128,                      #   each sequence at this context
      "decode_s_per_context_token": 2e-7,                # what one more token of context adds to a step
      "kv_bytes_per_token": 55296, "kv_latency_s": 0.001, "kv_bytes_per_s": 1e9,
-     "max_num_seqs": 128, "max_num_batched_tokens": 2048, "source": "..."}
+     "max_num_seqs": 128, "max_num_batched_tokens": 2048, "source": "...",
+     "ttft_overhead_s": 0.03, "itl_overhead_s": 0.01}   # the serving path's own latency (optional)
 
 Costs between the measured points are interpolated linearly, and extrapolated from the
 nearest segment beyond them: a few measured points stand for any length or batch (the
@@ -65,12 +66,20 @@ class StepCosts:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     source: str = ""  # what measured it (machine, model), for the reader
+    # What a served request waits besides the engine's steps, measured on a running server
+    # (benchmarks/simulate.py): its way through the frontend and coordinator to a worker's
+    # engine and its first token back (RPCs, the token poller, gRPC), and the same per token
+    # after the first. Latency only: the workers' steps, and so their capacity, are as measured.
+    ttft_overhead_s: float = 0.0
+    itl_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("a profile's max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.kv_bytes_per_s <= 0:
             raise ValueError(f"a profile's kv_bytes_per_s must be > 0, got {self.kv_bytes_per_s}")
+        if self.ttft_overhead_s < 0 or self.itl_overhead_s < 0:
+            raise ValueError("a profile's ttft_overhead_s and itl_overhead_s must be >= 0")
 
     @property
     def prefill_overhead_s(self) -> float:
@@ -97,7 +106,8 @@ class StepCosts:
                 "decode_s_per_context_token": self.decode_s_per_context_token,
                 "kv_bytes_per_token": self.kv_bytes_per_token, "kv_latency_s": self.kv_latency_s,
                 "kv_bytes_per_s": self.kv_bytes_per_s, "max_num_seqs": self.max_num_seqs,
-                "max_num_batched_tokens": self.max_num_batched_tokens, "source": self.source}
+                "max_num_batched_tokens": self.max_num_batched_tokens, "source": self.source,
+                "ttft_overhead_s": self.ttft_overhead_s, "itl_overhead_s": self.itl_overhead_s}
 
     @classmethod
     def from_json(cls, data: dict[str, object]) -> StepCosts:

@@ -78,6 +78,25 @@ def test_long_prompts_move_capacity_to_prefill_and_back():
     assert back[-1].num_prefill == 1 and back[-1].num_decode >= 2 and back.index(back[-1]) <= 3, back
 
 
+def test_a_split_that_misses_as_observed_is_not_shrunk():
+    """Long prompts on 2P/1D of a budget of 4: the prediction says one prefill worker would do,
+    but the server observes TTFTs past the target. Fewer workers would miss by more: the
+    planner keeps (or grows) what it has, never removes a worker."""
+    planner = Planner(dataclasses.replace(CONFIG, hysteresis=1, min_change_interval_s=0), COSTS, 4)
+    rate, prompt, output = 2.0, 1500, 10  # 1P/1D predicted within the targets
+    assert planner._score(planner._predict(Split(1, 1), Traffic(rate, Lengths(prompt, 0.5), Lengths(output, 0.5),
+                                                                CONFIG.sim_requests))) <= 1 - CONFIG.min_gain
+    n = round(rate * INTERVAL)
+    for i in range(1, 5):
+        d = planner.observe(Observation(i * INTERVAL, 2, 1, n, n * prompt, n, n * output,
+                                        ttft_ms=3 * CONFIG.ttft_target_ms))
+        assert d.target.num_prefill + d.target.num_decode >= 3, d.reason
+        assert all(a.kind != "remove" for a in d.actions), d.reason
+    # Observed within the targets, the idle worker goes as before.
+    d = planner.observe(Observation(5 * INTERVAL, 2, 1, n, n * prompt, n, n * output, ttft_ms=100))
+    assert d.target.num_prefill + d.target.num_decode < 3 and "fewer workers" in d.reason
+
+
 def test_steady_traffic_changes_nothing():
     for traffic, split in ((CHAT, Split(1, 3)), (LONG_PROMPTS, Split(3, 1))):
         cluster = _cluster(split=split)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -34,6 +35,20 @@ def test_colocated_one_request_at_a_time_is_exact():
     p = simulate(COSTS, Split(0, 1), _alone(200, 10))
     assert p.ttft_ms[50] == pytest.approx(30)
     assert p.itl_ms[99] == pytest.approx(20) and p.tpot_ms[99] == pytest.approx(20)
+
+
+def test_the_serving_overheads_add_to_latency_not_to_the_steps():
+    """A profile's serving overheads delay every first token and every gap by as much, alone
+    and under load: the workers' steps, and so when queues form, stay as measured."""
+    costs = dataclasses.replace(COSTS, ttft_overhead_s=0.030, itl_overhead_s=0.005)
+    for traffic in (_alone(200, 10), Traffic(40, Lengths(200), Lengths(10), num_requests=200)):
+        base, more = simulate(COSTS, Split(1, 1), traffic), simulate(costs, Split(1, 1), traffic)
+        for q in (50, 99):
+            assert more.ttft_ms[q] == pytest.approx(base.ttft_ms[q] + 30)
+            assert more.itl_ms[q] == pytest.approx(base.itl_ms[q] + 5)
+            assert more.tpot_ms[q] == pytest.approx(base.tpot_ms[q] + 5)
+        assert more.duration_s == pytest.approx(base.duration_s)
+    assert StepCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
 
 
 def test_a_long_prompt_is_chunked_and_costs_its_whole_curve():
