@@ -48,7 +48,7 @@ def _configs(args: argparse.Namespace, num_blocks: int, disk_root: Path) -> dict
         "admission": {"max_waiting_per_worker": 1024},
         # A request in flight weighs as this workload's prompts do (the default, 4,096 tokens,
         # is a long prompt's: a prefix of a few hundred tokens would never outweigh one request).
-        "router": {"queued_tokens_per_request": args.tokens_per_request},
+        "router": {"queued_tokens_per_request": args.tokens_per_request, "kv_usage_weight": args.kv_usage_weight},
     }
     tiers = {"host_bytes": args.host_mib << 20, "disk_dir": str(disk_root), "disk_bytes": args.disk_mib << 20,
              "disk_persist": False}
@@ -114,6 +114,7 @@ def main() -> None:
     p.add_argument("--oversubscription", type=float, default=4.0)
     p.add_argument("--num-blocks", type=int, default=None, help="blocks per pool (default: from --oversubscription)")
     p.add_argument("--tokens-per-request", type=float, default=256.0, help="router.queued_tokens_per_request")
+    p.add_argument("--kv-usage-weight", type=float, default=4.0, help="router.kv_usage_weight")
     p.add_argument("--host-mib", type=int, default=96, help="(c): host tier per worker")
     p.add_argument("--disk-mib", type=int, default=4096, help="(c): disk tier per worker")
     p.add_argument("--configs", default="a,b,c")
