@@ -29,8 +29,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 class _Idle:
     """A worker actor that loads nothing: the pool's start, ping and stop calls."""
 
-    def __init__(self, worker_id: str) -> None:
-        self.worker_id = worker_id
+    def __init__(self, worker_id: str, slot: str | None = None) -> None:
+        self.worker_id, self.slot = worker_id, slot
 
     async def start(self) -> None:
         return None
