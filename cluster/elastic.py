@@ -26,10 +26,10 @@ import logging
 import math
 from dataclasses import dataclass
 
-from pdserve.cluster.config import DrainConfig
 from pdserve.cluster.coordinator import Coordinator
 from pdserve.cluster.errors import WorkerLost
 from pdserve.cluster.metrics import Metrics
+from pdserve.cluster.pool_config import DrainConfig
 from pdserve.cluster.pools import Phase, Pool, Worker
 
 logger = logging.getLogger(__name__)

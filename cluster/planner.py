@@ -30,7 +30,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from pdserve.cluster.config import PlannerConfig
+from pdserve.cluster.pool_config import PlannerConfig
 from pdserve.cluster.simulator import Lengths, Prediction, Slo, Split, Traffic, simulate
 from pdserve.cluster.step_costs import StepCosts
 

@@ -8,12 +8,12 @@ import asyncio
 import logging
 import math
 
-from pdserve.cluster.config import PlannerConfig
 from pdserve.cluster.coordinator import Coordinator
 from pdserve.cluster.elastic import Elastic
 from pdserve.cluster.errors import cause
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.planner import Action, Observation, Planner
+from pdserve.cluster.pool_config import PlannerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.cluster.admin_service import AdminService
 from pdserve.cluster.auth import AdminTokenInterceptor, BearerTokenInterceptor, HttpTls, grpc_server_credentials
-from pdserve.cluster.config import ServeConfig, client_auth, cluster_secret, fit_pools_to_gpus, read_chat_template
+from pdserve.cluster.config import ServeConfig, client_auth, cluster_secret, read_chat_template
 from pdserve.cluster.coordinator import Coordinator
 from pdserve.cluster.elastic import Elastic
 from pdserve.cluster.frontend import Frontend
@@ -26,6 +26,7 @@ from pdserve.cluster.interceptors import MalformedRequestInterceptor
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.planner import Planner
 from pdserve.cluster.planner_loop import PlannerLoop
+from pdserve.cluster.pool_config import fit_pools_to_gpus
 from pdserve.cluster.pools import ActorSpec, Pool
 from pdserve.cluster.ray_driver import init_ray
 from pdserve.cluster.service import GenerationService

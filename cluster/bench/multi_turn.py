@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from dataclasses import dataclass
 
 from pdserve.cluster.bench.backends import Backend, RequestResult
 from pdserve.cluster.bench.dataset import BenchRequest, random_ids
-from pdserve.cluster.bench.runner import LoadShape, RunResult
+from pdserve.cluster.bench.runner import LoadShape, RunResult, paced
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,29 +95,8 @@ class Conversation:
 async def run_multi_turn(backend: Backend, workload: MultiTurnWorkload, shape: LoadShape,
                          progress: bool = True) -> RunResult:
     """Every conversation of `workload`; results in conversation order, then turn order."""
-    rng = random.Random(shape.seed)
     conversations = workload.conversations()
     limit = asyncio.Semaphore(shape.max_concurrency or len(conversations))  # FIFO: asyncio wakes waiters in order
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(conversations), unit="conv", desc="multi-turn", leave=False)
-
-    async def one(conversation: Conversation) -> list[RequestResult]:
-        results = await conversation.run(backend, limit, shape.timeout_s)
-        if bar is not None:
-            bar.update(1)
-        return results
-
-    start = time.perf_counter()
-    tasks = []
-    for i, conversation in enumerate(conversations):
-        if i and shape.request_rate != float("inf"):
-            await asyncio.sleep(rng.expovariate(shape.request_rate))
-        tasks.append(asyncio.create_task(one(conversation)))
-    done = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
+    done, duration = await paced(conversations, lambda c: c.run(backend, limit, shape.timeout_s), shape,
+                                 "multi-turn", "conv", progress)
     return RunResult(shape, [r for results in done for r in results], duration)

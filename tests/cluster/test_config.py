@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.config import PoolConfig, config_from_dict, fit_pools_to_gpus, load_config
+from pdserve.cluster.config import config_from_dict, load_config
 from pdserve.cluster.config_tree import with_values
+from pdserve.cluster.pool_config import PoolConfig, fit_pools_to_gpus
 
 
 def test_yaml_sections_build_the_same_objects_as_flags(tmp_path):

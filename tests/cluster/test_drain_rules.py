@@ -10,11 +10,12 @@ import asyncio
 
 import pytest
 
-from pdserve.cluster.config import CoordinatorConfig, DrainConfig
+from pdserve.cluster.config import CoordinatorConfig
 from pdserve.cluster.elastic import AdminRefused, Elastic
 from pdserve.cluster.errors import WorkerLost
 from pdserve.cluster.kv_index import KVIndex
 from pdserve.cluster.metrics import Metrics
+from pdserve.cluster.pool_config import DrainConfig
 from pdserve.cluster.pools import Phase, Pool, Worker
 from pdserve.cluster.router import LeastLoad, PromptBlocks, WorkerState
 from pdserve.cluster.seats import SeatLine

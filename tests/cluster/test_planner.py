@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from pdserve.cluster.config import PlannerConfig
 from pdserve.cluster.planner import Action, Observation, Planner, actions_between
+from pdserve.cluster.pool_config import PlannerConfig
 from pdserve.cluster.simulator import Lengths, Split, Traffic, simulate
 from pdserve.cluster.step_costs import Curve, StepCosts
 

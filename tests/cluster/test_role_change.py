@@ -10,12 +10,12 @@ import itertools
 
 import pytest
 
-from pdserve.cluster.config import DrainConfig, PlannerConfig
 from pdserve.cluster.elastic import AdminRefused, Elastic
 from pdserve.cluster.kv_index import KVIndex
 from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.planner import Action, Planner
 from pdserve.cluster.planner_loop import PlannerLoop
+from pdserve.cluster.pool_config import DrainConfig, PlannerConfig
 from pdserve.cluster.pools import Phase, Pool, Worker
 from pdserve.cluster.router import WorkerState
 from pdserve.cluster.step_costs import Curve, StepCosts

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.cluster.config import PoolConfig, RayConfig, ServeConfig, ServerConfig
+from pdserve.cluster.config import RayConfig, ServeConfig, ServerConfig
+from pdserve.cluster.pool_config import PoolConfig
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.kv_transport.config import TransportSettings
 from tests.deploy.conftest import GPU_VALUES, Render, one, run_helm, template_args
