@@ -62,7 +62,8 @@ def _nodes_with(resource: str) -> int:
 
 
 @pytest.mark.skipif(not os.environ.get("PDSERVE_TEST_FAKE_MULTINODE"),
-                    reason="opt-in (PDSERVE_TEST_FAKE_MULTINODE=1, alone): AutoscalingCluster runs `ray stop --force`")
+                    reason="opt-in (PDSERVE_TEST_FAKE_MULTINODE=1, alone): AutoscalingCluster runs `ray stop --force`; "
+                           "Ray 2.60's wheel lacks the fake_multi_node/example.yaml it reads")
 def test_fake_multinode_autoscaler_adds_a_node_for_a_pool_and_removes_it_idle():
     from ray.cluster_utils import AutoscalingCluster
 
