@@ -2,54 +2,35 @@
 `health.start_timeout_s`, for a node (Ray's autoscaler adds one for the pending actor's
 resources), and past it the add fails with a line that says what it waited for.
 
-The bound runs on the tests' local Ray. The autoscaler itself (Ray's `fake_multinode` provider,
-through `ray.cluster_utils.AutoscalingCluster`) is opt-in, PDSERVE_TEST_FAKE_MULTINODE=1, run
-alone: its start and stop run `ray stop --force`, which ends every Ray process on the machine,
-other users' and other test runs' included, so it cannot run beside anything in CI."""
+The bound runs on the tests' local Ray. The autoscaler itself runs in a process of its own
+(tests/cluster/fake_multinode.py): a head whose autoscaler is Ray's `fake_multinode` provider,
+which adds a `decode` node for the pool's pending worker and removes it once idle."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import signal
+import subprocess
 import sys
-import time
 
 import pytest
-import ray
-from ray import cloudpickle
 
 from pdserve.cluster.config import HealthConfig
 from pdserve.cluster.pools import ActorSpec, Pool, WorkerStartTimeout
-
-# Ray's workers do not have the tests on their path (they start outside the checkout:
-# cluster/ray_driver.py), so this module's actor class travels by value.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-class _Idle:
-    """A worker actor that loads nothing: the pool's start, ping and stop calls."""
-
-    def __init__(self, worker_id: str, slot: str | None = None) -> None:
-        self.worker_id, self.slot = worker_id, slot
-
-    async def start(self) -> None:
-        return None
-
-    async def ping(self) -> None:
-        return None
-
-    async def shutdown(self) -> None:
-        return None
+from tests.cluster.fake_multinode import IdleWorker
 
 
 def test_a_worker_no_node_can_hold_fails_its_add_within_the_bound(ray_cluster):
     async def run() -> None:
-        pool = Pool("decode", 0, ActorSpec(_Idle, (), 0.1, 0, "pdserve_test_no_such_label"),
+        pool = Pool("decode", 0, ActorSpec(IdleWorker, (), 0.1, 0, "pdserve_test_no_such_label"),
                     HealthConfig(start_timeout_s=2))
         with pytest.raises(WorkerStartTimeout, match="pdserve_test_no_such_label.*no autoscaler adds one"):
             await pool.add()
         assert pool.workers == []
-        placed = Pool("decode", 0, ActorSpec(_Idle, (), 0.1, 0, ""), HealthConfig(start_timeout_s=60))
+        placed = Pool("decode", 0, ActorSpec(IdleWorker, (), 0.1, 0, ""), HealthConfig(start_timeout_s=60))
         worker = await placed.add()
         await placed.remove(worker)
         assert placed.workers == [] and placed.gone[-1] is worker
@@ -57,39 +38,21 @@ def test_a_worker_no_node_can_hold_fails_its_add_within_the_bound(ray_cluster):
     asyncio.run(run())
 
 
-def _nodes_with(resource: str) -> int:
-    return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get(resource))
-
-
-@pytest.mark.skipif(not os.environ.get("PDSERVE_TEST_FAKE_MULTINODE"),
-                    reason="opt-in (PDSERVE_TEST_FAKE_MULTINODE=1, alone): AutoscalingCluster runs `ray stop --force`; "
-                           "Ray 2.60's wheel lacks the fake_multi_node/example.yaml it reads")
+@pytest.mark.timeout(400)
 def test_fake_multinode_autoscaler_adds_a_node_for_a_pool_and_removes_it_idle():
-    from ray.cluster_utils import AutoscalingCluster
-
-    if ray.is_initialized():
-        pytest.skip("run alone: this test starts a Ray cluster of its own")
-    cluster = AutoscalingCluster(
-        head_resources={"CPU": 1},
-        worker_node_types={"decode_node": {"resources": {"CPU": 1, "decode": 1}, "node_config": {},
-                                           "min_workers": 0, "max_workers": 2}},
-        idle_timeout_minutes=0.1)
-    cluster.start()
+    """In its own process and process group (tests/cluster/fake_multinode.py): whatever Ray
+    process outlives it is killed with the group, and nothing else on the machine is touched."""
+    proc = subprocess.Popen([sys.executable, "-m", "tests.cluster.fake_multinode"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        ray.init("auto")
-
-        async def run() -> None:
-            pool = Pool("decode", 0, ActorSpec(_Idle, (), 0.5, 0, "decode"), HealthConfig(start_timeout_s=180))
-            assert _nodes_with("decode") == 0
-            worker = await pool.add()  # pending until the autoscaler adds a decode node
-            assert _nodes_with("decode") == 1
-            await pool.remove(worker)
-            end = time.monotonic() + 180
-            while _nodes_with("decode") and time.monotonic() < end:
-                await asyncio.sleep(2)
-            assert _nodes_with("decode") == 0  # the idle node went
-
-        asyncio.run(run())
+        out, err = proc.communicate(timeout=360)
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [line for line in out.splitlines() if line.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, err[-3000:]
+    report = json.loads(lines[-1].removeprefix("REPORT "))
+    assert report["decode_nodes_before"] == []
+    assert report["decode_nodes_with_worker"] == [report["worker_node"]]  # the node added for the worker
+    assert report["pool_after_remove"] == []
+    assert report["decode_nodes_after_idle"] == []  # the idle node went
