@@ -17,7 +17,8 @@ head dim 128, bf16, KV block 16), with baselines measured in the same run:
   paged entry point on the same cache;
 - decode over an FP8 (e4m3) cache, 64 x 4k and 256 x 1.5k (`--only fp8kv`): bandwidth of its
   bytes (half a bf16 cache's), error against SDPA on the cache dequantized, the default tiling
-  and (with --sweep) the others.
+  and (with --sweep) the others, each twice: tiles widened to bf16 ("fp8") and multiplied as
+  e4m3 with the query and P rounded to e4m3 ("fp8-dot", paged_decode's opt-in fp8_dot).
 
     python -m benchmarks.kernels [--sweep] [--json PATH] [--only prefill|decode|fp8kv]
                                  [--prefill-configs "M,N,W,S,A;..."]
@@ -32,6 +33,7 @@ sets of 1 GiB in all, so no launch gaps and no L2 hits flatter or hurt it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -315,7 +317,8 @@ def decode(batch: int, context: int, sweep: bool) -> list[Row]:
 
 
 def decode_fp8(batch: int, context: int, sweep: bool) -> list[Row]:
-    """paged_decode over an e4m3 cache: the rate counts the FP8 bytes it reads."""
+    """paged_decode over an e4m3 cache, widening its tiles and (fp8_dot) not: the rate counts
+    the FP8 bytes it reads."""
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM  # one byte an element
     num_sets = -(-DECODE_ROTATE_BYTES // kv_bytes)
     sets, refs = [], []
@@ -340,17 +343,19 @@ def decode_fp8(batch: int, context: int, sweep: bool) -> list[Row]:
         configs += [(n, *c) for n in sorted({max(1, default_splits // 2), default_splits, default_splits * 2})
                     for c in FP8_DECODE_SWEEP]
     rows = []
-    for splits, block_n, num_warps, num_stages in configs:
+    for (splits, block_n, num_warps, num_stages), fp8_dot in itertools.product(configs, (False, True)):
         tiling = {} if block_n is None else {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
         ws = decode_workspace(batch, NUM_Q_HEADS, HEAD_DIM, splits, out.device)
-        fns = [lambda s=s: paged_decode(s[0], s[1], s[2], s[3], seq_lens, scale, out=out, workspace=ws, **tiling)
+        fns = [lambda s=s, dot=fp8_dot: paged_decode(s[0], s[1], s[2], s[3], seq_lens, scale, out=out, workspace=ws,
+                                                     fp8_dot=dot, **tiling)
                for s in sets]
         out.fill_(float("nan"))
         if not _runs(fns[0], tiling):
             continue
         err = _rel_err(out, ref)
         ms = _bench_graph(fns)
-        name = "fp8 default" if block_n is None else f"fp8 (S{splits},{block_n},{num_warps},{num_stages})"
+        mode = "fp8-dot" if fp8_dot else "fp8"
+        name = f"{mode} default" if block_n is None else f"{mode} (S{splits},{block_n},{num_warps},{num_stages})"
         rows.append(Row("decode", f"{batch}x{context}", f"ours {name}", ms, nbytes / ms / 1e9, err))
     return rows
 

@@ -94,7 +94,7 @@ def _assemble(config: EngineConfig, files: ModelFiles, tokenizer: Any | None, li
         raise ValueError(f"max_model_len {limit} needs {limit} KV slots; the pool has {capacity}")
     max_model_len = min(limit, capacity)
     sampler = Sampler(config.model.seed, device)
-    executor = Executor(model, pool, backend_for(device, dtype))
+    executor = Executor(model, pool, backend_for(device, dtype, config.cache.fp8_attention_dot))
     sched = config.scheduler
     inputs = StepInputBuilder(layout.block_size, -(-max_model_len // layout.block_size),
                               max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs, device)

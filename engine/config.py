@@ -104,6 +104,12 @@ class CacheConfig:
         cache's bytes: twice the tokens in the same memory, half the KV read per decode
         step, half the bytes moved between workers. Both pools of a disaggregated pair
         must agree (the KV layout carries it).
+    fp8_attention_dot: with kv_cache_dtype "fp8", decode and verification attention
+        (`kernels/paged_decode.py`, CUDA only) multiply e4m3 by e4m3 instead of widening
+        the tiles: the query and the softmax probabilities rounded to e4m3, as
+        FlashAttention-3's FP8 mode. It changes outputs (relative error ~2-4% against
+        float attention, tests/kernels/test_paged_decode_fp8_dot.py), so it is off by
+        default; prefill attention stays widened.
     kv_copy_wait_s: bound on waiting for a KV copy into this engine's blocks (its CUDA event)
         before they are freed: a copy from a process that died may never complete, and the
         engine thread must keep serving.
@@ -119,6 +125,7 @@ class CacheConfig:
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    fp8_attention_dot: bool = False
     kv_copy_wait_s: float = 10.0
     kv_events_max_pending: int = 65536
 
@@ -137,6 +144,9 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.kv_copy_wait_s must be > 0, got {self.kv_copy_wait_s}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"CacheConfig.kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.fp8_attention_dot and self.kv_cache_dtype != "fp8":
+            raise ValueError(f"CacheConfig.fp8_attention_dot multiplies the FP8 cache's values as they are: it needs "
+                             f"kv_cache_dtype 'fp8', got {self.kv_cache_dtype!r}")
         if self.kv_events_max_pending < 1:
             raise ValueError(f"CacheConfig.kv_events_max_pending must be >= 1, got {self.kv_events_max_pending}")
 

@@ -205,7 +205,7 @@ class _Follower:
         self.conn = conn
         plan = ShardPlan.of(files.arch, rank, size, config.parallel.enable_expert_parallel)
         self.model, self.layout = load_shard(config, files, max_positions, device, TensorParallel(plan, comm))
-        self.backend = backend_for(device, config.model.torch_dtype())
+        self.backend = backend_for(device, config.model.torch_dtype(), config.cache.fp8_attention_dot)
         self.executor: Executor | None = None  # once rank 0 has sized the pool
 
     def serve(self) -> None:

@@ -3,7 +3,8 @@
 
 K and V are stored without a scale (vLLM's default of k_scale = v_scale = 1): a value is
 rounded to the nearest e4m3 number (ties to even) and saturated at +-448. Attention
-kernels widen what they load to the query's dtype before their dots.
+kernels widen what they load to the query's dtype before their dots, or, in paged decode's
+opt-in FP8-dot mode, quantize the query (`quantize_rows`) and multiply e4m3 by e4m3.
 """
 
 from __future__ import annotations
@@ -33,6 +34,23 @@ def to_e4m3(x):
     up = ((127 + exponent) << 23).to(tl.float32, bitcast=True)
     steps = (x * down + 12582912.0) - 12582912.0
     return (steps * up).to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_rows(x):
+    """x [R, D] as e4m3 rows and their float32 scales [R]: row r is to_e4m3(x[r] / scale[r])
+    with scale[r] = max|x[r]| / 448, so that no entry saturates and the largest lands on the
+    grid's top; a row of zeros (padding) gets scale 1.
+
+    The query of paged decode's FP8-dot mode. FlashAttention-3 takes descale factors per
+    (sequence, KV head) and vLLM a calibrated q_scale per tensor or per head (1.0 without
+    calibration, which saturates any query entry past 448); a scale per row, computed where
+    the query is loaded, needs no calibration and costs one row maximum per program.
+    """
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    return to_e4m3(x / scale[:, None]), scale
 
 
 @triton.jit

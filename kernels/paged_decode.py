@@ -7,6 +7,12 @@ long context is cut into `num_splits` slices run by separate programs so that ba
 still fills the GPU (flash-decoding). With several splits, each writes its unnormalised
 partial output plus its running max and sum into a float32 workspace and a second kernel
 merges them.
+
+Over an FP8 cache the K/V tiles are widened to the query's dtype before the dots (exact), or
+with `fp8_dot` (opt-in: it changes outputs) multiplied as e4m3: the query rounded to e4m3
+with a scale per (token, head) (`fp8.quantize_rows`), the softmax probabilities P rounded to
+e4m3 with scale 1 (they lie in [0, 1]; FlashAttention-3's FP8 mode does the same), both dots
+accumulating in float32. K and V carry no scale (`kernels.fp8`), so none is applied.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ _MAX_SPLITS = 128
 # Past this many tokens per split, fewer and longer splits did better (8 x 32k on the H200).
 _LONG_SPLIT_TOKENS = 2048
 _MID_BATCH_HEAD_DIM = 128  # one split of 128-key tiles at mid batches: measured at this head dim
+_FP8_DOT_MIN_K = 32  # least reduction of an 8-bit tl.dot (Triton NVIDIA backend's min_dot_size)
 
 
 @triton.jit
@@ -71,12 +78,28 @@ def _first_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, first_new
 
 
 @triton.jit
-def _update(q, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc,
-            DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+def _query_operand(q, k0, FP8_DOT: tl.constexpr):
+    """q [R, D] as the dots take it beside K tiles like k0, and its rows' scales: e4m3 rows
+    and a scale per row with FP8_DOT (`fp8.quantize_rows`), else `fp8.dot_dtype`'s q and 1."""
+    if FP8_DOT:
+        return fp8.quantize_rows(q)
+    else:
+        return fp8.dot_dtype(q, k0), 1.0
+
+
+@triton.jit
+def _update(q, q_scale, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc,
+            DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, FP8_DOT: tl.constexpr):
     """One K/V tile [BLOCK_N, D] into the online softmax of q's rows [R, D] (running max in
-    base 2, sum, unnormalised output). An FP8 cache's tile is widened to q's dtype."""
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    base 2, sum, unnormalised output). FP8_DOT: q holds e4m3 rows scaled by q_scale [R]
+    (`_query_operand`), the e4m3 tile enters both dots as it is and P is rounded to e4m3
+    (its sum l_i stays float32, as FlashAttention-3's); else an FP8 tile is widened to q's
+    dtype."""
+    if FP8_DOT:
+        s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
+    else:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if CAUSAL:
         s = tl.where(valid[None, :] & (pos[None, :] <= last_key[:, None]), s, float("-inf"))
     else:
@@ -90,17 +113,21 @@ def _update(q, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc,
     alpha = tl.math.exp2(m_i - m_ref)
     p = tl.math.exp2(s * scale_log2 - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if FP8_DOT:
+        # to_e4m3, not a cast: the interpreter's cast rounds wrongly (`fp8.to_e4m3`).
+        acc = acc * alpha[:, None] + tl.dot(fp8.to_e4m3(p), v)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _attend(q, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, last_key, scale_log2,
-            row_stride, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
-    """Online softmax of q's rows [R, D] over keys start .. end - 1 of one sequence's paged
-    K/V (one KV head, block table row bt_row), the first tile given (pos0, valid0, k0, v0:
-    `_first_tile`).
+def _attend(q, q_scale, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, last_key,
+            scale_log2, row_stride, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, FP8_DOT: tl.constexpr):
+    """Online softmax of q's rows [R, D] (with q_scale: `_query_operand`) over keys
+    start .. end - 1 of one sequence's paged K/V (one KV head, block table row bt_row), the
+    first tile given (pos0, valid0, k0, v0: `_first_tile`).
     CAUSAL: row r sees keys <= last_key[r] only (else every key: one query token at the
     sequence's end). Returns the running max (base 2), the sum and the unnormalised
     output [R, D]."""
@@ -109,12 +136,14 @@ def _attend(q, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, 
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
     if start < end:  # an empty split (past the sequence's end) sees no key
-        m_i, l_i, acc = _update(q, k0, v0, pos0, valid0, last_key, scale_log2, m_i, l_i, acc, DOT_PRECISION, CAUSAL)
+        m_i, l_i, acc = _update(q, q_scale, k0, v0, pos0, valid0, last_key, scale_log2, m_i, l_i, acc,
+                                DOT_PRECISION, CAUSAL, FP8_DOT)
     for n0 in range(start + BLOCK_N, end, BLOCK_N):
         pos, valid, kv_offs = _tile_offsets(bt_row, kv_head, n0, end, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N)
         k = tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
-        m_i, l_i, acc = _update(q, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc, DOT_PRECISION, CAUSAL)
+        m_i, l_i, acc = _update(q, q_scale, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc,
+                                DOT_PRECISION, CAUSAL, FP8_DOT)
     return m_i, l_i, acc
 
 
@@ -150,6 +179,7 @@ def _decode_split_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, READ_AHEAD: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -168,9 +198,9 @@ def _decode_split_kernel(
     mask_g = offs_g < QUERIES_PER_KV
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None], other=0.0)                          # [BLOCK_G, D]
-    q = fp8.dot_dtype(q, k0)
-    m_i, l_i, acc = _attend(q, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, end,
-                            scale_log2, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False)
+    q, q_scale = _query_operand(q, k0, FP8_DOT)
+    m_i, l_i, acc = _attend(q, q_scale, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end,
+                            end, scale_log2, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False, FP8_DOT)
     _write_rows(out_ptr + seq * stride_ob + heads * stride_oh,
                 ws_ptr + seq.to(tl.int64) * stride_wb + heads * stride_wh + split * stride_ws,
                 m_i, l_i, acc, mask_g, HEAD_DIM, NUM_SPLITS)
@@ -193,6 +223,7 @@ def _verify_split_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, READ_AHEAD: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
     """_decode_split_kernel with rows (new token t, query head g of the KV group): row r is
     token r // QUERIES_PER_KV, head r % QUERIES_PER_KV; token t sits at position
@@ -218,10 +249,10 @@ def _verify_split_kernel(
     token_rows = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + token_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_r[:, None], other=0.0)                            # [BLOCK_R, D]
-    q = fp8.dot_dtype(q, k0)
-    m_i, l_i, acc = _attend(q, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end,
+    q, q_scale = _query_operand(q, k0, FP8_DOT)
+    m_i, l_i, acc = _attend(q, q_scale, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end,
                             seq_len - q_len + tok, scale_log2, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N,
-                            DOT_PRECISION, True)
+                            DOT_PRECISION, True, FP8_DOT)
     _write_rows(out_ptr + token_rows * stride_ot + heads * stride_oh,
                 ws_ptr + token_rows * stride_wt + heads * stride_wh + split * stride_ws,
                 m_i, l_i, acc, mask_r, HEAD_DIM, NUM_SPLITS)
@@ -284,8 +315,10 @@ def decode_workspace(batch: int, num_q_heads: int, head_dim: int, num_splits: in
     return torch.empty(batch, num_q_heads, num_splits, head_dim + 2, dtype=torch.float32, device=device)
 
 
-def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> None:
-    """What both launchers need of q [rows, num_q_heads, head_dim] and the paged cache."""
+def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, fp8_dot: bool) -> None:
+    """What both launchers need of q [rows, num_q_heads, head_dim] and the paged cache; with
+    fp8_dot, e4m3 tiles to multiply and a head_dim of at least 32 (Triton's least reduction
+    for 8-bit dots; the tiles' block_n too, `_FP8_DOT_MIN_K`)."""
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (k_cache.shape, q.shape)
@@ -295,17 +328,22 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
     assert scale > 0, "the kernel folds the scale into a running max"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 16, got {head_dim}"
+    if fp8_dot and k_cache.dtype != fp8.KV_FP8:
+        raise ValueError(f"fp8_dot multiplies the cache's e4m3 tiles as they are: it needs an FP8 "
+                         f"(float8_e4m3fn) KV cache, got {k_cache.dtype}")
+    assert not fp8_dot or head_dim >= _FP8_DOT_MIN_K, f"fp8_dot needs head_dim >= 32, got {head_dim}"
 
 
-def _default_tiling(q: torch.Tensor, k_cache: torch.Tensor, programs: int, num_splits: int) -> tuple[int, int]:
+def _default_tiling(q: torch.Tensor, k_cache: torch.Tensor, programs: int, num_splits: int,
+                    fp8_dot: bool) -> tuple[int, int]:
     """(tokens per K/V tile, tiles in flight) for `programs` (sequence, KV head) pairs in
     `num_splits` splits, fitted on the H200 (benchmarks/RESULTS.md, "Two K/V tiles in
     flight", "Mid batches"). fp32 tiles are twice the bytes, halved; FP8 ones half, doubled.
     16-bit: two 64-key tiles in flight (8B step 64 x 4k 15.2 -> 12.7 ms), or at head dim 128
     three of 128 keys where one split is one or two programs a multiprocessor (8B
-    verification 32 x 4k 11.1 -> 10.1 ms)."""
+    verification 32 x 4k 11.1 -> 10.1 ms). fp8_dot: tiles of at least 32 keys (`_check_cache`)."""
     if not q.is_cuda:
-        return 16, 3
+        return (_FP8_DOT_MIN_K if fp8_dot else 16), 3
     if k_cache.element_size() == 1:
         return 128, 3
     if q.element_size() > 2:
@@ -347,6 +385,7 @@ def paged_decode(
     num_warps: int = 4,
     num_stages: int | None = None,
     read_ahead: bool = False,
+    fp8_dot: bool = False,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged K/V.
 
@@ -371,13 +410,17 @@ def paged_decode(
         read_ahead: the lengths, block tables and the KV before each sequence's new tokens
             were final before the kernel preceding this one started (the engine's step):
             read them, and the first K/V tile, before waiting for it (`kernels._pdl`).
+        fp8_dot: an FP8 cache's tiles multiplied as e4m3, the query and P rounded to e4m3
+            (the module's docstring): opt-in, it changes outputs (tests/kernels/
+            test_paged_decode_fp8_dot.py states the error); needs an FP8 cache, head_dim and
+            block_n >= 32.
 
     Returns:
         out.
     """
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
-    _check_cache(q, k_cache, v_cache, scale)
+    _check_cache(q, k_cache, v_cache, scale, fp8_dot)
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == batch
     assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,)
     if out is None:
@@ -393,8 +436,9 @@ def paged_decode(
         workspace = decode_workspace(batch, num_q_heads, head_dim, num_splits, q.device)
     if batch == 0:
         return out
-    default_block_n, default_stages = _default_tiling(q, k_cache, batch * num_kv_heads, num_splits)
+    default_block_n, default_stages = _default_tiling(q, k_cache, batch * num_kv_heads, num_splits, fp8_dot)
     block_n, num_stages = block_n or default_block_n, num_stages or default_stages
+    assert not fp8_dot or block_n >= _FP8_DOT_MIN_K, f"fp8_dot needs block_n >= 32, got {block_n}"
     queries_per_kv = num_q_heads // num_kv_heads
     ws, ws_strides = _workspace_args(workspace, out)
     pdl = _pdl.pdl(q)
@@ -406,7 +450,7 @@ def paged_decode(
         # tl.dot needs at least 16 rows: pad the query group.
         BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)), BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        READ_AHEAD=read_ahead, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        READ_AHEAD=read_ahead, FP8_DOT=fp8_dot, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
         _merge(workspace, out, batch, ws_strides)
@@ -438,6 +482,7 @@ def paged_verify(
     num_warps: int = 4,
     num_stages: int | None = None,
     read_ahead: bool = False,
+    fp8_dot: bool = False,
 ) -> torch.Tensor:
     """Causal attention of a few new query tokens per sequence over its paged K/V: what a
     speculative verification step asks (K + 1 tokens after the context). kernels.flash_prefill's
@@ -460,14 +505,14 @@ def paged_verify(
         out: optional preallocated [num_tokens, num_q_heads, head_dim] in q's dtype.
         num_splits: default decode_num_splits over the context block_tables can hold.
         block_n, num_warps, num_stages: tuning, as paged_decode's.
-        read_ahead: as paged_decode's.
+        read_ahead, fp8_dot: as paged_decode's.
 
     Returns:
         out. Allocates its split-K workspace (not for CUDA graphs).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
-    _check_cache(q, k_cache, v_cache, scale)
+    _check_cache(q, k_cache, v_cache, scale, fp8_dot)
     assert cu_seqlens_q.dtype == seq_lens.dtype == block_tables.dtype == torch.int32
     batch = cu_seqlens_q.shape[0] - 1
     assert seq_lens.shape == (batch,) and block_tables.shape[0] == batch and block_tables.stride(1) == 1
@@ -483,8 +528,9 @@ def paged_verify(
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, head_dim, block_tables.shape[1] * page_size, q.device)
     workspace = decode_workspace(num_tokens, num_q_heads, head_dim, num_splits, q.device) if num_splits > 1 else None
-    default_block_n, default_stages = _default_tiling(q, k_cache, batch * num_kv_heads, num_splits)
+    default_block_n, default_stages = _default_tiling(q, k_cache, batch * num_kv_heads, num_splits, fp8_dot)
     block_n, num_stages = block_n or default_block_n, num_stages or default_stages
+    assert not fp8_dot or block_n >= _FP8_DOT_MIN_K, f"fp8_dot needs block_n >= 32, got {block_n}"
     ws, ws_strides = _workspace_args(workspace, out)
     pdl = _pdl.pdl(q)
     _verify_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -493,7 +539,7 @@ def paged_verify(
         num_kv_heads * head_dim, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_R=max(16, triton.next_power_of_2(max_seqlen_q * queries_per_kv)), BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        READ_AHEAD=read_ahead, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        READ_AHEAD=read_ahead, FP8_DOT=fp8_dot, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
         _merge(workspace, out, num_tokens, ws_strides)

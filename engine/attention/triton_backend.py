@@ -24,18 +24,21 @@ PAGED_PREFILL_MIN_QUERY_LEN = 128
 
 
 class TritonAttention:
-    """dtype: the model's (q, k, v); the pool's may be FP8."""
+    """dtype: the model's (q, k, v); the pool's may be FP8. fp8_dot: decode and verification
+    multiply an FP8 pool's tiles as e4m3 (`kernels.paged_decode`'s fp8_dot; prefill keeps
+    widening them)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype, fp8_dot: bool = False) -> None:
+        self.dtype, self.fp8_dot = dtype, fp8_dot
 
     def begin_step(self, meta: AttentionMetadata, pool: KVPool, scale: float) -> _TritonStep:
-        return _TritonStep(meta, pool, scale, self.dtype)
+        return _TritonStep(meta, pool, scale, self.dtype, self.fp8_dot)
 
 
 class _TritonStep:
-    def __init__(self, meta: AttentionMetadata, pool: KVPool, scale: float, dtype: torch.dtype) -> None:
-        self.meta, self.pool, self.scale = meta, pool, scale
+    def __init__(self, meta: AttentionMetadata, pool: KVPool, scale: float, dtype: torch.dtype,
+                 fp8_dot: bool) -> None:
+        self.meta, self.pool, self.scale, self.fp8_dot = meta, pool, scale, fp8_dot
         layout = pool.layout
         # On Hopper, the warp-specialized kernels: prompts with no earlier context (no chunk
         # before this one, no prefix hit) attend only to their own K/V, read as contiguous
@@ -63,7 +66,7 @@ class _TritonStep:
         nd = meta.num_decodes
         if nd:
             paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                         self.scale, out=out[:nd], read_ahead=True)
+                         self.scale, out=out[:nd], read_ahead=True, fp8_dot=self.fp8_dot)
         if self.fresh_prefills:
             flash_prefill_ws(q[nd:], k[nd:], v[nd:], meta.prefill_cu_seqlens_q, meta.prefill_max_seqlen_q, self.scale,
                              out=out[nd:])
@@ -73,7 +76,7 @@ class _TritonStep:
             if paged_verify_fits(meta.prefill_max_seqlen_q, q.shape[1] // k_cache.shape[2]):
                 # A few new tokens per sequence (speculative verification: K + 1): decode's
                 # work split, every K/V tile read once for all its tokens and query heads.
-                paged_verify(*args, out=out[nd:], read_ahead=True)
+                paged_verify(*args, out=out[nd:], read_ahead=True, fp8_dot=self.fp8_dot)
             elif self.paged_prefills:
                 flash_prefill_ws_paged(*args, out=out[nd:])
             else:

@@ -115,6 +115,8 @@ class ModelDrafter:
         self.max_step_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs * 2)
         inputs = StepInputBuilder(bs, -(-target.max_model_len // bs) + 1, self.max_step_tokens,
                                   sched.max_num_seqs, target.device)
+        # The draft's attention widens its FP8 tiles whatever the target's fp8_attention_dot:
+        # the target verifies every drafted token.
         executor = Executor(model, self.pool, backend_for(target.device, target.dtype))
         graphs = None
         if target.device.type == "cuda" and not target.model.enforce_eager:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from pdserve.engine.attention import backend_for
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling import SamplingParams
@@ -57,6 +59,15 @@ def test_bad_cache_config():
         CacheConfig(block_size=12)
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or 'fp8', got 'fp4'"):
         CacheConfig(kv_cache_dtype="fp4")
+    with pytest.raises(ValueError, match="fp8_attention_dot .* needs kv_cache_dtype 'fp8', got 'auto'"):
+        CacheConfig(fp8_attention_dot=True)
+    assert CacheConfig(kv_cache_dtype="fp8", fp8_attention_dot=True).fp8_attention_dot
+
+
+def test_fp8_attention_dot_is_refused_off_cuda():
+    """Only the Triton kernels have the FP8 dot: a CPU engine says so instead of ignoring it."""
+    with pytest.raises(ValueError, match="fp8_attention_dot is a mode of the CUDA"):
+        backend_for(torch.device("cpu"), torch.float32, fp8_dot=True)
 
 
 @pytest.mark.slow
