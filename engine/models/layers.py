@@ -163,6 +163,11 @@ class VocabParallelEmbedding(nn.Embedding):
         self.comm: Collectives = tp.comm
         self.start = tp.plan.vocab_start
 
+    def reset_parameters(self) -> None:
+        """Nothing: the weights are always loaded (`weights.load_model`, which builds on the
+        meta device). nn.Embedding's own init draws normal_, whose meta kernel imports
+        torch._dynamo: 1-2 s of every worker's start on these CPUs, for values never used."""
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:
             return super().forward(input_ids)
