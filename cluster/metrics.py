@@ -106,8 +106,8 @@ class Metrics:
                                        "planner's percentile (the simulator's, before the correction factor)",
                                        ["latency"], registry=r)
         self.planner_correction = Gauge("pdserve_planner_correction_factor", "What the planner multiplies the "
-                                        "simulator's predictions by: observed over predicted, clamped and smoothed",
-                                        ["latency"], registry=r)
+                                        "simulator's predictions by: the median of the last intervals' "
+                                        "observed/predicted ratios, clamped", ["latency"], registry=r)
         self.workers_lost = Counter("pdserve_workers_lost", "Workers found dead and replaced", ["role"], registry=r)
         self._spec_ks: dict[str, set[str]] = {}  # each worker's k labels of spec_steps
 

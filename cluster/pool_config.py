@@ -66,7 +66,7 @@ class PlannerConfig:
         window's traffic) is kept, and the predictions of every split are multiplied by the
         median of the last this many, as Dynamo's SLA planner corrects its profile: what the
         profile misses (the serving path, a shared host, prefix hits) shows there. A wild
-        interval moves a median not at all; a lasting error takes over within half of them.
+        interval moves a median not at all; a lasting error takes over once it fills most of them.
         0: no correction.
     correction_min/correction_max: the bounds of each ratio, and so of the factor.
     drain_deadline_s: how long a worker the planner moves or removes may finish its requests

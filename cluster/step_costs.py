@@ -75,7 +75,8 @@ class StepCosts:
     # engine and its first token back (RPCs, the token poller, gRPC), and the same per token
     # after the first. Latency only: the workers' steps, and so their capacity, are as measured.
     # Each setup has its own path (disaggregated: the decode reservation and the KV handshake;
-    # colocated: no KV hop, but one engine loop for both phases), so each its own figures; a
+    # colocated: no KV hop, but its first token comes through the token poller, not as the
+    # prefill call's reply, and one engine loop runs both phases), so each its own figures; a
     # profile of before they were split (one pair, measured on 1P+1D) sets only the first two,
     # and colocated splits take those, as they always did.
     ttft_overhead_s: float = 0.0  # disaggregated
