@@ -36,6 +36,7 @@ import numpy as np
 from pdserve.cluster.bench.backends import GrpcBackend, RequestResult
 from pdserve.cluster.bench.dataset import BenchRequest, random_requests
 from pdserve.cluster.config import config_from_dict
+from pdserve.cluster.pool_config import PlannerConfig
 from pdserve.cluster.ray_driver import init_ray
 from pdserve.cluster.server import Server, start_server
 from pdserve.cluster.simulator import Lengths, Slo, Split, Traffic, simulate
@@ -201,6 +202,11 @@ def main() -> None:
     p.add_argument("--fixed-after", action="store_true",
                    help="run the fixed split's traffic after the planner's (the first server measures the "
                         "unloaded figures only): the other order, against drift in the machine's load")
+    p.add_argument("--correction-intervals", type=int, default=PlannerConfig().correction_intervals,
+                   help="the planner's correction factor: the median of this many intervals' observed/predicted "
+                        "ratios (0: the simulator's predictions as they are, as in runs 1-4)")
+    p.add_argument("--drain-deadline-s", type=float, default=PlannerConfig().drain_deadline_s,
+                   help="how long a worker the planner moves may finish its streams before they move on")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, default=None, help="write every request's figures (JSON) here")
     args = p.parse_args()
@@ -229,7 +235,8 @@ def main() -> None:
     planner = {"enabled": True, "profile": args.profile, "ttft_target_ms": targets.ttft_ms,
                "itl_target_ms": targets.itl_ms, "max_workers": budget, "interval_s": args.interval_s,
                "window_s": 3 * args.interval_s, "min_change_interval_s": 6 * args.interval_s, "hysteresis": 2,
-               "min_requests": 5, "sim_requests": 200}
+               "min_requests": 5, "sim_requests": 200, "correction_intervals": args.correction_intervals,
+               "drain_deadline_s": args.drain_deadline_s}
     planned = asyncio.run(run_once(args, split, planner, phases, targets))
     fixed = asyncio.run(run_once(args, split, None, phases, targets)) if args.fixed_after else first
 

@@ -10,18 +10,21 @@
    bench`'s gRPC backend and load generator (Poisson arrivals, greedy, exact output lengths).
 The step costs are the engine's alone; the serving path's own latency (Ray calls, token
 polling, gRPC, the KV transfer's handshake) is measured first (unless `--no-calibrate`) on a
-1 prefill + 1 decode server: requests of a shape of neither mix (16 tokens in, 8 out), one at
-a time; what their median TTFT and ITL exceed the simulator's prediction by becomes the
-profile's `ttft_overhead_s` and `itl_overhead_s` (the colocated setup is predicted with the
-same). What the prediction still misses is, on a shared CPU, the other processes' load,
-which the profile saw at another moment.
+server of each setup, for each its own: a colocated worker's first token takes no KV hop but
+shares one engine loop with its decodes, so its path is not the disaggregated one. On each,
+`--calibration-runs` runs of requests of a shape of neither mix (16 tokens in, 8 out), one at
+a time; what the least run's median TTFT and ITL exceed the engine-only prediction by becomes
+the profile's overheads for that setup (`ttft_overhead_s`/`itl_overhead_s`, disaggregated;
+`colocated_ttft_overhead_s`/`colocated_itl_overhead_s`): the least, as the profiler keeps the
+least of its runs, so that a moment of the others' load does not inflate it. What the
+prediction still misses is, on a shared CPU, the other processes' load, which the profile saw
+at another moment.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 from pathlib import Path
 
@@ -34,7 +37,7 @@ from pdserve.cluster.bench.runner import LoadShape, run_load
 from pdserve.cluster.config import config_from_dict
 from pdserve.cluster.server import start_server
 from pdserve.cluster.simulator import Lengths, Split, Traffic, simulate
-from pdserve.cluster.step_costs import StepCosts
+from pdserve.cluster.step_costs import StepCosts, least_overheads_s
 
 SETUPS = {"1P+1D": ("disaggregated", Split(1, 1)), "colocated": ("colocated", Split(0, 1))}
 
@@ -68,29 +71,33 @@ def _profile(args: argparse.Namespace) -> StepCosts:
 CALIBRATION = (16, 8)  # prompt and output tokens: a shape of neither mix
 
 
-async def calibrate(costs: StepCosts, n: int) -> StepCosts:
-    """`costs` with the serving overheads a 1P+1D server shows on `n` requests sent one at a time."""
+async def calibrate(costs: StepCosts, setup: str, n: int, runs: int) -> StepCosts:
+    """`costs` with `setup`'s serving overheads: the least of `runs` runs of `n` requests sent
+    one at a time to a server of that setup (one server, so runs differ by the moment only)."""
+    mode, split = SETUPS[setup]
     config = config_from_dict({"server": {"port": 0, "metrics_port": 0, "http": False},
-                               "pools": {"mode": "disaggregated", "num_prefill": 1, "num_decode": 1}})
+                               "pools": {"mode": mode, "num_prefill": 1, "num_decode": 1}})
     server = await start_server(config)
     backend = GrpcBackend(f"127.0.0.1:{server.port}", temperature=0.0)
     prompt, output = CALIBRATION
+    measured: list[tuple[float, float]] = []
     try:
         vocab = await backend.vocab_size()
         await run_load(backend, random_requests(1, 32, 2, vocab, seed=9), LoadShape(), progress=False)  # warm up
-        run = await run_load(backend, random_requests(n, prompt, output, vocab, seed=3),
-                             LoadShape(max_concurrency=1), progress=False)
+        for i in range(runs):
+            run = await run_load(backend, random_requests(n, prompt, output, vocab, seed=3 + i),
+                                 LoadShape(max_concurrency=1), progress=False)
+            s = summarize(run)
+            measured.append((s["median_ttft_ms"], s["median_itl_ms"]))
     finally:
         await backend.close()
         await server.stop()
-    s = summarize(run)
-    pred = simulate(costs, Split(1, 1), Traffic(0.01, Lengths(prompt), Lengths(output), n, poisson=False))
-    ttft_s = max(0.0, (s["median_ttft_ms"] - pred.ttft_ms[50]) / 1e3)
-    itl_s = max(0.0, (s["median_itl_ms"] - pred.itl_ms[50]) / 1e3)
-    print(f"calibration ({n} x {prompt} in, {output} out, one at a time): measured TTFT {s['median_ttft_ms']:.0f} "
-          f"ms, ITL {s['median_itl_ms']:.1f} ms; engine-only prediction {pred.ttft_ms[50]:.0f}, "
-          f"{pred.itl_ms[50]:.1f}: overheads {1e3 * ttft_s:.0f} ms, {1e3 * itl_s:.1f} ms", flush=True)
-    return dataclasses.replace(costs, ttft_overhead_s=ttft_s, itl_overhead_s=itl_s)
+    pred = simulate(costs.engine_only(), split, Traffic(0.01, Lengths(prompt), Lengths(output), n, poisson=False))
+    ttft_s, itl_s = least_overheads_s(measured, (pred.ttft_ms[50], pred.itl_ms[50]))
+    print(f"calibration {setup} ({runs} runs of {n} x {prompt} in, {output} out, one at a time): measured (TTFT ms, "
+          f"ITL ms) {[(round(t), round(i, 1)) for t, i in measured]}; engine-only prediction {pred.ttft_ms[50]:.0f}, "
+          f"{pred.itl_ms[50]:.1f}: overheads (the least) {1e3 * ttft_s:.0f} ms, {1e3 * itl_s:.1f} ms", flush=True)
+    return costs.with_overheads(split.colocated, ttft_s, itl_s)
 
 
 async def measure(mode: str, mixes: dict[str, tuple[float, int, int]], n: int) -> dict[str, dict]:
@@ -123,13 +130,16 @@ def main() -> None:
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
     p.add_argument("--no-calibrate", action="store_true",
                    help="predict from the engine's step costs alone (the profile's own overheads, if any)")
-    p.add_argument("--calibration-requests", type=int, default=5)
+    p.add_argument("--calibration-requests", type=int, default=5, help="requests per calibration run")
+    p.add_argument("--calibration-runs", type=int, default=3,
+                   help="calibration runs per setup; each overhead is the least run's")
     p.add_argument("--out", type=Path, default=None, help="write predictions and measurements (JSON) here")
     args = p.parse_args()
     setups = {name: SETUPS[name] for name in args.setups.split(",")}
     costs = _profile(args)
     if not args.no_calibrate:
-        costs = asyncio.run(calibrate(costs, args.calibration_requests))
+        for setup in setups:
+            costs = asyncio.run(calibrate(costs, setup, args.calibration_requests, args.calibration_runs))
         if args.out:
             costs.save(args.out.with_suffix(".profile.json"))
     mixes = _mixes(args)

@@ -103,7 +103,11 @@ class Metrics:
         self.planner_unmeetable = Gauge("pdserve_planner_targets_unmeetable", "1 while no split of the budget is "
                                         "predicted to meet the TTFT and ITL targets", registry=r)
         self.planner_predicted = Gauge("pdserve_planner_predicted_ms", "The wanted split's predicted latency at the "
-                                       "planner's percentile", ["latency"], registry=r)
+                                       "planner's percentile (the simulator's, before the correction factor)",
+                                       ["latency"], registry=r)
+        self.planner_correction = Gauge("pdserve_planner_correction_factor", "What the planner multiplies the "
+                                        "simulator's predictions by: the median of the last intervals' "
+                                        "observed/predicted ratios, clamped", ["latency"], registry=r)
         self.workers_lost = Counter("pdserve_workers_lost", "Workers found dead and replaced", ["role"], registry=r)
         self._spec_ks: dict[str, set[str]] = {}  # each worker's k labels of spec_steps
 
@@ -170,6 +174,8 @@ class Metrics:
         self.planner_target.labels("prefill").set(decision.target.num_prefill)
         self.planner_target.labels("decode").set(decision.target.num_decode)
         self.planner_unmeetable.set(int(decision.unmeetable))
+        self.planner_correction.labels("ttft").set(decision.correction.ttft)
+        self.planner_correction.labels("itl").set(decision.correction.itl)
         if decision.predicted is not None:
             p = decision.predicted
             self.planner_predicted.labels("ttft").set(p.ttft_ms.get(percentile, p.ttft_ms[max(p.ttft_ms)]))

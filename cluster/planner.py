@@ -19,6 +19,13 @@ the present split. It moves only when that is worth it and lasting:
   is predicted better by `min_gain`;
 and the same split was wanted `hysteresis` intervals in a row, `min_change_interval_s` after
 the last change. Every decision carries its reason; dry-run decides and changes nothing.
+
+The simulator knows the engine's steps and the profile's serving overheads, not everything a
+served request waits (a shared host, prefix hits, bursts). So, as Dynamo's SLA planner does,
+each prediction is multiplied by a correction factor per latency (`Correction`): observed over
+predicted for the present split, clamped, the median of the last intervals' (`Corrector`),
+learnt only while the split holds still (a change in flight mixes two splits in one interval's
+histograms). The log line of each decision and /metrics carry the factors.
 The planner is pure (a clock comes with each observation); `planner_loop.py` feeds it and
 carries out its actions through `Elastic`.
 """
@@ -26,8 +33,10 @@ carries out its actions through `Elastic`.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
+import statistics
 from dataclasses import dataclass
 
 from pdserve.cluster.pool_config import PlannerConfig
@@ -62,6 +71,41 @@ class Observation:
 
 
 @dataclass(frozen=True, slots=True)
+class Correction:
+    """What the planner multiplies the simulator's predictions by: observed over predicted, per
+    latency (1: the simulator is taken at its word)."""
+
+    ttft: float = 1.0
+    itl: float = 1.0
+
+    def __str__(self) -> str:
+        return f"correction TTFT x{self.ttft:.2f}, ITL x{self.itl:.2f}"
+
+
+class Corrector:
+    """Learns the `Correction`: per latency, the last `correction_intervals` ratios of observed
+    over predicted, each clamped to [`correction_min`, `correction_max`]; the factor is their
+    median, and starts from as many 1s. A median, not a mean: one wild interval (a stall on a
+    shared host, a histogram of three samples), or any minority of the intervals, moves it not
+    at all, so it cannot flap the pools; a lasting error takes over once it fills half of them."""
+
+    def __init__(self, config: PlannerConfig) -> None:
+        self.config = config
+        n = config.correction_intervals
+        self._ratios = (collections.deque([1.0] * n, maxlen=n), collections.deque([1.0] * n, maxlen=n))
+
+    def learn(self, ttft_ratio: float | None, itl_ratio: float | None) -> None:
+        """One interval's ratios (None: no samples, nothing learnt of that latency)."""
+        for ratios, ratio in zip(self._ratios, (ttft_ratio, itl_ratio)):
+            if ratio is not None and ratio > 0 and math.isfinite(ratio) and ratios.maxlen:
+                ratios.append(min(max(ratio, self.config.correction_min), self.config.correction_max))
+
+    def factors(self) -> Correction:
+        ttft, itl = (statistics.median(r) if r else 1.0 for r in self._ratios)
+        return Correction(ttft, itl)
+
+
+@dataclass(frozen=True, slots=True)
 class Action:
     """One change through `Elastic`: add or remove a worker of `role`, or move one to `role`."""
 
@@ -77,8 +121,9 @@ class Decision:
     actions: tuple[Action, ...]  # what it does now (empty: nothing, or dry-run)
     reason: str
     unmeetable: bool  # no split of the budget meets the targets for this traffic
-    predicted: Prediction | None  # the target split's prediction
+    predicted: Prediction | None  # the target split's prediction (the simulator's, before the correction)
     dry_run: bool = False
+    correction: Correction = Correction()  # what the predictions were multiplied by
 
     @property
     def outcome(self) -> str:
@@ -120,12 +165,16 @@ class Planner:
         # Predictions for the traffic estimated last: steady traffic estimates the same again.
         self._traffic_predicted: Traffic | None = None
         self._predictions: dict[Split, Prediction] = {}
+        self._corrector = Corrector(config)
+        self._correction = Correction()
+        self._last_split: Split | None = None  # the split of the observation before
 
     def observe(self, obs: Observation) -> Decision:
         """Take one interval's observation; decide (and log why)."""
-        decision = self._decide(obs)
+        decision = dataclasses.replace(self._decide(obs), correction=self._correction)
         if decision.actions:
             self._last_change = obs.now
+        if decision.actions or decision.outcome == "hold":  # hysteresis counts intervals in a row
             self._pending, self._num_pending = None, 0
         if decision.unmeetable != self._unmeetable:
             self._unmeetable = decision.unmeetable
@@ -133,16 +182,20 @@ class Planner:
                 "planner: the targets (TTFT %.0f ms, ITL %.0f ms) are %s", self.slo.ttft_ms, self.slo.itl_ms,
                 "unmeetable by any split of the budget" if decision.unmeetable else "meetable again")
         (logger.info if decision.outcome != "hold" else logger.debug)(
-            "planner: %s %s -> %s: %s", decision.outcome, decision.current, decision.target, decision.reason)
+            "planner: %s %s -> %s (%s): %s", decision.outcome, decision.current, decision.target,
+            decision.correction, decision.reason)
         return decision
 
     def _decide(self, obs: Observation) -> Decision:
         current = Split(obs.num_prefill, obs.num_decode)
+        held_still, self._last_split = current == self._last_split, current
         traffic = self._traffic(obs)
         if traffic is None:
             return Decision(obs.now, current, current, (), "too little traffic in the window to plan from",
                             False, None, self.config.dry_run)
         now_pred = self._predict(current, traffic)
+        if held_still:
+            self._correct(obs, now_pred)
         missed = self._observed_miss(obs)
         # A split that misses the targets is never shrunk: where it misses as observed while
         # its prediction meets them, the prediction is the optimistic one (the serving path,
@@ -150,8 +203,9 @@ class Planner:
         at_least = current.num_prefill + current.num_decode if missed or self._score(now_pred) > 1 else 0
         target, predicted, unmeetable = self._best(traffic, obs, at_least)
         now_score, score = self._score(now_pred), self._score(predicted)
+        predicted_as = "predicted" if self._correction == Correction() else "predicted (corrected)"
         about = (f"{traffic.rate_per_s:.2f} req/s, prompts ~{traffic.prompt.mean}, outputs ~{traffic.output.mean} "
-                 f"tokens; {current} predicted {self._describe(now_pred)}{missed}")
+                 f"tokens; {current} {predicted_as} {self._describe(now_pred)}{missed}")
         if target != current:
             about += f"; {target} {self._describe(predicted)}"
         if target == current:
@@ -250,11 +304,20 @@ class Planner:
             self._predictions[split] = simulate(self.costs, split, traffic, self.slo)
         return self._predictions[split]
 
-    def _score(self, pred: Prediction) -> float:
-        """The worse of the two latencies against its target (<= 1: both met)."""
+    def _correct(self, obs: Observation, now_pred: Prediction) -> None:
+        """Learn from the interval what the simulator misses: the observed percentiles (TTFT,
+        and ITL over every gap as the histogram has it) against the present split's prediction
+        of the same."""
         q = self.config.percentile
-        ttft = _at(pred.ttft_ms, q) / self.slo.ttft_ms
-        itl = _at(pred.tpot_ms, q) / self.slo.itl_ms
+        self._corrector.learn(_ratio(obs.ttft_ms, _at(now_pred.ttft_ms, q)),
+                              _ratio(obs.itl_ms, _at(now_pred.itl_ms, q)))
+        self._correction = self._corrector.factors()
+
+    def _score(self, pred: Prediction) -> float:
+        """The worse of the two corrected latencies against its target (<= 1: both met)."""
+        q = self.config.percentile
+        ttft = self._correction.ttft * _at(pred.ttft_ms, q) / self.slo.ttft_ms
+        itl = self._correction.itl * _at(pred.tpot_ms, q) / self.slo.itl_ms
         return max(ttft, itl)
 
     def _observed_miss(self, obs: Observation) -> str:
@@ -271,10 +334,16 @@ class Planner:
         return ""
 
     def _describe(self, pred: Prediction) -> str:
-        q = self.config.percentile
-        return f"TTFT p{q} {_at(pred.ttft_ms, q):.0f} ms, ITL p{q} {_at(pred.tpot_ms, q):.1f} ms"
+        """The prediction as the planner weighs it (corrected)."""
+        q, c = self.config.percentile, self._correction
+        return f"TTFT p{q} {c.ttft * _at(pred.ttft_ms, q):.0f} ms, ITL p{q} {c.itl * _at(pred.tpot_ms, q):.1f} ms"
 
 
 def _at(percentiles: dict[int, float], q: int) -> float:
     """The prediction's percentile q, or the next one above it that it has."""
     return percentiles.get(q, percentiles[min((p for p in percentiles if p >= q), default=max(percentiles))])
+
+
+def _ratio(observed_ms: float | None, predicted_ms: float) -> float | None:
+    """Observed over predicted, None where either says nothing (no samples, no gaps predicted)."""
+    return observed_ms / predicted_ms if observed_ms is not None and predicted_ms > 0 else None

@@ -89,13 +89,16 @@ class PlannerLoop:
         return None
 
     async def _act(self, action: Action) -> bool:
+        """Carry out one action; a worker it takes away drains within the planner's own bound
+        (`drain_deadline_s`), not the admin API's default."""
+        deadline_s = self.config.drain_deadline_s
         try:
             if action.kind == "move":
-                await self.elastic.change_role("", action.role, None)
+                await self.elastic.change_role("", action.role, deadline_s)
             elif action.kind == "add":
                 await self.elastic.add(action.role)
             else:
-                await self.elastic.remove(action.role, "", None, wait=True)
+                await self.elastic.remove(action.role, "", deadline_s, wait=True)
         except Exception as e:  # noqa: BLE001 - the server serves on; the next interval looks again
             logger.warning("planner: %s %s failed: %s", action.kind, action.role, cause(e))
             return False

@@ -61,6 +61,18 @@ class PlannerConfig:
         blocks (the present use scaled by the change in decode workers) is not chosen.
     min_requests: the fewest requests in the window it plans from.
     sim_requests: requests each prediction simulates.
+    correction_intervals: the intervals the correction factor is learnt over: each interval's
+        ratio of observed to predicted (TTFT and ITL at `percentile`, the present split at the
+        window's traffic) is kept, and the predictions of every split are multiplied by the
+        median of the last this many, as Dynamo's SLA planner corrects its profile: what the
+        profile misses (the serving path, a shared host, prefix hits) shows there. A wild
+        interval moves a median not at all; a lasting error takes over once it fills most of them.
+        0: no correction.
+    correction_min/correction_max: the bounds of each ratio, and so of the factor.
+    drain_deadline_s: how long a worker the planner moves or removes may finish its requests
+        before they move to another worker (a re-prefill: the client sees a pause). Shorter
+        than the admin API's `DrainConfig.deadline_s`: a change the planner makes is wanted
+        now, and streams of minutes would hold the old split meanwhile.
     """
 
     enabled: bool = False
@@ -80,14 +92,18 @@ class PlannerConfig:
     kv_usage_limit: float = 0.9
     min_requests: int = 20
     sim_requests: int = 400
+    correction_intervals: int = 5
+    correction_min: float = 0.5
+    correction_max: float = 3.0
+    drain_deadline_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("ttft_target_ms", "itl_target_ms", "interval_s", "window_s"):
+        for name in ("ttft_target_ms", "itl_target_ms", "interval_s", "window_s", "correction_min"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PlannerConfig.{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.percentile < 100:
             raise ValueError(f"PlannerConfig.percentile must be in (0, 100), got {self.percentile}")
-        for name in ("max_workers", "min_change_interval_s", "min_gain"):
+        for name in ("max_workers", "min_change_interval_s", "min_gain", "drain_deadline_s", "correction_intervals"):
             if getattr(self, name) < 0:
                 raise ValueError(f"PlannerConfig.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("min_prefill", "min_decode", "hysteresis", "min_requests", "sim_requests"):
@@ -95,6 +111,9 @@ class PlannerConfig:
                 raise ValueError(f"PlannerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.kv_usage_limit <= 1:
             raise ValueError(f"PlannerConfig.kv_usage_limit must be in (0, 1], got {self.kv_usage_limit}")
+        if not self.correction_min <= 1 <= self.correction_max:
+            raise ValueError(f"PlannerConfig needs correction_min <= 1 <= correction_max, got "
+                             f"{self.correction_min}, {self.correction_max}")
         if self.enabled and not self.profile:
             raise ValueError("PlannerConfig.profile: the planner needs a step-cost profile (pdserve profile)")
 

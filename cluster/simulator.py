@@ -20,8 +20,8 @@ The model, as the engine and the coordinator work:
   takes its seat when its first chunk runs, and joins its worker's batch at once.
 ITL is every gap between a request's tokens (the first decode token's gap includes the
 transfer and the wait for a seat), as `pdserve bench` measures it. The profile's serving
-overheads (`ttft_overhead_s`, `itl_overhead_s`: what a served request waits besides the
-engine's steps) are added to each TTFT and each gap.
+overheads of the split's setup (`StepCosts.overheads_s`: what a served request waits besides
+the engine's steps, disaggregated or colocated) are added to each TTFT and each gap.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def simulate(costs: StepCosts, split: Split, traffic: Traffic, slo: Slo = Slo(),
     run = _Run(costs, split)
     run.run(requests)
     done = run.done
-    ttft_extra, itl_extra = costs.ttft_overhead_s, costs.itl_overhead_s  # the serving path's, latency only
+    ttft_extra, itl_extra = costs.overheads_s(split.colocated)  # the serving path's, latency only
     ttft = [r.first_token - r.arrival + ttft_extra for r in done]
     tpot = [(r.finish - r.first_token) / (r.output - 1) + itl_extra if r.output > 1 else 0.0 for r in done]
     gaps = [(g + itl_extra, n) for g, n in run.itl_steps] + [(r.first_gap + itl_extra, 1) for r in done if r.output > 1]

@@ -29,7 +29,8 @@ def srv(start, tmp_path_factory):
     COSTS.save(profile)
     planner = {"enabled": True, "profile": str(profile), "ttft_target_ms": 2000, "itl_target_ms": 1000,
                "interval_s": 0.5, "window_s": 30, "min_change_interval_s": 600, "hysteresis": 1,
-               "min_requests": 2, "sim_requests": 100}
+               "min_requests": 2, "sim_requests": 100,
+               "correction_intervals": 0}  # the made-up profile is meant to be wrong: no learning it away
     return start(pools={"mode": "disaggregated", "num_prefill": 1, "num_decode": 2, "planner": planner},
                  drain={"check_s": 0.05})
 

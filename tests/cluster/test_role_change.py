@@ -41,8 +41,17 @@ class _Pool(Pool):
 
 
 class _Streams:
+    """Records the workers whose streams moved (past a drain's deadline); they let go at once."""
+
+    def __init__(self) -> None:
+        self.moved: list[str] = []
+
     def follow(self, worker: Worker) -> None: ...
     def forget(self, worker: Worker) -> None: ...
+
+    def move(self, worker: Worker, error: Exception) -> None:
+        self.moved.append(worker.worker_id)
+        worker.state.inflight = 0
 
 
 class _Seats:
@@ -123,6 +132,25 @@ def test_the_planner_loop_observes_the_interval_and_acts_through_elastic():
         coordinator.decode.serving()[0].state.inflight = 0
         assert await loop._act(Action("add", "decode"))
         assert len(coordinator.decode.serving()) == 2
+        await elastic.stop()
+
+    asyncio.run(run())
+
+
+def test_the_planners_moves_drain_within_its_own_bound():
+    """A worker the planner moves holds streams that would run for minutes: past the planner's
+    `drain_deadline_s` (not the admin API's default of minutes) they move on and the change goes
+    through."""
+    async def run() -> None:
+        elastic, coordinator = _elastic(1, 2)
+        assert elastic.config.deadline_s >= 60
+        for w in coordinator.decode.workers:
+            w.state.inflight = 1  # neither ends by itself
+        config = PlannerConfig(drain_deadline_s=0.05)
+        costs = StepCosts(Curve.of([(0, 0.01), (1000, 0.11)]), Curve.of([(1, 0.02), (64, 0.05)]))
+        loop = PlannerLoop(Planner(config, costs, 3), config, coordinator, elastic, Metrics())  # type: ignore[arg-type]
+        assert await asyncio.wait_for(loop._act(Action("move", "prefill")), 10)
+        assert len(coordinator.streams.moved) == 1 and len(coordinator.prefill.serving()) == 2
         await elastic.stop()
 
     asyncio.run(run())

@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.cluster.cli import main
 from pdserve.cluster.simulator import Lengths, Slo, Split, Traffic, simulate
-from pdserve.cluster.step_costs import Curve, StepCosts
+from pdserve.cluster.step_costs import Curve, StepCosts, least_overheads_s
 
 # Prefill: 10 ms + 0.1 ms a token; decode: 20 ms at batch 1, 50 ms at 64; KV: 1 ms + 1 ms a token.
 COSTS = StepCosts(Curve.of([(0, 0.010), (1000, 0.110)]), Curve.of([(1, 0.020), (64, 0.050)]),
@@ -49,6 +49,30 @@ def test_the_serving_overheads_add_to_latency_not_to_the_steps():
             assert more.tpot_ms[q] == pytest.approx(base.tpot_ms[q] + 5)
         assert more.duration_s == pytest.approx(base.duration_s)
     assert StepCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
+
+
+def test_each_setup_takes_its_own_overheads():
+    """Disaggregated and colocated splits each add their setup's overheads; a profile that has
+    only the one pair (written before the setups had their own) gives colocated splits that
+    pair, as before, and one that has both keeps them through its file."""
+    costs = COSTS.with_overheads(False, 0.030, 0.005).with_overheads(True, 0.090, 0.002)
+    for split, (ttft_ms, itl_ms) in ((Split(1, 1), (30, 5)), (Split(0, 1), (90, 2))):
+        base, more = simulate(COSTS, split, _alone(200, 10)), simulate(costs, split, _alone(200, 10))
+        assert more.ttft_ms[50] == pytest.approx(base.ttft_ms[50] + ttft_ms)
+        assert more.itl_ms[50] == pytest.approx(base.itl_ms[50] + itl_ms)
+    assert StepCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
+    old = {k: v for k, v in costs.to_json().items() if not k.startswith("colocated_")}
+    assert StepCosts.from_json(old).overheads_s(colocated=True) == (0.030, 0.005)
+    assert costs.engine_only().overheads_s(True) == costs.engine_only().overheads_s(False) == (0.0, 0.0)
+
+
+def test_the_overheads_are_the_least_calibration_run_over_the_prediction():
+    """Each figure's least run: a run slowed by others' load does not inflate the overhead."""
+    runs = [(250.0, 95.0), (190.0, 130.0), (400.0, 80.0)]
+    assert least_overheads_s(runs, (120.0, 60.0)) == pytest.approx((0.070, 0.020))
+    assert least_overheads_s([(100.0, 50.0)], (120.0, 60.0)) == (0.0, 0.0)  # quicker than the profile: none
+    with pytest.raises(ValueError):
+        least_overheads_s([], (120.0, 60.0))
 
 
 def test_a_long_prompt_is_chunked_and_costs_its_whole_curve():
