@@ -10,8 +10,10 @@ decode shapes below plus 1 x 300 keys (8/8 heads, head dim 128) and the verify c
 relative error (Frobenius) against the reference 0.009-0.036, max abs 0.010-0.045 (the
 widening kernel: rel <= 3e-4). Most of it is the query's rounding (3 mantissa bits): rounding
 q alone, in torch with the same scales, gives rel 0.007-0.034, and 0.027-0.029 at 4096 keys
-(the error does not grow with the context); P's rounding adds the rest. Bounds: about twice
-the largest measured. The CUDA path (Hopper's FP8 MMA, whose float32 accumulation Triton
+(the error does not grow with the context); P's rounding adds the rest. Over more seeds
+(2026-12-05, stop 49: the three decode cases below x 15 seeds, the verify case x 40) the
+worst were rel 0.040 and max abs 0.100, the latter in verification rows that see 4 keys (P
+near 1, where e4m3's step is 1/16). Bounds: rel 0.07, max abs 0.15; each case is seeded. The CUDA path (Hopper's FP8 MMA, whose float32 accumulation Triton
 leaves imprecise on sm_90) is held to the same bounds by the `gpu` tests, not yet run (no
 GPU here).
 """
@@ -28,8 +30,8 @@ from pdserve.kernels.paged_decode import paged_decode, paged_verify
 from tests.kernels.reference import make_paged_kv, ref_paged_attention, rel_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-REL_BOUND = 0.07       # relative (Frobenius) error of fp8_dot's output; measured <= 0.036
-MAX_ABS_BOUND = 0.09   # largest elementwise error; measured <= 0.045
+REL_BOUND = 0.07       # relative (Frobenius) error of fp8_dot's output; measured <= 0.040
+MAX_ABS_BOUND = 0.15   # largest elementwise error; measured <= 0.100
 
 
 def _max_abs(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -44,6 +46,7 @@ def _check_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def _check_decode(seq_lens: list[int], num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                   num_splits: int | None = None, **tuning: int) -> None:
+    torch.manual_seed(0)
     kv = make_paged_kv(seq_lens, num_kv_heads, head_dim, 16, dtype, DEVICE, cache_dtype=KV_FP8)
     q = torch.randn(len(seq_lens), num_q_heads, head_dim, device=DEVICE).to(dtype)
     scale = head_dim ** -0.5
@@ -58,6 +61,7 @@ def _check_decode(seq_lens: list[int], num_q_heads: int, num_kv_heads: int, head
 def _check_verify(chunks: list[tuple[int, int]], num_q_heads: int, num_kv_heads: int, head_dim: int,
                   dtype: torch.dtype, **launch: int) -> None:
     """chunks: (new tokens, earlier context) per sequence."""
+    torch.manual_seed(0)
     q_lens = [n for n, _ in chunks]
     kv = make_paged_kv([n + c for n, c in chunks], num_kv_heads, head_dim, 16, dtype, DEVICE, cache_dtype=KV_FP8)
     q = torch.randn(sum(q_lens), num_q_heads, head_dim, device=DEVICE).to(dtype)
