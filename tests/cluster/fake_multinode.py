@@ -111,18 +111,19 @@ def main(timeout_s: float = 120.0) -> dict[str, Any]:
     # Read by the autoscaler's monitor, which the head starts as a child of this process.
     os.environ.update({"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"})
     port = free_port()
-    config_path = Path(tempfile.mkdtemp(prefix="pdserve-fake-multinode-")) / "cluster.json"
-    config_path.write_text(json.dumps(autoscaling_config(f"127.0.0.1:{port}", "decode_node",
-                                                         {"CPU": 1, "decode": 1})))
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "node_ip_address": "127.0.0.1", "include_dashboard": False, "num_cpus": 1,
-        "gcs_server_port": port, "autoscaling_config": str(config_path)})
-    try:
-        ray.init(address=cluster.address)
-        return asyncio.run(scale_up_and_down(timeout_s))
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with tempfile.TemporaryDirectory(prefix="pdserve-fake-multinode-") as folder:
+        config_path = Path(folder) / "cluster.json"
+        config_path.write_text(json.dumps(autoscaling_config(f"127.0.0.1:{port}", "decode_node",
+                                                             {"CPU": 1, "decode": 1})))
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "node_ip_address": "127.0.0.1", "include_dashboard": False, "num_cpus": 1,
+            "gcs_server_port": port, "autoscaling_config": str(config_path)})
+        try:
+            ray.init(address=cluster.address)
+            return asyncio.run(scale_up_and_down(timeout_s))
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
 
 
 if __name__ == "__main__":
