@@ -87,15 +87,32 @@ class Corrector:
     over predicted, each clamped to [`correction_min`, `correction_max`]; the factor is their
     median, and starts from as many 1s. A median, not a mean: one wild interval (a stall on a
     shared host, a histogram of three samples), or any minority of the intervals, moves it not
-    at all, so it cannot flap the pools; a lasting error takes over once it fills half of them."""
+    at all, so it cannot flap the pools; a lasting error takes over once it fills half of them.
+
+    What it learns holds for the traffic it was learnt on: on a shared host a decode-heavy mix
+    misses its ITL by what the prefills beside it take, which says nothing of a prefill-heavy
+    one. So a change of the traffic's shape (its mean prompt or output length `SHAPE_CHANGE`
+    times or more away from where learning began) starts it afresh: in the planner shift of
+    stop 49 (RESULTS, run 5) the ITL factor learnt in the chat phase (x3) held for the long
+    prompts and delayed the move to prefill from 21.5 s (run 4, no correction) to 56.6 s."""
+
+    SHAPE_CHANGE = 2.0
 
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
-        n = config.correction_intervals
+        self._shape: tuple[float, float] | None = None  # (mean prompt, mean output) learning began at
+        self._reset()
+
+    def _reset(self) -> None:
+        n = self.config.correction_intervals
         self._ratios = (collections.deque([1.0] * n, maxlen=n), collections.deque([1.0] * n, maxlen=n))
 
-    def learn(self, ttft_ratio: float | None, itl_ratio: float | None) -> None:
-        """One interval's ratios (None: no samples, nothing learnt of that latency)."""
+    def learn(self, ttft_ratio: float | None, itl_ratio: float | None, shape: tuple[float, float]) -> None:
+        """One interval's ratios (None: no samples, nothing learnt of that latency), for
+        traffic of `shape` (mean prompt and output tokens)."""
+        if self._shape is None or any(max(a, b) >= self.SHAPE_CHANGE * min(a, b) for a, b in zip(shape, self._shape)):
+            self._shape = shape
+            self._reset()
         for ratios, ratio in zip(self._ratios, (ttft_ratio, itl_ratio)):
             if ratio is not None and ratio > 0 and math.isfinite(ratio) and ratios.maxlen:
                 ratios.append(min(max(ratio, self.config.correction_min), self.config.correction_max))
@@ -195,7 +212,7 @@ class Planner:
                             False, None, self.config.dry_run)
         now_pred = self._predict(current, traffic)
         if held_still:
-            self._correct(obs, now_pred)
+            self._correct(obs, now_pred, traffic)
         missed = self._observed_miss(obs)
         # A split that misses the targets is never shrunk: where it misses as observed while
         # its prediction meets them, the prediction is the optimistic one (the serving path,
@@ -304,13 +321,14 @@ class Planner:
             self._predictions[split] = simulate(self.costs, split, traffic, self.slo)
         return self._predictions[split]
 
-    def _correct(self, obs: Observation, now_pred: Prediction) -> None:
+    def _correct(self, obs: Observation, now_pred: Prediction, traffic: Traffic) -> None:
         """Learn from the interval what the simulator misses: the observed percentiles (TTFT,
         and ITL over every gap as the histogram has it) against the present split's prediction
-        of the same."""
+        of the same, for this traffic's shape."""
         q = self.config.percentile
         self._corrector.learn(_ratio(obs.ttft_ms, _at(now_pred.ttft_ms, q)),
-                              _ratio(obs.itl_ms, _at(now_pred.itl_ms, q)))
+                              _ratio(obs.itl_ms, _at(now_pred.itl_ms, q)),
+                              (traffic.prompt.mean, traffic.output.mean))
         self._correction = self._corrector.factors()
 
     def _score(self, pred: Prediction) -> float:

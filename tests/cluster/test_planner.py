@@ -284,6 +284,25 @@ def test_the_correction_is_learnt_only_while_the_split_holds_still():
     assert held[-1].correction.ttft > 1 and held[-1].correction.itl > 1
 
 
+def test_the_correction_starts_afresh_when_the_traffics_shape_changes():
+    """A factor learnt on one mix (here x10 observed on chat) is not carried to another: once
+    the window's mean prompt or output length is twice or half what learning began at, the
+    factor is 1 again (run 5 of the planner shift: chat's ITL factor delayed the move to
+    prefill for long prompts). Steady traffic keeps what it learnt."""
+    config = dataclasses.replace(CONFIG, hysteresis=100)  # learning only: no change of split
+    planner = Planner(config, COSTS, 4)
+
+    def observe(i: int, traffic: tuple[float, int, int]):
+        n = round(traffic[0] * INTERVAL)
+        return planner.observe(Observation(i * INTERVAL, 1, 3, n, n * traffic[1], n, n * traffic[2],
+                                           ttft_ms=10 * config.ttft_target_ms, itl_ms=10 * config.itl_target_ms))
+
+    learnt = [observe(i, CHAT).correction for i in range(1, 7)]
+    assert learnt[-1].ttft > 1 and learnt[-1].itl > 1, learnt
+    shifted = [observe(i, LONG_PROMPTS) for i in range(7, 10)]
+    assert any(d.correction == Correction() for d in shifted), [d.correction for d in shifted]
+
+
 def test_the_correction_is_exported_with_the_decision():
     cluster = _cluster(split=Split(1, 1), truth=scaled(COSTS, 2), config=LOOSE_ITL)
     cluster.run(BUSY_CHAT, 5)

@@ -13,9 +13,9 @@ q alone, in torch with the same scales, gives rel 0.007-0.034, and 0.027-0.029 a
 (the error does not grow with the context); P's rounding adds the rest. Over more seeds
 (2026-12-05, stop 49: the three decode cases below x 15 seeds, the verify case x 40) the
 worst were rel 0.040 and max abs 0.100, the latter in verification rows that see 4 keys (P
-near 1, where e4m3's step is 1/16). Bounds: rel 0.07, max abs 0.15; each case is seeded. The CUDA path (Hopper's FP8 MMA, whose float32 accumulation Triton
-leaves imprecise on sm_90) is held to the same bounds by the `gpu` tests, not yet run (no
-GPU here).
+near 1, where e4m3's step is 1/16). Bounds: rel 0.07, max abs 0.15; each case is seeded.
+The CUDA path (Hopper's FP8 MMA, whose float32 accumulation Triton leaves imprecise on
+sm_90) is held to the same bounds by the `gpu` tests, not yet run (no GPU here).
 """
 
 from __future__ import annotations
