@@ -170,6 +170,9 @@ def test_a_prefix_pushed_out_of_a_prefill_pool_is_served_from_its_host_tier(srv,
                f"prefill-0's host tier to hold the prompt, as its events say (it holds "
                f"{index.prefix_blocks(hashes, HOST_TIER)} of {len(hashes)} blocks)")
     # prefill-0 holds the prefix in host memory only: the router still prefers it, and the
-    # prefill there onboards it instead of computing it.
+    # prefill there onboards it instead of computing it. Both idle in the loads the router
+    # reads first (as in the test above: a load taken during the outside prefills scores
+    # prefill-0 busy until the next report; stop 49's CI lost this test to that lag).
+    wait_until(lambda: all(_idle(w) for w in _coordinator(srv).prefill.workers), 30, "idle prefill loads")
     out = collect(srv.target, prompt, GREEDY)
     assert out.num_cached_tokens == ((len(prompt) - 1) // BLOCK) * BLOCK
