@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ from ray.cluster_utils import Cluster
 
 from pdserve.cluster.config import HealthConfig
 from pdserve.cluster.pools import ActorSpec, Pool
+from tests.cluster.streams import free_port
 
 # Ray's workers do not have the tests on their path, so this module's actor travels by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -74,12 +74,6 @@ def autoscaling_config(gcs_address: str, node_type: str, resources: dict[str, fl
         "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
         "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def nodes_with(resource: str) -> list[str]:
