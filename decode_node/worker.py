@@ -41,7 +41,7 @@ class DecodeWorker(LoopWorker):
         from pdserve.kv_transport.ucx_receiver import UcxKVReceiver
 
         engine = self.loop.engine
-        pool = PoolShards(engine.kv_shards, engine.arch.num_kv_heads)  # every rank's, under tensor parallelism
+        pool = PoolShards(engine.kv_shards, engine.kv_wire_layout.num_kv_heads)  # every rank's, under TP
         self._receiver = await UcxKVReceiver.start(pool, engine.kv_wire_layout, on_this_node(self._transport))
         return self._receiver.address
 

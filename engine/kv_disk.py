@@ -1,7 +1,7 @@
 """The disk tier's files: one KV block per file, checked before it is served.
 
 A file is `<dir>/<block hash as 16 hex digits>.kv`: a fixed header, then the block's bytes
-([num_layers, 2, block_size, num_kv_heads, head_dim], the pool's dtype). The header holds a
+([num_layers, num_entries, block_size, num_kv_heads, head_dim], the pool's dtype). The header holds a
 magic, the layout fingerprint (a digest of the model's weights and config, the KV dtype, the
 block size and head layout: a block another checkpoint or layout wrote is foreign), the
 block's hash, the payload's length and a checksum of it. A file that fails any check is
@@ -35,9 +35,10 @@ _SUFFIX = ".kv"
 
 def layout_fingerprint(layout: KVLayout, model_digest: str) -> bytes:
     """32 bytes naming everything a stored block's bytes depend on: the model's weights and
-    config (`model_digest`), the KV dtype, block size and head layout."""
-    text = (f"{model_digest}|{layout.dtype}|{layout.block_size}|{layout.num_layers}|{layout.num_kv_heads}|"
-            f"{layout.head_dim}|{layout.tp_size}|{layout.kv_head_start}")
+    config (`model_digest`), the KV dtype, block size, the entry's kind (K and V, or a latent)
+    and head layout."""
+    text = (f"{model_digest}|{layout.kind}|{layout.dtype}|{layout.block_size}|{layout.num_layers}|"
+            f"{layout.num_kv_heads}|{layout.head_dim}|{layout.tp_size}|{layout.kv_head_start}")
     return hashlib.sha256(text.encode()).digest()
 
 
@@ -50,7 +51,7 @@ class BlockCodec:
     """Turns one block's tensor into a file's bytes and back, checking them."""
 
     fingerprint: bytes
-    shape: tuple[int, ...]  # [num_layers, 2, block_size, num_kv_heads, head_dim]
+    shape: tuple[int, ...]  # [num_layers, num_entries, block_size, num_kv_heads, head_dim]
     dtype: torch.dtype
 
     @property

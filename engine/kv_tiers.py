@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class TierHit:
-    """A block found below the pool: which tier, and its KV ([layers, 2, block_size, kv_heads, head_dim], CPU)."""
+    """A block found below the pool: which tier, and its KV ([layers, entries, block_size, kv_heads, head_dim], CPU)."""
 
     tier: str
     block: torch.Tensor
@@ -98,7 +98,7 @@ class KVTiers:
         self.pool = pool
         self.block_size = layout.block_size
         self.bytes_per_block = layout.bytes_per_block
-        self._shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self._shape = (layout.num_layers, layout.num_entries, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self._device = pool.kv.device
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         self._host_max_blocks = config.host_bytes // self.bytes_per_block

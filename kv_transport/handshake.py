@@ -34,6 +34,7 @@ def layout_fields(layout: KVLayout) -> dict[str, str | int]:
     """The layout as plain fields, sent in the clear so a mismatch can be explained."""
     return {
         "model": layout.model,
+        "kind": layout.kind,
         "dtype": str(layout.dtype).removeprefix("torch."),
         "num_layers": layout.num_layers,
         "num_kv_heads": layout.num_kv_heads,

@@ -41,7 +41,7 @@ class PrefillWorker(LoopWorker):
         from pdserve.kv_transport.ucx_sender import UcxKVSender
 
         engine = self.loop.engine
-        pool = PoolShards(engine.kv_shards, engine.arch.num_kv_heads)  # every rank's, under tensor parallelism
+        pool = PoolShards(engine.kv_shards, engine.kv_wire_layout.num_kv_heads)  # every rank's, under TP
         self._sender = UcxKVSender(pool, engine.kv_wire_layout, on_this_node(self._transport))
         self._pump = asyncio.create_task(self._pump_deltas())
         self._loop = asyncio.get_running_loop()

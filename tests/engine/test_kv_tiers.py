@@ -150,3 +150,40 @@ def test_on_cuda_the_copies_run_on_their_own_stream_and_the_pool_waits_for_them(
     pool.kv[:, :, 7].copy_(pool.kv[:, :, 6])  # the step that reads it, on the pool's stream
     assert torch.equal(pool.kv[:, :, 7].cpu(), want)
     tiers.close()
+
+
+def test_latent_blocks_round_trip_through_host_and_disk_and_are_not_a_kv_layouts(tmp_path):
+    """An MLA pool (one latent per token, `KVLayout` kind "mla"): its blocks go to the host
+    and disk tiers and come back equal, and its files' fingerprint differs from a K/V pool's
+    of the same widths (its stored blocks are never served to one)."""
+    from pdserve.engine.kv_disk import layout_fingerprint
+
+    mla = KVLayout("tiny-mla", torch.float32, num_layers=2, num_kv_heads=1, head_dim=12, block_size=8, kind="mla")
+    pool = KVPool(mla, 6, "cpu")
+    assert pool.kv.shape == (2, 1, 6, 8, 1, 12) and pool.latent(1).shape == (6, 8, 12)
+    assert pool.latent(1).is_contiguous() and pool.latent(1).data_ptr() == pool.kv[1].data_ptr()
+    assert mla.bytes_per_block == 2 * 8 * 12 * 4
+    with pytest.raises(ValueError, match="no separate K and V"):
+        pool.layer(0)
+    with pytest.raises(ValueError, match="no latent"):
+        make_pool().latent(0)
+    as_kv = KVLayout("tiny-mla", torch.float32, num_layers=2, num_kv_heads=1, head_dim=12, block_size=8)
+    assert layout_fingerprint(mla, "model-a") != layout_fingerprint(as_kv, "model-a")
+    pool.kv.copy_(torch.randn_like(pool.kv))
+    config = KVTierConfig(host_bytes=mla.bytes_per_block, disk_dir=tmp_path, slot="prefill-0")
+    tiers = KVTiers(config, pool, "model-a")
+    want = {h: pool.kv[:, :, b].clone() for b, h in [(0, 100), (1, 101)]}
+    offload(tiers, [(0, 100), (1, 101)])
+    hits = tiers.fetch([100, 101])
+    assert sorted(h.tier for h in hits) == sorted([DISK_TIER, HOST_TIER])
+    pool.kv.zero_()
+    tiers.onboard([(4, hits[0]), (5, hits[1])])
+    assert torch.equal(pool.kv[:, :, 4], want[100]) and torch.equal(pool.kv[:, :, 5], want[101])
+    tiers.close()
+
+
+def test_an_mla_layout_is_one_latent_head():
+    with pytest.raises(ValueError, match="num_kv_heads must be 1"):
+        KVLayout("m", torch.float32, num_layers=2, num_kv_heads=2, head_dim=12, block_size=8, kind="mla")
+    with pytest.raises(ValueError, match="KVLayout.kind"):
+        KVLayout("m", torch.float32, num_layers=2, num_kv_heads=1, head_dim=12, block_size=8, kind="latent")

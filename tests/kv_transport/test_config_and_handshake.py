@@ -65,6 +65,8 @@ def test_fingerprint_covers_every_layout_field() -> None:
         KVLayout("llama", torch.bfloat16, 32, 4, 128, 16),
         KVLayout("llama", torch.bfloat16, 32, 8, 64, 16),
         KVLayout("llama", torch.bfloat16, 32, 8, 128, 32),
+        KVLayout("llama", torch.bfloat16, 32, 1, 128, 16, kind="mla"),  # a latent beside one KV head of its width
+        KVLayout("llama", torch.bfloat16, 32, 1, 128, 16),
     ]
     assert len({base, *(fingerprint(layout_fields(v)) for v in variants)}) == 1 + len(variants)
     assert fingerprint(layout_fields(LAYOUT)) == base

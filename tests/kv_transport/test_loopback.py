@@ -67,6 +67,8 @@ def test_scattered_blocks_land_byte_exact(data_first: bool) -> None:
 @pytest.mark.parametrize(
     ("layout", "secret", "words"),
     [(dataclasses.replace(LAYOUT, block_size=16), CONFIG.secret, "block_size: ours 16, peer 4"),
+     (dataclasses.replace(LAYOUT, num_kv_heads=1, head_dim=32, kind="mla"), CONFIG.secret,
+      "kind: ours 'mla', peer 'kv'"),
      (LAYOUT, b"some-other-secret", "cluster secret")],
 )
 def test_handshake_mismatch_is_refused(layout: KVLayout, secret: bytes, words: str) -> None:

@@ -83,3 +83,30 @@ def test_shards_must_hold_every_head_of_one_shape() -> None:
         PoolShards([(pool, 1)], HEADS)
     with pytest.raises(ValueError, match="disagree"):
         PoolShards([(pool[:, :, :, :, :1], 0), (pool[:, :, :8, :, 1:], 1)], HEADS)
+
+
+MLA = KVLayout("tiny-mla", torch.float16, num_layers=2, num_kv_heads=1, head_dim=12, block_size=4, kind="mla")
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", [(2, 1), (1, 2), (2, 4)])
+def test_a_latent_block_is_sent_once_and_lands_in_every_rank(src_tp: int, dst_tp: int) -> None:
+    """An MLA pool is the whole latent on every rank: one copy of each block goes on the wire
+    (the latent layout's bytes, a quarter of K and V's at V3's widths) and every receiving
+    rank gets it."""
+    def ranks(full: torch.Tensor, tp: int) -> PoolShards:
+        return PoolShards([(full.clone(), 0) for _ in range(tp)], 1)
+
+    async def test() -> None:
+        shape = (MLA.num_layers, MLA.num_entries, NUM_BLOCKS, MLA.block_size, 1, MLA.head_dim)
+        want = torch.randn(shape).to(MLA.dtype)
+        src, dst = ranks(want, src_tp), ranks(torch.zeros_like(want), dst_tp)
+        net = LoopbackNetwork()
+        receiver, sender = net.receiver(dst, MLA, CONFIG), net.sender(src, MLA, CONFIG)
+        expecting = receiver.expect("r", [3, 9])
+        sent, landed = await sender.send("r", [1, 30], receiver.address), await expecting
+        assert sent.ok and landed.ok, (sent.error, landed.error)
+        assert sent.num_bytes == 2 * MLA.bytes_per_block == 2 * 2 * 4 * 12 * 2
+        for kv, _ in dst.shards:
+            assert torch.equal(kv[:, :, [3, 9]], want[:, :, [1, 30]])
+
+    asyncio.run(test())
