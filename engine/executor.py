@@ -15,6 +15,7 @@ import torch
 from pdserve.engine.attention import AttentionBackend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_pool import KVLayout, KVPool
+from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.parallel import ShardPlan, TensorParallel
 from pdserve.engine.step_inputs import StepInputs
@@ -22,13 +23,23 @@ from pdserve.engine.weights import ModelFiles, load_model
 
 
 def kv_layout(files: ModelFiles, dtype: torch.dtype, plan: ShardPlan, block_size: int) -> KVLayout:
-    """The layout of one rank's KV pool: its KV heads only. It names the model by its name,
-    family and a digest of its shape (two folders of one name but other models differ), and
-    its FP8 weights where it has them (KV computed with other weights is other KV)."""
+    """The layout of one rank's KV pool: its KV heads only (an MLA model's latent whole). It
+    names the model by its name, family and a digest of its shape (two folders of one name
+    but other models differ), and its FP8 weights where it has them (KV computed with other
+    weights is other KV)."""
     arch = files.arch
     weights = f", FP8 weights {files.fp8_scheme.source}" if files.fp8_scheme is not None else ""
-    return KVLayout(f"{files.name} ({arch.model_type} {arch.digest}{weights})", dtype, arch.num_layers,
-                    plan.num_kv_heads, arch.head_dim, block_size, tp_size=plan.size, kv_head_start=plan.kv_head_start)
+    return arch_kv_layout(f"{files.name} ({arch.model_type} {arch.digest}{weights})", dtype, arch, plan, block_size)
+
+
+def arch_kv_layout(name: str, dtype: torch.dtype, arch: ModelArch, plan: ShardPlan, block_size: int) -> KVLayout:
+    """The pool layout `plan`'s rank of `arch` holds: its KV heads' K and V, or (MLA) one
+    latent per token, the same on every rank."""
+    if arch.mla is not None:
+        return KVLayout(name, dtype, arch.num_layers, 1, arch.mla.latent_dim, block_size, tp_size=plan.size,
+                        kind="mla")
+    return KVLayout(name, dtype, arch.num_layers, plan.num_kv_heads, arch.head_dim, block_size, tp_size=plan.size,
+                    kv_head_start=plan.kv_head_start)
 
 
 def load_shard(config: EngineConfig, files: ModelFiles, max_positions: int, device: torch.device,
@@ -48,7 +59,7 @@ class Executor:
         self.pool = pool
         self.backend = backend
         self.device = pool.kv.device
-        self.scale = model.arch.head_dim ** -0.5
+        self.scale = model.arch.softmax_scale
 
     def forward(self, inputs: StepInputs, every_row: bool = False) -> torch.Tensor | None:
         """Run the model over the step, writing its new tokens' KV into the pool. Returns

@@ -39,7 +39,7 @@ def draft_memory(config: EngineConfig, target: ModelArch) -> DraftMemory:
     # A head of listed rows is a copy (of at most the vocabulary's rows when the file sets N); the first N are a view.
     if spec.draft_vocab_file is not None:
         weight_bytes += (spec.draft_vocab_size or arch.vocab_size) * arch.hidden_size * dtype.itemsize
-    kv = 2 * num_layers * config.cache.block_size * arch.num_kv_heads * arch.head_dim * itemsize
+    kv = num_layers * config.cache.block_size * arch.kv_values_per_token * itemsize
     return DraftMemory(weight_bytes, kv)
 
 

@@ -25,7 +25,7 @@ import torch
 
 from pdserve.engine.config import DEFAULT_MODEL, ModelConfig
 from pdserve.engine.models import fp8
-from pdserve.engine.models.arch import DUMMY_SHAPES, ModelArch
+from pdserve.engine.models.arch import ModelArch, dummy_shape
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.models.loading import normalize
 from pdserve.engine.models.registry import arch_of, checkpoint_tensors, model_class
@@ -54,10 +54,7 @@ def resolve_model(config: ModelConfig) -> ModelFiles:
     scheme (the checkpoint's, else online with `config.quantization`)."""
     source = config.source
     if source.startswith("dummy:"):
-        shape = source.removeprefix("dummy:")
-        if shape not in DUMMY_SHAPES:
-            raise ValueError(f"unknown dummy shape {shape!r}; known: {sorted(DUMMY_SHAPES)}")
-        return _files(config, source, DUMMY_SHAPES[shape], None, None)
+        return _files(config, source, dummy_shape(source.removeprefix("dummy:")), None, None)
     if source == DEFAULT_MODEL:
         folder = _converted_gguf(default_gguf_path(), config.cache_dir)
         return _files(config, "SmolLM2-135M-Instruct", *_read_config(folder), folder)

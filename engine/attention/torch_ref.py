@@ -18,12 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention.base import AttentionMetadata
+from pdserve.engine.attention.mla_ref import mla_absorbed, mla_expanded
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.models.rope import Rope
 from pdserve.kernels import fp8
 
 if TYPE_CHECKING:
     from pdserve.engine.models.layers import HeadNorm
+    from pdserve.engine.models.mla import MLAProjection
 
 # torch's CPU flash-attention kernel, which also returns the log-sum-exp of each query's
 # scores (natural log, scaled) and broadcasts grouped KV heads as `enable_gqa` does.
@@ -149,4 +151,33 @@ class _TorchStep:
             start = end
         # A step of one part (one prompt's chunk) returns it as is: the CPU kernel's output is
         # [1, H, q_len, D] over [q_len, H, D] memory, so this view is contiguous (no copy).
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def mla(self, layer_idx: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, rope: Rope,
+            projection: MLAProjection) -> torch.Tensor:
+        """Multi-head latent attention (`AttentionStep.mla`): decodes in the absorbed form,
+        prefill chunks (and verifications) with the latents expanded (mla_ref.py)."""
+        nope = projection.qk_nope_head_dim
+        q_pe, k_pe = rope(q[..., nope:], k_pe.unsqueeze(1))
+        q = torch.cat((q[..., :nope], q_pe), dim=-1)
+        cache = self.pool.latent(layer_idx)
+        flat = cache.view(-1, 1, cache.shape[-1])
+        # Attention reads the new entries as the pool holds them (an FP8 pool's rounded).
+        entries = _write(flat, self.meta.slot_mapping, torch.cat((kv_c.unsqueeze(1), k_pe), dim=-1))
+        entries = entries[:, 0].to(q.dtype)
+        outs = []
+        nd = self.meta.num_decodes
+        if nd:
+            latents = flat[self.plan.decode_slots, 0].to(q.dtype)  # [B, max_len, latent_dim]
+            outs.append(mla_absorbed(q[:nd], latents, self.plan.decode_mask, projection, self.scale))
+        start = nd
+        for context_slots, q_len in zip(self.plan.prefill_context_slots, self.meta.prefill_q_lens_host):
+            end = start + q_len
+            latents = entries[start:end]
+            context = 0
+            if context_slots is not None:
+                latents = torch.cat((flat[context_slots, 0].to(q.dtype), latents))
+                context = context_slots.shape[0]
+            outs.append(mla_expanded(q[start:end], latents, projection, context, self.scale))
+            start = end
         return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -32,6 +32,11 @@ class TritonAttention:
         self.dtype, self.fp8_dot = dtype, fp8_dot
 
     def begin_step(self, meta: AttentionMetadata, pool: KVPool, scale: float) -> _TritonStep:
+        if pool.layout.kind != "kv":
+            # The MLA kernels (decode absorbed over the latent cache, prefill expanded) are
+            # this seam's to call once they exist; nothing else here reads a latent pool.
+            raise ValueError(f"a {pool.layout.kind!r} KV pool (multi-head latent attention) has no CUDA "
+                             f"attention kernels yet: run it on the CPU (ModelConfig.device 'cpu')")
         return _TritonStep(meta, pool, scale, self.dtype, self.fp8_dot)
 
 

@@ -38,9 +38,11 @@ from pdserve.kernels.fp8_quant import quantize_per_token
 from pdserve.kernels.gemv import gemv
 
 E4M3_MAX = 448.0
-LAYERS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
+_MLA_LAYERS = frozenset({"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"})  # mla.py's
+LAYERS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}) | _MLA_LAYERS
 """Our linear layers that hold FP8 weights (checkpoint names: `CHECKPOINT_LAYERS`)."""
-CHECKPOINT_LAYERS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+CHECKPOINT_LAYERS = (frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+                     | _MLA_LAYERS)
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")  # compressed-tensors' / quant_method fp8's with blocks
 MAX_KERNEL_ROWS = 1  # x kept as it is up to here (kernels.gemv); beyond, per-channel weights take
 # cuBLASLt's scaled matmul with x quantized (at 8-16 rows 0.17-0.24 ms a layer on the H100 where the

@@ -19,7 +19,7 @@ for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from pdserve.kernels.gemv import gemv
 from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_supported
 
+if TYPE_CHECKING:
+    from pdserve.engine.models.mla import MLAProjection
+
 
 class AttentionStep(Protocol):
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -41,6 +44,15 @@ class AttentionStep(Protocol):
         """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens, q and k not yet rotated
         -> [T, Hq, D]. It normalizes q's and k's heads by `head_norm` when given, rotates q
         and k by `rope` (in place or not), writes k, v into the layer's cache and attends."""
+        ...
+
+    def mla(self, layer_idx: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, rope: Rope,
+            projection: MLAProjection) -> torch.Tensor:
+        """Multi-head latent attention over an "mla" pool. q: [T, H, qk_nope + qk_rope] (its
+        rope part not yet rotated), kv_c: [T, kv_lora_rank] normalized latents, k_pe:
+        [T, qk_rope] not yet rotated -> [T, H, v_head_dim]. It rotates q's rope part and
+        k_pe by `rope`, writes [kv_c | k_pe] into the layer's latent cache and attends, the
+        latents expanded or absorbed through `projection` (engine.models.mla)."""
         ...
 
 

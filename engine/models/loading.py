@@ -35,6 +35,8 @@ EXPERT_PARTS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w
 RENAMES = (("block_sparse_moe.", "mlp."), (".w1.weight", ".gate_proj.weight"), (".w3.weight", ".up_proj.weight"),
            (".w2.weight", ".down_proj.weight"))  # Mixtral's checkpoint names
 _UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Unfused layers split by output rows over the ranks (their heads): MLA's query and latent expansion.
+COLUMN_PARALLEL = frozenset({"q_proj", "q_b_proj", "kv_b_proj"})
 
 
 def normalize(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -87,6 +89,9 @@ def place(name: str, arch: ModelArch, plan: ShardPlan, params: dict[str, nn.Para
     if len(parts) >= 5 and parts[-4] == "experts" and parts[-3].isdigit() and parts[-2] in EXPERT_PARTS:
         return _expert_placement(parts, plan)
     d = arch.head_dim
+    if len(parts) >= 4 and parts[-2] in COLUMN_PARALLEL and name in params:  # a layer of its own (MLA's q_proj)
+        rows = params[name].shape[0]
+        return Placement(name, src=(0, plan.rank * rows, rows)) if plan.size > 1 else Placement(name)
     if len(parts) >= 4 and parts[-2] in FUSED:
         fused, idx = FUSED[parts[-2]]
         parts[-2] = fused

@@ -43,6 +43,36 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
+def grouped_route(router_logits: torch.Tensor, moe: MoEArch,
+                  correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routings (`MoEArch.routing`), transformers' arithmetic: [T, experts] float32
+    logits -> (weights [T, k] float32, expert ids [T, k] int64), times routed_scaling_factor.
+
+    "softmax" (V2's "greedy"): softmax, the top k (renormalized when norm_topk_prob).
+    "group_limited_greedy" (V2): softmax; only the topk_group groups whose best expert
+    scores highest are candidates. "noaux_tc" (V3): sigmoid scores; experts are chosen by
+    score + `correction_bias` (its load balancing: the choice only, never the weights) within
+    the topk_group groups whose two best biased scores sum highest; the weights are the chosen
+    experts' plain scores, renormalized when norm_topk_prob."""
+    if moe.routing == "softmax":
+        weights, ids = route(router_logits, moe.top_k, moe.norm_topk_prob)
+        return weights * moe.routed_scaling_factor, ids
+    sigmoid = moe.routing == "noaux_tc"
+    scores = router_logits.sigmoid() if sigmoid else router_logits.softmax(dim=-1, dtype=torch.float32)
+    choice = scores + correction_bias if sigmoid and correction_bias is not None else scores
+    grouped = choice.view(-1, moe.num_groups, moe.num_experts // moe.num_groups)
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if sigmoid else grouped.max(dim=-1).values
+    group_ids = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1).bool()
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape_as(choice)
+    choice = choice.masked_fill(~expert_mask, float("-inf") if sigmoid else 0.0)
+    ids = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids
+
+
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
     """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) for the experts this rank holds

@@ -19,6 +19,7 @@ import torch
 
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.models.deepseek import DeepseekForCausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.loading import checkpoint_names
 from pdserve.engine.models.qwen3 import Qwen3ForCausalLM
@@ -31,6 +32,8 @@ MODELS: dict[str, type[CausalLM]] = {
     "mixtral": LlamaForCausalLM,  # its MoE layers are ModelArch.moe's (moe.py)
     "qwen2_moe": LlamaForCausalLM,
     "qwen3_moe": Qwen3ForCausalLM,
+    "deepseek_v2": DeepseekForCausalLM,
+    "deepseek_v3": DeepseekForCausalLM,
 }
 
 

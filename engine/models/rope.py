@@ -1,4 +1,4 @@
-"""Rotary position embedding (default, linear and Llama-3 frequency scaling)."""
+"""Rotary position embedding (default, linear, Llama-3 and YaRN frequency scaling)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
+    if rope.rope_type == "yarn":
+        return _yarn_inv_frequencies(rope, head_dim)
     if rope.rope_type != "llama3":
         return inv_freq
     # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band
@@ -30,6 +32,25 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN: frequencies past the beta_fast rotations kept, those below beta_slow divided by
+    `factor`, a linear ramp between (transformers' `_compute_yarn_parameters`)."""
+    def correction_dim(num_rotations: float) -> float:
+        old_len = rope.original_max_position_embeddings
+        return dim * math.log(old_len / (num_rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    return 1.0 / (rope.factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+
+
 class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by position.
 
@@ -43,8 +64,9 @@ class RotaryEmbedding:
             positions = torch.arange(max_positions, dtype=torch.float32)
             freqs = positions[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos()  # [max_positions, head_dim] float32
-        self.sin = emb.sin()
+        scale = rope.cos_sin_scale  # YaRN's attention factor (1 for the other types)
+        self.cos = emb.cos() * scale  # [max_positions, head_dim] float32
+        self.sin = emb.sin() * scale
 
     def at(self, positions: torch.Tensor) -> Rope:
         """The rotation of a step's tokens, for its attention to apply."""

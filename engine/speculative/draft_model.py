@@ -29,13 +29,14 @@ from pdserve.engine.attention import backend_for
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import MAX_SPECULATIVE_TOKENS, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.cuda_graphs import StepGraphs
-from pdserve.engine.executor import Executor
+from pdserve.engine.executor import Executor, arch_kv_layout
 from pdserve.engine.kv_pool import KVLayout, KVPool
 from pdserve.engine.model_runner import ModelRunner, StepLogits
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.models.layers import Linear
 from pdserve.engine.models.registry import param_counts
+from pdserve.engine.parallel import ShardPlan
 from pdserve.engine.sampler import Sampler, on_device
 from pdserve.engine.scheduler import (
     ScheduledBatch,
@@ -94,7 +95,7 @@ class ModelDrafter:
         # As many tokens as the target's pool, plus the drafted tail of every running sequence
         # (the engine counted them when it sized its own pool: `engine.kv_budget.draft_memory`).
         num_blocks = target.num_kv_blocks + target.scheduler.max_num_seqs * -(-MAX_SPECULATIVE_TOKENS // bs)
-        layout = KVLayout(name, target.kv_layout.dtype, arch.num_layers, arch.num_kv_heads, arch.head_dim, bs)
+        layout = arch_kv_layout(name, target.kv_layout.dtype, arch, ShardPlan.of(arch), bs)
         num_bytes = layout.bytes_per_block * num_blocks
         if target.device.type == "cuda" and num_bytes > torch.cuda.mem_get_info(target.device)[0]:
             raise ValueError(f"no GPU memory left for the draft's KV cache ({num_blocks} blocks of "

@@ -64,10 +64,12 @@ FP8_BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt"
 
 
 def save_fp8_checkpoint(hf_model, folder: Path, strategy: str, quantization_config: dict,
-                        scale_name: str = "weight_scale", input_scales: bool = False) -> None:
-    """Quantize `hf_model`'s linear layers by `strategy` into `folder` (config.json with
-    `quantization_config`, model.safetensors), and set the model's weights to what the
-    checkpoint holds, dequantized: it becomes the float32 reference."""
+                        scale_name: str = "weight_scale", input_scales: bool = False,
+                        layers: tuple[str, ...] = LAYERS) -> None:
+    """Quantize `hf_model`'s linear layers (those named `layers`, and the experts) by
+    `strategy` into `folder` (config.json with `quantization_config`, model.safetensors), and
+    set the model's weights to what the checkpoint holds, dequantized: it becomes the float32
+    reference."""
     from safetensors.torch import save_file
 
     tensors = {}
@@ -75,7 +77,7 @@ def save_fp8_checkpoint(hf_model, folder: Path, strategy: str, quantization_conf
         if name == "lm_head.weight" and hf_model.config.tie_word_embeddings:
             continue
         parts = name.split(".")
-        if parts[-1] == "weight" and parts[-2] in LAYERS:
+        if parts[-1] == "weight" and parts[-2] in layers:
             parts_of = {name: tensor}
         elif parts[-2:] in (["experts", "gate_up_proj"], ["experts", "down_proj"]):  # transformers 5's [E, out, in]
             parts_of = _expert_weights(name, tensor)

@@ -169,7 +169,7 @@ def test_dummy_moe_weights_run_and_count_active_parameters():
 
 
 @pytest.mark.parametrize(("field", "value", "match"), [
-    ("model_type", "deepseek_v3", "unsupported model_type 'deepseek_v3'"),
+    ("model_type", "phi3", "unsupported model_type 'phi3'"),
     ("hidden_act", "gelu", "hidden_act 'gelu'"),
     ("use_sliding_window", True, "sliding-window"),
 ])

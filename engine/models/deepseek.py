@@ -1,0 +1,95 @@
+"""DeepSeek-V2 (V2, V2-Lite) and DeepSeek-V3 (V3, R1, V3.1, Moonlight): Llama's pre-norm
+decoder with multi-head latent attention (mla.py) and DeepSeekMoE: the first
+`first_k_dense_replace` layers dense, the rest a routed Mixture of Experts plus shared
+experts every token goes through, with no gate. The router is V2's softmax ("greedy",
+"group_limited_greedy") or V3's sigmoid with its `e_score_correction_bias` ("noaux_tc")
+(`moe.grouped_route`); as transformers holds it, its weight (and the bias) stay float32 and
+its logits are computed in float32 whatever the model's dtype.
+
+A checkpoint's multi-token-prediction layers (`model.layers.{num_hidden_layers}` on, V3's
+`num_nextn_predict_layers`) are not part of this model and are skipped at load, as
+transformers skips them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from pdserve.engine.models.arch import ModelArch, MoEArch
+from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.models.layers import MLP, DecoderLayer
+from pdserve.engine.models.mla import MLAAttention
+from pdserve.engine.models.moe import FusedExperts, grouped_route
+from pdserve.engine.parallel import Collectives, TensorParallel
+
+_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+
+
+class DeepseekRouter(nn.Module):
+    """The gate: float32 router weights [experts, hidden], and V3's correction bias [experts]."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        moe = arch.moe
+        assert moe is not None
+        self.moe: MoEArch = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, arch.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if moe.routing == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k])."""
+        logits = nn.functional.linear(x.float(), self.weight)
+        return grouped_route(logits, self.moe, self.e_score_correction_bias)
+
+
+class DeepseekMoE(nn.Module):
+    """Router, this rank's routed experts (or slices of them) and its slice of the shared
+    experts (one SwiGLU of their summed width); one all-reduce sums the ranks' parts."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallel) -> None:
+        super().__init__()
+        moe, plan = arch.moe, tp.plan
+        assert moe is not None
+        self.comm: Collectives = tp.comm
+        self.gate = DeepseekRouter(arch)
+        self.experts = FusedExperts(plan.num_local_experts, arch.hidden_size, plan.expert_intermediate_size,
+                                    plan.first_expert)
+        self.shared_experts: MLP | None = None
+        if moe.shared_intermediate_size:
+            self.shared_experts = MLP(arch.hidden_size, plan.shared_intermediate_size, False, tp, reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return self.comm.all_reduce(out) if self.comm.size > 1 else out
+
+
+class DeepseekForCausalLM(CausalLM):
+    @staticmethod
+    def make_layer(arch: ModelArch, layer_idx: int, tp: TensorParallel) -> DecoderLayer:
+        assert arch.moe is not None
+        mlp: nn.Module
+        if arch.moe.is_moe_layer(layer_idx):
+            mlp = DeepseekMoE(arch, tp)
+        else:
+            mlp = MLP(arch.hidden_size, tp.plan.intermediate_size, False, tp)
+        return DecoderLayer(arch, MLAAttention(arch, layer_idx, tp), mlp)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_without_mtp_layers(weights, self.arch.num_layers))
+
+
+def _without_mtp_layers(weights: Iterable[tuple[str, torch.Tensor]],
+                        num_layers: int) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        match = _LAYER.match(name)
+        if match is None or int(match.group(1)) < num_layers:
+            yield name, tensor

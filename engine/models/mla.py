@@ -1,0 +1,97 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), this rank's heads of it.
+
+Each token's KV is compressed to one latent: `kv_a_proj_with_mqa` gives kv_lora_rank values
+(normalized by `kv_a_layernorm`) and a key part of qk_rope_head_dim shared by every head,
+rotated. The pool stores those two side by side (`KVLayout` kind "mla"); `kv_b_proj`
+expands a latent to each head's no-rope key and value, which the attention step does for
+prefill, or folds into the queries and the output for decode (`MLAProjection.absorbed`).
+The module hands the step q, the latent and the key part (not rotated) with the projection;
+the step rotates, writes the pool and attends (`AttentionStep.mla`).
+
+Under tensor parallelism the heads split (q_proj / q_b_proj and kv_b_proj column-parallel,
+o_proj row-parallel); the latent projections are whole on every rank, and so is the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pdserve.engine.models import fp8
+from pdserve.engine.models.arch import MLAArch, ModelArch
+from pdserve.engine.models.layers import AttentionStep, Linear, RMSNorm, RowParallelLinear
+from pdserve.engine.models.rope import Rope
+from pdserve.engine.parallel import TensorParallel
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's: transformers builds them with its default
+
+
+@dataclass(frozen=True, slots=True)
+class MLAProjection:
+    """`kv_b_proj` of this rank's heads: a latent's expansion to per-head keys and values."""
+
+    kv_b: Linear  # [heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
+    num_heads: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+
+    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [N, kv_lora_rank] -> (k_nope [N, heads, qk_nope_head_dim], v [N, heads, v_head_dim])."""
+        kv = self.kv_b(latent).view(latent.shape[0], self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        return kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+
+    def absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [heads, qk_nope_head_dim, kv_lora_rank], W_UV [heads, v_head_dim, kv_lora_rank])
+        in `dtype`: q_nope @ W_UK is the query in latent space, o_latent @ W_UV.T the output."""
+        w = self.kv_b.weight
+        if self.kv_b.weight_scale is not None:
+            w = fp8.dequantize(w, self.kv_b.weight_scale, self.kv_b.fp8_blocked)
+        w = w.to(dtype).view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] pairs (x0, x1), (x2, x3), ... -> [evens | odds]: the rotate-half layout, in
+    which the rotation is the same (transformers' `apply_rotary_pos_emb_interleave`)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, tp: TensorParallel) -> None:
+        super().__init__()
+        mla = arch.mla
+        assert mla is not None
+        self.mla: MLAArch = mla
+        self.layer_idx = layer_idx
+        self.num_heads = tp.plan.num_heads
+        q_width = self.num_heads * mla.qk_head_dim
+        self.q_proj: Linear | None = None
+        if mla.q_lora_rank is None:
+            self.q_proj = Linear(arch.hidden_size, q_width, bias=False)
+        else:
+            self.q_a_proj = Linear(arch.hidden_size, mla.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(mla.q_lora_rank, q_width, bias=False)
+        self.kv_a_proj_with_mqa = Linear(arch.hidden_size, mla.latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(mla.kv_lora_rank, self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                                bias=False)
+        self.o_proj = RowParallelLinear(self.num_heads * mla.v_head_dim, arch.hidden_size, False, tp)
+
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionStep) -> torch.Tensor:
+        mla, num_tokens = self.mla, x.shape[0]
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c.contiguous())
+        if mla.rope_interleave:
+            q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+            q, k_pe = torch.cat((q_nope, deinterleave(q_pe)), dim=-1), deinterleave(k_pe)
+        projection = MLAProjection(self.kv_b_proj, self.num_heads, mla.qk_nope_head_dim, mla.v_head_dim)
+        out = attn.mla(self.layer_idx, q, kv_c, k_pe.contiguous(), rope, projection)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * mla.v_head_dim))
