@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdserve.cluster.settings.flags import engine_config_from_args
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling import SamplingParams, StructuredOutput
 
@@ -24,13 +25,6 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json-schema", default=None,
                    help="structured output: JSON that follows this JSON schema (JSON text, or @file)")
     g.add_argument("--json-object", action="store_true", help="structured output: any JSON object")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The engine config of `pdserve generate`: the defaults and its engine.* flags."""
-    from pdserve.cluster.settings.flags import apply_flags
-
-    return apply_flags(EngineConfig(), args, "engine.")
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:

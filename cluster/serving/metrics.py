@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from pdserve.cluster.scaling.planner import Decision
 from pdserve.cluster.serving.kv_index import KVIndex
 from pdserve.engine.kv.events import DISK_TIER, HOST_TIER
 from pdserve.engine.messages import KVTransferInfo
 from pdserve.engine.outputs import EngineLoad
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # types only: the planner (scaling/) writes its decisions here, above serving/
+    from pdserve.cluster.scaling.planner import Decision
     from pdserve.engine.kv.tiers import KVTierStats
 
 _TIERS = (HOST_TIER, DISK_TIER)

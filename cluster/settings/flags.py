@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.cluster.settings.config_tree import ConfigField, with_values
+from pdserve.engine.config import EngineConfig
 
 # The spellings the flags had before they were made from the configs: kept beside --<path>
 # (scripts, the docs and the Helm chart use them).
@@ -151,3 +152,9 @@ def apply_flags(config: Any, args: argparse.Namespace, prefix: str = "") -> Any:
     given = getattr(args, _GIVEN, {})
     values = {path.removeprefix(prefix): value for path, (value, _) in given.items()}
     return with_values(config, values, lambda path: given[prefix + path][1])
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine config of `pdserve generate` and `pdserve profile`: the defaults and their
+    engine.* flags."""
+    return apply_flags(EngineConfig(), args, "engine.")

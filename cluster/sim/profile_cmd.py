@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pdserve.cluster.settings.flags import engine_config_from_args
 from pdserve.cluster.sim.step_costs import Curve, StepCosts
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling import SamplingParams
@@ -51,8 +52,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from pdserve.cluster.cli import engine_config_from_args
-
     if len(args.contexts) != 2 or args.contexts[0] >= args.contexts[1]:
         raise ValueError(f"--contexts takes two increasing lengths, got {args.contexts}")
     torch.set_num_threads(args.threads)

@@ -149,7 +149,7 @@ def test_help_shows_each_default_taken_from_the_config(monkeypatch) -> None:
 
 
 def test_generate_takes_the_engine_flags() -> None:
-    from pdserve.cluster.cli import engine_config_from_args
+    from pdserve.cluster.settings.flags import engine_config_from_args
 
     args = build_parser().parse_args(["generate", "--model", "dummy:tiny", "--engine.spec.method", "ngram", "hi"])
     config = engine_config_from_args(args)
