@@ -44,10 +44,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence

@@ -18,19 +18,19 @@ from collections.abc import Iterator
 
 import torch
 
-from pdserve.engine.assembly import assemble
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv.events import DISK_TIER, HOST_TIER, KVSnapshot
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.kv_events import DISK_TIER, HOST_TIER, KVSnapshot
 from pdserve.engine.kv_handoff import KVComputed, KVHandoff
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
-from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
+from pdserve.engine.runner.assembly import assemble
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculator import Speculator
 from pdserve.engine.step_core import EngineCore
+from pdserve.engine.text.request_processor import ProcessedRequest, RequestProcessor
 
 Prompt = str | list[int]
 

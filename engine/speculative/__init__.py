@@ -14,7 +14,7 @@ from pdserve.engine.speculative.drafter import Drafter
 from pdserve.engine.speculative.factory import build_speculator, speculative_engine
 from pdserve.engine.speculative.ngram import NgramDrafter
 from pdserve.engine.speculative.rejection import rejection_sample
-from pdserve.engine.speculative.speculator import SpecDecoder
+from pdserve.engine.speculative.spec_decoder import SpecDecoder
 from pdserve.engine.speculator import SpecMetrics
 
 __all__ = [

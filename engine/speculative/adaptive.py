@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pdserve.engine.cuda_graphs import StepGraphs
+from pdserve.engine.runner.cuda_graphs import StepGraphs
 from pdserve.engine.sequence import Sequence
 
 

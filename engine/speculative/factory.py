@@ -15,7 +15,7 @@ from pdserve.engine.speculative.draft_model import (
 )
 from pdserve.engine.speculative.drafter import Drafter
 from pdserve.engine.speculative.ngram import NgramDrafter
-from pdserve.engine.speculative.speculator import SpecDecoder
+from pdserve.engine.speculative.spec_decoder import SpecDecoder
 
 
 def draft_target(engine: Engine) -> DraftTarget:

@@ -92,7 +92,7 @@ def test_bf16_attention_step_matches_the_reference_with_and_without_context(monk
     to tests/kernels/test_paged_decode_fp8_dot.py's bound (prefill widens as before)."""
     from pdserve.engine.attention import AttentionMetadata, triton_backend
     from pdserve.engine.attention.torch_ref import TorchAttention
-    from pdserve.engine.kv_pool import KVLayout, KVPool
+    from pdserve.engine.kv.pool import KVLayout, KVPool
     from pdserve.engine.models.arch import RopeConfig
     from pdserve.engine.models.rope import RotaryEmbedding
 
