@@ -28,8 +28,9 @@ from pdserve.cluster.scaling.planner_loop import PlannerLoop
 from pdserve.cluster.serving.coordinator import Coordinator
 from pdserve.cluster.serving.metrics import Metrics
 from pdserve.cluster.serving.pools import ActorSpec, Pool
-from pdserve.cluster.settings.config import ServeConfig, client_auth, cluster_secret, read_chat_template
+from pdserve.cluster.settings.config import ServeConfig
 from pdserve.cluster.settings.pool_config import fit_pools_to_gpus
+from pdserve.cluster.settings.secrets import client_auth, cluster_secret, read_chat_template
 from pdserve.cluster.sim.step_costs import StepCosts
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine.models.parallel import check_splits

@@ -25,7 +25,8 @@ from typing import Any
 import grpc
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.cluster.settings.config import ClientAuth, ServerConfig
+from pdserve.cluster.settings.config import ServerConfig
+from pdserve.cluster.settings.secrets import ClientAuth
 
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 ADMIN_METHOD_PREFIX = "/pdserve.v1.Admin/"
