@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention.base import AttentionMetadata
 from pdserve.engine.attention.mla_ref import mla_absorbed, mla_expanded
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv.pool import KVPool
 from pdserve.engine.models.rope import Rope
 from pdserve.kernels import fp8
 

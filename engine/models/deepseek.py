@@ -24,7 +24,7 @@ from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.models.layers import MLP, DecoderLayer
 from pdserve.engine.models.mla import MLAAttention
 from pdserve.engine.models.moe import FusedExperts, grouped_route
-from pdserve.engine.parallel import Collectives, TensorParallel
+from pdserve.engine.models.parallel import Collectives, TensorParallel
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 

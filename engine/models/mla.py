@@ -22,8 +22,8 @@ from torch import nn
 from pdserve.engine.models import fp8
 from pdserve.engine.models.arch import MLAArch, ModelArch
 from pdserve.engine.models.layers import AttentionStep, Linear, RMSNorm, RowParallelLinear
+from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.models.rope import Rope
-from pdserve.engine.parallel import TensorParallel
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's: transformers builds them with its default
 

@@ -227,7 +227,7 @@ def test_what_is_not_built_is_refused_by_name(make_config, overrides, match):
 
 def test_cuda_attention_refuses_a_latent_pool_rather_than_misread_it():
     from pdserve.engine.attention.triton_backend import TritonAttention
-    from pdserve.engine.kv_pool import KVLayout, KVPool
+    from pdserve.engine.kv.pool import KVLayout, KVPool
 
     pool = KVPool(KVLayout("m", torch.float32, 2, 1, 40, 16, kind="mla"), 4, "cpu")
     with pytest.raises(ValueError, match="'mla' KV pool .* no CUDA attention kernels"):
@@ -236,7 +236,7 @@ def test_cuda_attention_refuses_a_latent_pool_rather_than_misread_it():
 
 def test_dummy_shapes_count_their_parameters_and_keep_their_dense_layers():
     from pdserve.engine.models.registry import param_counts
-    from pdserve.engine.weights import resolve_model
+    from pdserve.engine.models.weights import resolve_model
 
     v3_arch = resolve_model(ModelConfig(source="dummy:deepseek-v3")).arch
     counts = param_counts(v3_arch)
