@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.attention.base import AttentionMetadata
+from pdserve.engine.attention.triton_mla import TritonMLAStep
 from pdserve.engine.kv.pool import KVPool
 from pdserve.engine.models.rope import Rope
 from pdserve.kernels.flash_prefill import flash_prefill
@@ -31,12 +32,12 @@ class TritonAttention:
     def __init__(self, dtype: torch.dtype, fp8_dot: bool = False) -> None:
         self.dtype, self.fp8_dot = dtype, fp8_dot
 
-    def begin_step(self, meta: AttentionMetadata, pool: KVPool, scale: float) -> _TritonStep:
-        if pool.layout.kind != "kv":
-            # The MLA kernels (decode absorbed over the latent cache, prefill expanded) are
-            # this seam's to call once they exist; nothing else here reads a latent pool.
-            raise ValueError(f"a {pool.layout.kind!r} KV pool (multi-head latent attention) has no CUDA "
-                             f"attention kernels yet: run it on the CPU (ModelConfig.device 'cpu')")
+    def begin_step(self, meta: AttentionMetadata, pool: KVPool, scale: float) -> _TritonStep | TritonMLAStep:
+        if pool.layout.kind == "mla":
+            if self.fp8_dot:
+                raise ValueError("CacheConfig.fp8_attention_dot is a mode of the K/V kernels; the MLA kernels "
+                                 "widen an FP8 latent cache")
+            return TritonMLAStep(meta, pool, scale)
         return _TritonStep(meta, pool, scale, self.dtype, self.fp8_dot)
 
 

@@ -101,6 +101,8 @@ def _assemble(config: EngineConfig, files: ModelFiles, tokenizer: Any | None, li
     graphs = None
     if ranks is not None and device.type == "cuda":
         logger.info("tensor parallelism: steps run eagerly (no CUDA graphs yet)")
+    elif device.type == "cuda" and layout.kind == "mla":
+        logger.info("multi-head latent attention: steps run eagerly (no CUDA graphs yet)")
     elif device.type == "cuda" and not config.model.enforce_eager:
         # Verification steps of K + 1 tokens per sequence (every K adaptive K may pick).
         spec = config.spec

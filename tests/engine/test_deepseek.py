@@ -225,13 +225,24 @@ def test_what_is_not_built_is_refused_by_name(make_config, overrides, match):
         arch_of(make_config(**overrides))
 
 
-def test_cuda_attention_refuses_a_latent_pool_rather_than_misread_it():
+def test_the_cuda_backends_mla_step_matches_hf_through_the_triton_interpreter(tmp_path):
+    """The Triton backend's MLA step (`kernels.mla_decode` absorbed for decodes,
+    `kernels.mla_prefill` over the gathered, expanded latents for a chunk after a cached
+    prefix), run on the CPU by Triton's interpreter (tests/conftest.py sets it) with widths
+    the kernels take: HF's tokens, through a prefix hit and a chunk after context."""
     from pdserve.engine.attention.triton_backend import TritonAttention
-    from pdserve.engine.kv.pool import KVLayout, KVPool
 
-    pool = KVPool(KVLayout("m", torch.float32, 2, 1, 40, 16, kind="mla"), 4, "cpu")
-    with pytest.raises(ValueError, match="'mla' KV pool .* no CUDA attention kernels"):
-        TritonAttention(torch.float32).begin_step(None, pool, 1.0)  # type: ignore[arg-type]
+    hf = _hf_model(v3(qk_rope_head_dim=16, v_head_dim=16))
+    hf.save_pretrained(str(tmp_path))
+    engine = _engine(tmp_path, cache=CacheConfig(num_blocks=16), scheduler=SchedulerConfig(max_num_batched_tokens=16))
+    engine.runner.executor.backend = TritonAttention(torch.float32)
+    prefix = list(range(10, 30))
+    prompts = [prefix + [3, 4], prefix + list(range(40, 55))]
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert engine.block_manager.num_prefix_hits == 16
+    for prompt, out in zip(prompts, outs):
+        want, logits = hf_greedy(hf, prompt, 5)
+        assert_matches_reference(out.token_ids, want, logits, f"prompt of {len(prompt)}")
 
 
 def test_dummy_shapes_count_their_parameters_and_keep_their_dense_layers():
@@ -248,3 +259,24 @@ def test_dummy_shapes_count_their_parameters_and_keep_their_dense_layers():
     assert five.kv_values_per_token == 512 + 64  # 61 layers: 70 KB a token in bf16
     with pytest.raises(ValueError, match="layers=<N>"):
         resolve_model(ModelConfig(source="dummy:deepseek-v3:depth=5"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make_config", [v2_greedy, v3])
+def test_on_cuda_the_mla_kernels_match_hf(make_config, tmp_path):
+    """On the GPU (`kernels.mla_decode` for decodes, `kernels.mla_prefill` over the gathered
+    latents for chunks after a cached prefix), float32, widths the kernels take (powers of
+    two): HF's tokens on the same GPU, through chunked prefill and prefix hits."""
+    hf = _hf_model(make_config(qk_rope_head_dim=16, v_head_dim=16))
+    hf.save_pretrained(str(tmp_path))
+    hf = hf.cuda()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    engine = Engine(EngineConfig(model=ModelConfig(source=str(tmp_path), device="cuda", dtype="float32"),
+                                 cache=CacheConfig(num_blocks=64),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=32)))
+    prompts = _prompts() + [list(range(1, 200))]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for prompt, out in zip(prompts, engine.generate(prompts, params)):
+        want, logits = hf_greedy(hf, prompt, NEW_TOKENS)
+        assert_matches_reference(out.token_ids, want, logits.cpu(), f"{make_config.__name__}, prompt of {len(prompt)}")
+    assert engine.block_manager.num_prefix_hits > 0
