@@ -189,6 +189,41 @@ def test_tensor_and_expert_parallel_give_one_ranks_tokens(reference):
         _assert_matches_hf(answers, tokens, logprobs, f"expert_parallel={expert_parallel}")
 
 
+def test_speculation_on_a_deepseek_target_keeps_greedy_output(reference):
+    """Verification steps (K + 1 new tokens a sequence after its context: the latents
+    expanded) and a self-draft over a latent pool of its own: HF's greedy tokens."""
+    from pdserve.engine.config import SpecConfig
+
+    folder, answers = reference(v3)
+    prompts = _prompts()
+    for spec in (SpecConfig(method="self_draft", num_draft_layers=1, num_speculative_tokens=3),
+                 SpecConfig(method="ngram", num_speculative_tokens=3)):
+        engine = _engine(folder, spec=spec)
+        tokens, logprobs = _run(engine, prompts)
+        assert engine.speculator is not None and engine.speculator.metrics.num_proposed > 0, spec.method
+        _assert_matches_hf(answers, tokens, logprobs, spec.method)
+
+
+def test_an_fp8_latent_cache_holds_the_latents_rounded(reference):
+    """kv_cache_dtype "fp8" over a latent pool: after one prompt's prefill (its one token
+    sampled, none fed back), layer 0's rows (the same forward either way up to there) are
+    the float pool's rounded to e4m3."""
+    from pdserve.kernels import fp8
+
+    folder, _ = reference(v3_halves)
+    prompt = _prompts()[1]
+    pools = {}
+    for dtype in ("auto", "fp8"):
+        engine = _engine(folder, cache=CacheConfig(num_blocks=16, kv_cache_dtype=dtype))
+        engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        pools[dtype] = engine.pool
+    assert pools["fp8"].kv.dtype == fp8.KV_FP8
+    # Both pools placed the tokens alike; layer 0's rows, all of them (unwritten ones zero in both).
+    want = fp8.quantize(pools["auto"].latent(0))
+    assert int(want.float().ne(0).any(-1).sum()) == len(prompt)
+    assert torch.equal(pools["fp8"].latent(0).view(torch.uint8), want.view(torch.uint8))
+
+
 def test_a_checkpoints_mtp_layers_are_skipped(tmp_path, reference):
     """V3's checkpoints hold the multi-token-prediction module as `model.layers.{N}.*`
     (N = num_hidden_layers); like transformers, the model loads without it."""
