@@ -120,7 +120,7 @@ class ModelDrafter:
         # the target verifies every drafted token.
         executor = Executor(model, self.pool, backend_for(target.device, target.dtype))
         graphs = None
-        if target.device.type == "cuda" and not target.model.enforce_eager:
+        if target.device.type == "cuda" and not target.model.enforce_eager and layout.kind == "kv":  # MLA: eager
             # Decodes, the steady catch-up of two tokens, and each verification's catch-up
             # (K + 1 positions, for every K adaptive K may pick).
             group = arch.num_heads // arch.num_kv_heads
