@@ -75,7 +75,7 @@ class Server:
             await self.http.stop()
         await self.grpc_server.stop(grace=self.shutdown_grace_s)
         await self.elastic.stop()
-        await self.coordinator.stop()
+        await self.worker_set.stop()
 
 
 def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool | None, Pool]:
