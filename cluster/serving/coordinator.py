@@ -203,7 +203,7 @@ class _Attempt:
         give_up = asyncio.get_running_loop().time() + self._config.migration_wait_s
         colocated = self._workers.mode == "colocated"
         if colocated:
-            seat = await self._workers.place("decode", req.request_id, prompt, self._migrated, give_up)
+            seat = await self._workers.place(req.request_id, prompt, self._migrated, give_up, prefill=False)
         else:
             seat = await self._workers.take_decode_seat(req.request_id, len(req.prompt_token_ids), self._retried,
                                                         self._migrated, give_up, prompt)
@@ -269,7 +269,7 @@ class _Attempt:
         decode engine's current step) is not on the first token's path; a refused one
         cancels the prefill."""
         req, hops = self._req, self._hops
-        prefill = await self._workers.place("prefill", req.request_id, prompt, self._migrated, give_up)
+        prefill = await self._workers.place(req.request_id, prompt, self._migrated, give_up, prefill=True)
         try:
             called = time.perf_counter()
             ref = prefill.worker.actor.prefill.remote(req, decode.worker.address)

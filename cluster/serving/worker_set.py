@@ -93,6 +93,7 @@ class WorkerSet:
         return "colocated" if self.prefill is None else "disaggregated"
 
     def pools(self) -> list[Pool]:
+        """The pools themselves: for this owner's own loops (and tests), never across the seam."""
         return [p for p in (self.prefill, self.decode) if p is not None]
 
     async def start(self, health_interval_s: float) -> None:
@@ -122,11 +123,14 @@ class WorkerSet:
         """Requests waiting for a decode seat now."""
         return self.seats.num_queued
 
-    async def place(self, role: str, request_id: str, prompt: PromptBlocks, migrated: bool, give_up: float) -> Seat:
-        """A seat for `request_id` on a serving worker of `role` ("prefill"; "decode" in a
-        colocated set, where it queues in the worker's scheduler), chosen for `prompt` by the
-        role's policy; finding none, it waits while `may_wait`, then WorkerUnavailable."""
-        pool, policy = (self.decode, self.decode_policy) if role == "decode" else (self._pool(role), self.policy)
+    async def place(self, request_id: str, prompt: PromptBlocks, migrated: bool, give_up: float,
+                    prefill: bool) -> Seat:
+        """A seat for `request_id` on a serving prefill worker (`prefill`) or, colocated, decode
+        worker (where it queues in the worker's scheduler), chosen for `prompt` by the pool's
+        policy; finding none, it waits while `may_wait`, then WorkerUnavailable."""
+        pool, policy = (self.prefill, self.policy) if prefill else (self.decode, self.decode_policy)
+        if pool is None:
+            raise ValueError("a colocated worker set has no prefill pool: its decode workers prefill")
         while not pool.serving() and may_wait(pool, migrated, give_up):
             await asyncio.sleep(self.config.seat_recheck_s)
         serving = pool.serving()
