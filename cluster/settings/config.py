@@ -268,10 +268,12 @@ class ServeConfig:
     loop: LoopConfig = field(default_factory=LoopConfig)
 
     def engine_for(self, role: str) -> EngineConfig:
-        """The engine config of the workers of `role`: the pool's tensor-parallel size."""
+        """The engine config of the workers of `role`: the pool's tensor-parallel size; a prefill
+        worker's without speculation (it computes prompts and their first token: nothing to draft)."""
         size = self.pools.tp(role, self.engine)
-        return dataclasses.replace(self.engine, parallel=dataclasses.replace(self.engine.parallel,
-                                                                              tensor_parallel_size=size))
+        spec = SpecConfig() if role == "prefill" else self.engine.spec
+        return dataclasses.replace(self.engine, spec=spec, parallel=dataclasses.replace(self.engine.parallel,
+                                                                                         tensor_parallel_size=size))
 
 
 def cluster_secret() -> bytes:
