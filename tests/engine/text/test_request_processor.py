@@ -149,5 +149,5 @@ def test_a_stop_string_in_the_prompt_does_not_stop(processor, tokenizer):
 
 
 def test_importing_it_needs_no_torch():
-    code = "import sys, engine.request_processor; assert 'torch' not in sys.modules, 'torch was imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2], timeout=120)
+    code = "import sys, engine.text.request_processor; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3], timeout=120)
