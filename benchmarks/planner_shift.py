@@ -39,7 +39,8 @@ from pdserve.cluster.ray_driver import init_ray
 from pdserve.cluster.server import Server, start_server
 from pdserve.cluster.settings.config import config_from_dict
 from pdserve.cluster.settings.pool_config import PlannerConfig
-from pdserve.cluster.sim.simulator import Lengths, Slo, Split, Traffic, simulate
+from pdserve.cluster.sim.simulator import Lengths, Split, Traffic, simulate
+from pdserve.cluster.sim.slo import Slo
 from pdserve.cluster.sim.step_costs import StepCosts
 
 TIMEOUT_S = 600.0
@@ -230,7 +231,7 @@ def main() -> None:
         for num_prefill in range(1, budget):
             s = Split(num_prefill, budget - num_prefill)
             pred = simulate(costs, s, Traffic(ph.rate_per_s, Lengths(ph.input_len), Lengths(ph.output_len), 300),
-                            Slo(targets.ttft_ms, targets.itl_ms))
+                            Slo(ttft_ms=targets.ttft_ms, tpot_ms=targets.itl_ms))
             print(f"predicted phase {i + 1} {s}: TTFT p90 {pred.ttft_ms[90]:.0f} ms, ITL p90 {pred.tpot_ms[90]:.0f} ms",
                   flush=True)
     planner = {"enabled": True, "profile": args.profile, "ttft_target_ms": targets.ttft_ms,

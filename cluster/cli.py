@@ -50,9 +50,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     if args.target:
         return _generate_remote(args, params)
-    from pdserve.engine.speculative import speculative_engine
+    from pdserve.engine.engine import Engine
 
-    engine = speculative_engine(engine_config_from_args(args))
+    engine = Engine(engine_config_from_args(args))
     prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
                for p in args.prompts]
     if len(prompts) == 1:  # stream a single prompt as it is generated

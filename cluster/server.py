@@ -16,11 +16,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.cluster.api.admin_service import AdminService
-from pdserve.cluster.api.auth import AdminTokenInterceptor, BearerTokenInterceptor, HttpTls, grpc_server_credentials
+from pdserve.cluster.api.auth import HttpTls, grpc_server_credentials
 from pdserve.cluster.api.frontend import Frontend
 from pdserve.cluster.api.grpc_service import GenerationService
 from pdserve.cluster.api.http_api import HttpServer
-from pdserve.cluster.api.interceptors import MalformedRequestInterceptor
+from pdserve.cluster.api.interceptors import AdminTokenInterceptor, BearerTokenInterceptor, MalformedRequestInterceptor
 from pdserve.cluster.ray_driver import init_ray
 from pdserve.cluster.scaling.elastic import Elastic
 from pdserve.cluster.scaling.planner import Planner
@@ -28,8 +28,9 @@ from pdserve.cluster.scaling.planner_loop import PlannerLoop
 from pdserve.cluster.serving.coordinator import Coordinator
 from pdserve.cluster.serving.metrics import Metrics
 from pdserve.cluster.serving.pools import ActorSpec, Pool
-from pdserve.cluster.settings.config import ServeConfig, client_auth, cluster_secret, read_chat_template
+from pdserve.cluster.settings.config import ServeConfig
 from pdserve.cluster.settings.pool_config import fit_pools_to_gpus
+from pdserve.cluster.settings.secrets import client_auth, cluster_secret, read_chat_template
 from pdserve.cluster.sim.step_costs import StepCosts
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine.models.parallel import check_splits

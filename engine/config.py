@@ -224,8 +224,9 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpecConfig:
     """Speculative decoding: a drafter proposes tokens, the target verifies them in one pass.
 
-    The engine only runs the hooks; `engine.speculative.build_speculator` turns
-    this config into the drafter it attaches (`Engine.set_speculator`).
+    `Engine(config)` speculates as `config.spec` says: `speculative.factory.build_speculator`,
+    the one builder, turns this config into the drafter it attaches (`Engine.speculate` for
+    another config on a running engine).
 
     method: "none", "draft_model" (a smaller model with the target's tokenizer),
         "self_draft" (the target's first `num_draft_layers` layers) or "ngram"

@@ -100,7 +100,7 @@ class Frontend:
         self.check_capacity()
         start = time.perf_counter()
         report = report if report is not None else RequestReport()
-        worker_req = WorkerRequest(uuid.uuid4().hex, request.prompt_token_ids, request.params)  # no stop strings
+        worker_req = request.for_worker(uuid.uuid4().hex)
         timeout = self.default_timeout_s if timeout_s is None else max(0.0, timeout_s)
         deadline = asyncio.get_running_loop().time() + timeout
         self.inflight += 1

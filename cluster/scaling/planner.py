@@ -40,7 +40,8 @@ import statistics
 from dataclasses import dataclass
 
 from pdserve.cluster.settings.pool_config import PlannerConfig
-from pdserve.cluster.sim.simulator import Lengths, Prediction, Slo, Split, Traffic, simulate
+from pdserve.cluster.sim.simulator import Lengths, Prediction, Split, Traffic, simulate
+from pdserve.cluster.sim.slo import Slo
 from pdserve.cluster.sim.step_costs import StepCosts
 
 logger = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ class Planner:
         self.config = config
         self.costs = costs
         self.budget = budget
-        self.slo = Slo(config.ttft_target_ms, config.itl_target_ms)
+        self.slo = Slo(ttft_ms=config.ttft_target_ms, tpot_ms=config.itl_target_ms)
         self._window: collections.deque[tuple[float, Observation]] = collections.deque()  # (start, observation)
         self._last_now: float | None = None
         self._last_change = float("-inf")
@@ -196,7 +197,7 @@ class Planner:
         if decision.unmeetable != self._unmeetable:
             self._unmeetable = decision.unmeetable
             (logger.warning if decision.unmeetable else logger.info)(
-                "planner: the targets (TTFT %.0f ms, ITL %.0f ms) are %s", self.slo.ttft_ms, self.slo.itl_ms,
+                "planner: the targets (TTFT %.0f ms, ITL %.0f ms) are %s", self.slo.ttft_ms, self.slo.tpot_ms,
                 "unmeetable by any split of the budget" if decision.unmeetable else "meetable again")
         (logger.info if decision.outcome != "hold" else logger.debug)(
             "planner: %s %s -> %s (%s): %s", decision.outcome, decision.current, decision.target,
@@ -335,7 +336,7 @@ class Planner:
         """The worse of the two corrected latencies against its target (<= 1: both met)."""
         q = self.config.percentile
         ttft = self._correction.ttft * _at(pred.ttft_ms, q) / self.slo.ttft_ms
-        itl = self._correction.itl * _at(pred.tpot_ms, q) / self.slo.itl_ms
+        itl = self._correction.itl * _at(pred.tpot_ms, q) / self.slo.tpot_ms
         return max(ttft, itl)
 
     def _observed_miss(self, obs: Observation) -> str:

@@ -8,7 +8,8 @@ import argparse
 import json
 from typing import Any
 
-from pdserve.cluster.sim.simulator import Lengths, Prediction, Slo, Split, Traffic, simulate
+from pdserve.cluster.sim.simulator import Lengths, Prediction, Split, Traffic, simulate
+from pdserve.cluster.sim.slo import Slo
 from pdserve.cluster.sim.step_costs import StepCosts
 
 
@@ -46,7 +47,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_simulate(args: argparse.Namespace) -> int:
     costs = StepCosts.load(args.profile)
     traffic = Traffic(args.rate, args.prompt, args.output, args.requests, poisson=not args.even)
-    slo = Slo(args.ttft_ms, args.itl_ms)
+    slo = Slo(ttft_ms=args.ttft_ms, tpot_ms=args.itl_ms)
     if args.budget is not None:
         if args.budget < 1:
             raise ValueError(f"--budget must be >= 1, got {args.budget}")

@@ -32,6 +32,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from pdserve.cluster.sim.slo import Slo
 from pdserve.cluster.sim.step_costs import StepCosts
 
 _ARRIVE, _LAND, _STEP = 0, 1, 2
@@ -88,14 +89,6 @@ class Split:
 
     def __str__(self) -> str:
         return f"{self.num_decode} colocated" if self.colocated else f"{self.num_prefill}P/{self.num_decode}D"
-
-
-@dataclass(frozen=True, slots=True)
-class Slo:
-    """A request meets its objectives when its TTFT and its mean ITL (TPOT) are within these."""
-
-    ttft_ms: float = math.inf
-    itl_ms: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +295,7 @@ def simulate(costs: StepCosts, split: Split, traffic: Traffic, slo: Slo = Slo(),
     ttft = [r.first_token - r.arrival + ttft_extra for r in done]
     tpot = [(r.finish - r.first_token) / (r.output - 1) + itl_extra if r.output > 1 else 0.0 for r in done]
     gaps = [(g + itl_extra, n) for g, n in run.itl_steps] + [(r.first_gap + itl_extra, 1) for r in done if r.output > 1]
-    met = sum(1 for a, b in zip(ttft, tpot) if a * 1e3 <= slo.ttft_ms and b * 1e3 <= slo.itl_ms)
+    met = sum(1 for a, b in zip(ttft, tpot) if slo.met_by(a, b))
     duration = max(r.finish for r in done) - min(r.arrival for r in done)
     return Prediction(split, len(done), _percentiles(ttft), _weighted_percentiles(gaps), _percentiles(tpot),
                       duration, met / len(done), met / duration if duration > 0 else math.inf)

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import TextDelta, TokenDelta
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import FinishReason
@@ -45,6 +46,11 @@ class ProcessedRequest:
     # Made of chat messages: the answer is the assistant's turn, a reasoning model's thinking apart
     # from its content (a raw prompt is the caller's own template: its text as generated).
     chat: bool = False
+
+    def for_worker(self, request_id: str, num_prior_output_tokens: int = 0) -> WorkerRequest:
+        """What an engine runs of this request (its stop strings stay here): the one request
+        type of the engine's boundary, for the offline `Engine` and the frontends alike."""
+        return WorkerRequest(request_id, self.prompt_token_ids, self.params, num_prior_output_tokens)
 
 
 def prompt_only(request: ProcessedRequest) -> ProcessedRequest:

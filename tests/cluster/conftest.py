@@ -23,7 +23,7 @@ from tests.conftest import SmallModel
 
 # A tool-capable chat template that renders chats without tools as the model's own does
 # (tests/engine/text/test_tools.py), so that the shared servers can serve tools with it.
-TOOL_TEMPLATE = Path(__file__).parents[1] / "engine" / "chatml_tools.jinja"
+TOOL_TEMPLATE = Path(__file__).parents[1] / "engine" / "text" / "chatml_tools.jinja"
 
 
 @pytest.fixture(scope="session")

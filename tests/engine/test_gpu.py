@@ -181,7 +181,6 @@ def test_speculation_under_cuda_graphs_keeps_greedy_output(tmp_path, method, ada
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from pdserve.engine.config import SpecConfig
-    from pdserve.engine.speculative import speculative_engine
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -202,7 +201,7 @@ def test_speculation_under_cuda_graphs_keeps_greedy_output(tmp_path, method, ada
                                               draft_model=str(tmp_path), adaptive=adaptive,
                                               draft_vocab_size=draft_vocab_size,
                                               draft_vocab_file=str(vocab_file) if vocab_file else None)):
-            engine = speculative_engine(EngineConfig(
+            engine = Engine(EngineConfig(
                 model=ModelConfig(source=str(tmp_path), device="cuda", dtype="float32", enforce_eager=eager),
                 cache=CacheConfig(num_blocks=512, kv_cache_dtype=kv_cache_dtype),
                 scheduler=SchedulerConfig(max_num_batched_tokens=256), spec=spec))

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from pdserve.cluster.cli import main
-from pdserve.cluster.sim.simulator import Lengths, Slo, Split, Traffic, simulate
+from pdserve.cluster.sim.simulator import Lengths, Split, Traffic, simulate
+from pdserve.cluster.sim.slo import Slo
 from pdserve.cluster.sim.step_costs import Curve, StepCosts, least_overheads_s
 
 # Prefill: 10 ms + 0.1 ms a token; decode: 20 ms at batch 1, 50 ms at 64; KV: 1 ms + 1 ms a token.
@@ -118,9 +119,9 @@ def test_same_seed_same_prediction_other_seed_other():
 
 
 def test_slo_counts_what_meets_it():
-    p = simulate(COSTS, Split(1, 1), _alone(200, 10), Slo(ttft_ms=25, itl_ms=1000))
+    p = simulate(COSTS, Split(1, 1), _alone(200, 10), Slo(ttft_ms=25, tpot_ms=1000))
     assert p.attainment == 0.0 and p.goodput == 0.0
-    p = simulate(COSTS, Split(1, 1), _alone(200, 10), Slo(ttft_ms=35, itl_ms=1000))
+    p = simulate(COSTS, Split(1, 1), _alone(200, 10), Slo(ttft_ms=35, tpot_ms=1000))
     assert p.attainment == 1.0
 
 
