@@ -17,7 +17,7 @@ from pdserve.engine.text.request_processor import RequestProcessor
 from pdserve.engine.text.tool_parsers import TOOL_FORMATS
 from pdserve.proto.v1 import generation_pb2 as pb
 
-TOOL_TEMPLATE = Path(__file__).parents[1] / "chatml_tools.jinja"
+TOOL_TEMPLATE = Path(__file__).with_name("chatml_tools.jinja")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
