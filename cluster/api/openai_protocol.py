@@ -16,7 +16,7 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.text.request_processor import ProcessedRequest, RequestProcessor, prompt_only
 from pdserve.engine.text.tools import tool_request
 
-if TYPE_CHECKING:  # an annotation only: the sampler imports torch, which the HTTP path needs not
+if TYPE_CHECKING:  # annotations only: the sampler imports torch, which the HTTP path does not need
     from pdserve.engine.sampler import TokenLogprobs
 
 
