@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from pdserve.cluster.api.admin_service import AdminService
-from pdserve.cluster.api.auth import AdminTokenInterceptor, BearerTokenInterceptor
+from pdserve.cluster.api.interceptors import AdminTokenInterceptor, BearerTokenInterceptor
 from pdserve.cluster.clients.admin_client import AdminClient
 from pdserve.cluster.clients.credentials import ClientCredentials
 from pdserve.cluster.settings.config import ServerConfig
