@@ -126,7 +126,7 @@ def main() -> None:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        from pdserve.engine.weights import resolve_model
+        from pdserve.engine.models.weights import resolve_model
 
         folder = resolve_model(engine.config.model).folder
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=engine.dtype).to(engine.device).eval()

@@ -27,8 +27,8 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.models.weights import resolve_model
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.weights import resolve_model
 
 
 def fresh_prompt(rng: random.Random, vocab_size: int, length: int) -> list[int]:

@@ -23,8 +23,8 @@ import numpy as np
 from pdserve.cluster.bench.backends import Backend, GrpcBackend, OpenAIBackend, RequestResult
 from pdserve.cluster.bench.dataset import random_requests
 from pdserve.cluster.bench.runner import LoadShape, run_load
-from pdserve.cluster.config import config_from_dict
 from pdserve.cluster.server import start_server
+from pdserve.cluster.settings.config import config_from_dict
 
 APIS = ("grpc", "http")
 

@@ -18,9 +18,14 @@ head dim 128, bf16, KV block 16), with baselines measured in the same run:
 - decode over an FP8 (e4m3) cache, 64 x 4k and 256 x 1.5k (`--only fp8kv`): bandwidth of its
   bytes (half a bf16 cache's), error against SDPA on the cache dequantized, the default tiling
   and (with --sweep) the others, each twice: tiles widened to bf16 ("fp8") and multiplied as
-  e4m3 with the query and P rounded to e4m3 ("fp8-dot", paged_decode's opt-in fp8_dot).
+  e4m3 with the query and P rounded to e4m3 ("fp8-dot", paged_decode's opt-in fp8_dot);
+- MLA decode at DeepSeek-V3's widths (`--only mla`: latent 512 + 64, 128 heads (one GPU's) and
+  16 (TP 8's)), 64 x 4k and 256 x 1.5k over a bf16 and an FP8 latent cache: the latent bytes
+  mla_decode reads over its time, beside the copy, error against torch's absorbed attention
+  in float32; also the verification form (2 tokens a sequence: MTP's draft and the token
+  before it) and (with --sweep) tilings and split counts.
 
-    python -m benchmarks.kernels [--sweep] [--json PATH] [--only prefill|decode|fp8kv]
+    python -m benchmarks.kernels [--sweep] [--json PATH] [--only prefill|decode|fp8kv|mla]
                                  [--prefill-configs "M,N,W,S,A;..."]
 
 (as a module: run as a script, this file's own name would shadow the kernels package).
@@ -48,6 +53,7 @@ from triton.testing import do_bench
 from pdserve.kernels import fp8
 from pdserve.kernels.flash_prefill import flash_prefill
 from pdserve.kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
+from pdserve.kernels.mla_decode import mla_decode, mla_decode_num_splits, mla_decode_tiling
 from pdserve.kernels.paged_decode import decode_num_splits, decode_workspace, paged_decode, paged_verify
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -67,6 +73,12 @@ DECODE_ROTATE_BYTES = 1 << 30
 FP8_DECODE_CASES = [(64, 4096), (256, 1536)]  # issue 42's figures
 FP8_DECODE_SWEEP = [(64, 4, 3), (128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2)]
 VERIFY_TOKENS = 5  # K = 4 drafted tokens + the last sampled one
+MLA_RANK, MLA_ROPE = 512, 64  # DeepSeek-V3's latent
+MLA_HEADS = [128, 16]  # V3's heads on one GPU (compute-bound at 242 FLOP a latent byte), and under TP 8 (30)
+MLA_CASES = [(64, 4096), (256, 1536)]  # issue 52's figures
+MLA_VERIFY_TOKENS = 2
+MLA_SWEEP = [(16, 32, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 3), (64, 64, 8, 1),
+             (64, 32, 8, 3)]  # block_h, block_n, num_warps, num_stages
 VERIFY_CASES = [(1, 32768), (8, 4096), (64, 4096)]  # batch, keys per sequence (new tokens included)
 
 
@@ -360,9 +372,84 @@ def decode_fp8(batch: int, context: int, sweep: bool) -> list[Row]:
     return rows
 
 
+def _mla_sets(batch: int, context: int, heads: int, cache_dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
+    """Enough independent (q_nope, q_pe, latent cache, block table) sets, 1 GiB of latents in
+    all, that each call reads from HBM; the cache's blocks shuffled as a pool's are."""
+    latent_bytes = batch * context * (MLA_RANK + MLA_ROPE) * cache_dtype.itemsize
+    sets = []
+    for _ in range(-(-DECODE_ROTATE_BYTES // latent_bytes)):
+        # A normalised c_kv and a query of DeepSeek's scale: scores of a few units, not a one-hot softmax.
+        latent = torch.randn(batch * context // BLOCK_SIZE, BLOCK_SIZE, MLA_RANK + MLA_ROPE, device="cuda")
+        cache = fp8.quantize(latent) if cache_dtype == fp8.KV_FP8 else latent.to(cache_dtype)
+        perm = torch.randperm(cache.shape[0], device="cuda")
+        cache = cache[perm].contiguous()  # logical block j of sequence b sits at perm_inverse
+        block_tables = torch.argsort(perm).view(batch, context // BLOCK_SIZE).to(torch.int32)
+        q = torch.randn(batch, heads, MLA_RANK + MLA_ROPE, device="cuda", dtype=DTYPE) * 0.3
+        sets.append((q[..., :MLA_RANK], q[..., MLA_RANK:], cache, block_tables))
+    return sets
+
+
+def _mla_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                   q_lens: int, scale: float) -> torch.Tensor:
+    """Absorbed MLA attention in float32 over the latents gathered contiguous; q_lens tokens
+    a sequence (packed), causal among them."""
+    batch = block_tables.shape[0]
+    latent = cache.float()[block_tables.long()].view(batch, -1, MLA_RANK + MLA_ROPE)       # [B, L, 576]
+    heads = q_nope.shape[1]
+    q = torch.cat([q_nope, q_pe], -1).float().view(batch, q_lens, heads, -1)
+    scores = torch.einsum("bthd,bkd->bhtk", q, latent) * scale
+    length = latent.shape[1]
+    q_pos = torch.arange(length - q_lens, length, device=q.device)[:, None]
+    scores = scores.masked_fill(torch.arange(length, device=q.device)[None, :] > q_pos, float("-inf"))
+    out = torch.einsum("bhtk,bkc->bthc", scores.softmax(-1), latent[..., :MLA_RANK])
+    return out.reshape(batch * q_lens, heads, MLA_RANK)
+
+
+def mla(batch: int, context: int, heads: int, cache_dtype: torch.dtype, sweep: bool) -> list[Row]:
+    """mla_decode (and its verification form) at V3's widths: the rate counts the latent bytes
+    read (576 values a token, 2 bytes or 1), the query's and the output's."""
+    sets = _mla_sets(batch, context, heads, cache_dtype)
+    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    scale = (128 + MLA_ROPE) ** -0.5  # V3's qk_head_dim, before YaRN's mscale
+    latent_bytes = batch * context * (MLA_RANK + MLA_ROPE) * cache_dtype.itemsize
+    mode = "fp8" if cache_dtype == fp8.KV_FP8 else "bf16"
+    rows = []
+    for q_lens in (1, MLA_VERIFY_TOKENS):
+        # The verification form: q_lens tokens a sequence, the last q_lens positions of its context.
+        sets_q = [(q_nope.repeat_interleave(q_lens, 0), q_pe.repeat_interleave(q_lens, 0), *rest)
+                  for q_nope, q_pe, *rest in sets]
+        verify = {} if q_lens == 1 else {
+            "cu_seqlens_q": torch.arange(0, batch * q_lens + 1, q_lens, device="cuda", dtype=torch.int32),
+            "max_seqlen_q": q_lens}
+        out = torch.empty_like(sets_q[0][0])
+        ref = _mla_reference(*sets_q[0], q_lens, scale)
+        nbytes = latent_bytes + 2 * out.nbytes + sets_q[0][1].nbytes
+        default = mla_decode_tiling(out, heads, q_lens)
+        default_splits = mla_decode_num_splits(batch, heads, default["block_h"], context, out.device)
+        configs = [(default_splits, None)]
+        if sweep and q_lens == 1:
+            splits = sorted({1, max(1, default_splits // 2), default_splits, default_splits * 2})
+            configs += [(n, c) for n in splits for c in MLA_SWEEP]
+        for num_splits, tiling in configs:
+            kw = {} if tiling is None else dict(zip(("block_h", "block_n", "num_warps", "num_stages"), tiling))
+            ws = decode_workspace(batch * q_lens, heads, MLA_RANK, num_splits, out.device)
+            fns = [lambda s=s, kw=kw, ws=ws: mla_decode(*s, seq_lens, scale, out=out, workspace=ws, **verify, **kw)
+                   for s in sets_q]
+            out.fill_(float("nan"))
+            if not _runs(fns[0], (num_splits, tiling)):
+                continue
+            err = _rel_err(out, ref)
+            ms = _bench_graph(fns)
+            form = "mla" if q_lens == 1 else f"mla verify {q_lens}"
+            name = "default" if tiling is None else "(" + ",".join(map(str, tiling)) + ")"
+            rows.append(Row("mla", f"{batch}x{context}", f"ours {form} {heads}h {mode} S{num_splits} {name}",
+                            ms, nbytes / ms / 1e9, err))
+    return rows
+
+
 def _print(rows: list[Row], copy_tbs: float) -> None:
     for r in rows:
-        pct = f"{100 * r.rate / copy_tbs:6.1f}%" if r.kind in ("decode", "verify") else ""
+        pct = f"{100 * r.rate / copy_tbs:6.1f}%" if r.kind in ("decode", "verify", "mla") else ""
         err = f"{r.rel_err:.1e}" if r.rel_err is not None else ""
         print(f"{r.kind:8} {r.case:10} {r.impl:34} {r.ms:9.4f} {r.rate:8.2f} {pct:>7} {err:>8}", flush=True)
 
@@ -371,7 +458,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time tuning variants")
     parser.add_argument("--json", help="write every row here")
-    parser.add_argument("--only", choices=["prefill", "decode", "fp8kv"], help="run one part")
+    parser.add_argument("--only", choices=["prefill", "decode", "fp8kv", "mla"], help="run one part")
     parser.add_argument("--prefill-configs", help="prefill sweep instead of the built-in one: "
                         "'block_m,block_n,num_warps,num_stages,maxnreg;...' (implies --sweep)")
     args = parser.parse_args()
@@ -385,11 +472,14 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  copy {copy_tbs:.2f} TB/s  matmul {rows[1].rate:.0f} TFLOP/s")
     print(header)
     cases = []
-    if args.only not in ("decode", "fp8kv"):
+    if args.only not in ("decode", "fp8kv", "mla"):
         cases += [lambda n=n: prefill(n, prefill_configs) for n in PREFILL_LENS]
         cases.append(lambda: prefill_chunked(*PREFILL_CHUNKED))
     if args.only == "fp8kv":
         cases += [lambda b=b, c=c: decode_fp8(b, c, args.sweep) for b, c in FP8_DECODE_CASES]
+    elif args.only == "mla":
+        cases += [lambda b=b, c=c, h=h, d=d: mla(b, c, h, d, args.sweep)
+                  for h in MLA_HEADS for b, c in MLA_CASES for d in (DTYPE, fp8.KV_FP8)]
     elif args.only != "prefill":
         cases += [lambda b=b, c=c: decode(b, c, args.sweep) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
         cases += [lambda b=b, c=c: verify(b, c - VERIFY_TOKENS, VERIFY_TOKENS) for b, c in VERIFY_CASES]

@@ -28,12 +28,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from pdserve.benchmarks.serving import hop_means, hop_sums
-from pdserve.cluster.bench.multi_turn import MultiTurnWorkload
+from benchmarks.serving import hop_means, hop_sums
+from pdserve.cluster.bench.conversations import MultiTurnWorkload
 from pdserve.cluster.cli import main as pdserve
-from pdserve.cluster.config import config_from_dict
 from pdserve.cluster.ray_driver import init_ray
 from pdserve.cluster.server import Server, start_server
+from pdserve.cluster.settings.config import config_from_dict
 from pdserve.engine.config import DEFAULT_MODEL
 
 NUM_PREFILL = 2

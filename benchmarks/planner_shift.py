@@ -35,12 +35,13 @@ import numpy as np
 
 from pdserve.cluster.bench.backends import GrpcBackend, RequestResult
 from pdserve.cluster.bench.dataset import BenchRequest, random_requests
-from pdserve.cluster.config import config_from_dict
-from pdserve.cluster.pool_config import PlannerConfig
 from pdserve.cluster.ray_driver import init_ray
 from pdserve.cluster.server import Server, start_server
-from pdserve.cluster.simulator import Lengths, Slo, Split, Traffic, simulate
-from pdserve.cluster.step_costs import StepCosts
+from pdserve.cluster.settings.config import config_from_dict
+from pdserve.cluster.settings.pool_config import PlannerConfig
+from pdserve.cluster.sim.simulator import Lengths, Split, Traffic, simulate
+from pdserve.cluster.sim.slo import Slo
+from pdserve.cluster.sim.step_costs import StepCosts
 
 TIMEOUT_S = 600.0
 
@@ -211,7 +212,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="write every request's figures (JSON) here")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for name in ("pdserve.cluster.planner", "pdserve.cluster.planner_loop", "pdserve.cluster.elastic"):
+    for name in ("pdserve.cluster.scaling.planner", "pdserve.cluster.scaling.planner_loop",
+                 "pdserve.cluster.scaling.elastic"):
         logging.getLogger(name).setLevel(logging.INFO)
     phases = tuple(Phase(name, int(i), int(o), float(r)) for name, (i, o, r) in
                    (("phase 1 (short prompts, long answers)", args.phase1.split(",")),
@@ -229,7 +231,7 @@ def main() -> None:
         for num_prefill in range(1, budget):
             s = Split(num_prefill, budget - num_prefill)
             pred = simulate(costs, s, Traffic(ph.rate_per_s, Lengths(ph.input_len), Lengths(ph.output_len), 300),
-                            Slo(targets.ttft_ms, targets.itl_ms))
+                            Slo(ttft_ms=targets.ttft_ms, tpot_ms=targets.itl_ms))
             print(f"predicted phase {i + 1} {s}: TTFT p90 {pred.ttft_ms[90]:.0f} ms, ITL p90 {pred.tpot_ms[90]:.0f} ms",
                   flush=True)
     planner = {"enabled": True, "profile": args.profile, "ttft_target_ms": targets.ttft_ms,

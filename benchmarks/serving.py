@@ -21,9 +21,9 @@ from pdserve.cluster.bench.backends import GrpcBackend, RequestResult
 from pdserve.cluster.bench.dataset import random_requests
 from pdserve.cluster.bench.report import summarize
 from pdserve.cluster.bench.runner import LoadShape, RunResult, run_load
-from pdserve.cluster.config import config_from_dict
-from pdserve.cluster.metrics import Metrics
 from pdserve.cluster.server import start_server
+from pdserve.cluster.serving.metrics import Metrics
+from pdserve.cluster.settings.config import config_from_dict
 
 
 def _ms(xs: list[float], q: float) -> float:

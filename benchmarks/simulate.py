@@ -34,10 +34,10 @@ from pdserve.cluster.bench.backends import GrpcBackend
 from pdserve.cluster.bench.dataset import random_requests
 from pdserve.cluster.bench.report import summarize
 from pdserve.cluster.bench.runner import LoadShape, run_load
-from pdserve.cluster.config import config_from_dict
 from pdserve.cluster.server import start_server
-from pdserve.cluster.simulator import Lengths, Split, Traffic, simulate
-from pdserve.cluster.step_costs import StepCosts, least_overheads_s
+from pdserve.cluster.settings.config import config_from_dict
+from pdserve.cluster.sim.simulator import Lengths, Split, Traffic, simulate
+from pdserve.cluster.sim.step_costs import StepCosts, least_overheads_s
 
 SETUPS = {"1P+1D": ("disaggregated", Split(1, 1)), "colocated": ("colocated", Split(0, 1))}
 
@@ -50,7 +50,7 @@ def _mixes(args: argparse.Namespace) -> dict[str, tuple[float, int, int]]:
 def _profile(args: argparse.Namespace) -> StepCosts:
     if args.profile:
         return StepCosts.load(args.profile)
-    from pdserve.cluster.profiler import measure
+    from pdserve.cluster.sim.profile_cmd import measure
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import Engine
 

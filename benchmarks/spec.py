@@ -38,19 +38,15 @@ import datetime
 import json
 import os
 import platform
-import random
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
+from benchmarks.spec_passes import PassCost, pass_costs, sync
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculative import SpecDecoder, build_speculator, expected_speedup, expected_tokens_per_pass
 from pdserve.engine.speculative.draft_model import ModelDrafter
 
@@ -84,14 +80,6 @@ COPY = [
 
 
 @dataclass(frozen=True, slots=True)
-class PassCost:
-    model: str
-    batch: int
-    decode_ms: float  # one step, one token per sequence
-    verify_ms: float | None  # one pass over K+1 tokens per sequence (targets only)
-
-
-@dataclass(frozen=True, slots=True)
 class Run:
     drafter: str
     workload: str
@@ -107,54 +95,6 @@ class Run:
     predicted_speedup_measured_verify: float
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_pass(runner: ModelRunner, bm: BlockManager, vocab: int, batch: int, context: int, num_new: int,
-              iters: int) -> float:
-    """Milliseconds of one forward over `batch` sequences of `context` tokens, each
-    advancing by `num_new` (1: a decode step; K+1: a verification pass)."""
-    rng = random.Random(0)
-    seqs = []
-    for i in range(batch):
-        prompt = tuple(rng.randrange(vocab) for _ in range(context))
-        seq = Sequence(f"bench-{i}", prompt, SamplingParams(), bm.block_size)
-        seq.spec_token_ids = [rng.randrange(vocab) for _ in range(num_new - 1)]
-        if not bm.allocate(seq, context - 1 + num_new):
-            raise ValueError("KV pool too small for the pass-cost benchmark")
-        seq.num_computed_tokens = context - 1  # the context's KV is garbage, its cost is not
-        seqs.append(seq)
-    sched = ScheduledBatch(seqs, [num_new] * batch)
-    device = runner.device
-    try:
-        for _ in range(2):
-            runner.compute_logits(sched)
-        _sync(device)
-        t = time.perf_counter()
-        for _ in range(iters):
-            runner.compute_logits(sched)
-        _sync(device)
-        return (time.perf_counter() - t) / iters * 1e3
-    finally:
-        for seq in seqs:
-            bm.free(seq)
-
-
-def pass_costs(engine: Engine, drafters: dict[str, ModelDrafter], k: int, batches: list[int], context: int,
-               iters: int) -> list[PassCost]:
-    vocab = engine.arch.vocab_size
-    rows = []
-    for b in batches:
-        decode = time_pass(engine.runner, engine.block_manager, vocab, b, context, 1, iters)
-        verify = time_pass(engine.runner, engine.block_manager, vocab, b, context, k + 1, iters)
-        rows.append(PassCost("target", b, decode, verify))
-        for name, d in drafters.items():
-            rows.append(PassCost(name, b, time_pass(d.runner, d.block_manager, vocab, b, context, 1, iters), None))
-    return rows
-
-
 def decode_rate(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
     """Decode tokens/s over the prompts, one request at a time, the prompt's pass excluded."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -162,11 +102,11 @@ def decode_rate(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tu
     for prompt in prompts:
         engine.add_request(prompt, params)
         engine.step()  # the prompt's pass: the first token
-        _sync(engine.device)
+        sync(engine.device)
         t = time.perf_counter()
         while engine.has_unfinished:
             tokens += sum(len(d.token_ids) for d in engine.step())
-        _sync(engine.device)
+        sync(engine.device)
         elapsed += time.perf_counter() - t
     return tokens / elapsed, tokens
 
@@ -181,16 +121,16 @@ def end_to_end(engine: Engine, specs: dict[str, SpecConfig], costs: list[PassCos
     }
     runs = []
     for workload, prompts in workloads.items():
-        engine.set_speculator(None)
+        engine.speculate(None)
         decode_rate(engine, prompts[:1], 8)  # warm up
         base, _ = decode_rate(engine, prompts, max_tokens)
         print(f"{workload}: no speculation {base:.1f} tok/s")
         for name, spec in specs.items():
-            speculator = build_speculator(engine, spec)
+            engine.speculate(spec)
+            speculator = engine.speculator
             assert isinstance(speculator, SpecDecoder)
-            engine.set_speculator(speculator)
             rate, _ = decode_rate(engine, prompts, max_tokens)
-            engine.set_speculator(None)
+            engine.speculate(None)
             m = speculator.metrics
             draft = next((c for c in costs if c.model == name and c.batch == 1), None)
             c = draft.decode_ms / target.decode_ms if draft else 0.0
@@ -275,7 +215,7 @@ def main() -> None:
     }
     drafters = {}
     for name in ("self_draft", "draft_model"):
-        speculator = build_speculator(engine, specs[name])
+        speculator = build_speculator(engine.parts, engine.config, specs[name])
         assert isinstance(speculator, SpecDecoder) and isinstance(speculator.drafter, ModelDrafter)
         drafters[name] = speculator.drafter
     costs = pass_costs(engine, drafters, args.k, [1, args.batch_size], args.context, args.iters)

@@ -19,13 +19,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmarks.spec import _sync, pass_costs
+from benchmarks.spec_passes import pass_costs, sync
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampler import on_device
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.speculative import SpecDecoder, expected_tokens_per_pass
-from pdserve.engine.speculative.adaptive import AdaptiveK, MeasuredCosts, RelativeCosts
 from pdserve.engine.speculative.draft_model import DraftTarget, ModelDrafter, draft_head_ids, load_draft_model
 from pdserve.engine.speculative.factory import draft_target
 
@@ -81,13 +80,13 @@ def _batch_rate(engine: Engine, prompts: list[list[int]], max_tokens: int, ids: 
     while any(not out for out in outputs.values()):  # every prompt's pass: its first token
         for d in engine.step():
             outputs[d.request_id] += d.token_ids
-    _sync(engine.device)
+    sync(engine.device)
     t, tokens = time.perf_counter(), 0
     while engine.has_unfinished:
         for d in engine.step():
             outputs[d.request_id] += d.token_ids
             tokens += len(d.token_ids)
-    _sync(engine.device)
+    sync(engine.device)
     return tokens / (time.perf_counter() - t), outputs
 
 
@@ -119,12 +118,6 @@ def _matched(oracle: dict[str, list[int]], outputs: dict[str, list[int]]) -> flo
     return matched / total
 
 
-def _costs(engine: Engine, drafter: ModelDrafter, cost_ratio: float = 0.3) -> MeasuredCosts | RelativeCosts:
-    """What adaptive K weighs: the graphs' replay times, or without graphs `cost_ratio`."""
-    graphs = engine.runner.graphs
-    return MeasuredCosts(graphs, drafter.runner.graphs) if graphs is not None else RelativeCosts(cost_ratio)
-
-
 def make_greedy_chain(model: torch.nn.Module, seed: int = 0, layer_scale: float = 1e-4) -> None:
     """Dummy weights whose greedy continuation bf16 rounding cannot flip (see `--controlled`).
 
@@ -146,24 +139,30 @@ def make_greedy_chain(model: torch.nn.Module, seed: int = 0, layer_scale: float 
         model.lm_head.weight.copy_(embed[perm])
 
 
-def _speculator(engine: Engine, drafter: ControlledDrafter, k: int, alpha: float, adaptive: bool,
-                cost_ratio: float) -> SpecDecoder:
-    """A fresh speculator for one case (the drafter's acceptance and random draws reset)."""
+def _speculate(engine: Engine, drafter: ControlledDrafter, k: int, alpha: float, adaptive: bool,
+               cost_ratio: float) -> SpecDecoder:
+    """Speculate with `drafter` from now on, afresh for one case (its acceptance and random
+    draws reset), through the engine's builder; returns the speculator. Without graphs adaptive
+    K weighs each proposed token at `cost_ratio` of a decode step."""
     drafter.alpha, drafter.rng = alpha, random.Random(2)
-    ada = AdaptiveK(k, _costs(engine, drafter, cost_ratio)) if adaptive else None
-    return SpecDecoder(drafter, engine.sampler, k, ada)
+    engine.speculate(_config(k, adaptive, cost_ratio), drafter=drafter)
+    return engine.speculator
 
 
-def _host_profile(engine: Engine, spec: SpecDecoder, prompts: list[list[int]], max_tokens: int, ids: list[str],
-                  label: str) -> None:
-    """One more run of a case under cProfile, apart from the timed one: the profiler slows the
-    host several-fold, which a host-bound step shows as a lower speedup."""
-    engine.set_speculator(spec)
+def _config(k: int, adaptive: bool = False, cost_ratio: float = 0.3) -> SpecConfig:
+    # The method is the drafter's own (`Engine.speculate`'s drafter): "ngram" only turns it on.
+    return SpecConfig(method="ngram", num_speculative_tokens=k, adaptive=adaptive, verify_cost=cost_ratio)
+
+
+def _host_profile(engine: Engine, prompts: list[list[int]], max_tokens: int, ids: list[str], label: str) -> None:
+    """One more run of a case under cProfile, apart from the timed one (the engine speculates
+    as the case does): the profiler slows the host several-fold, which a host-bound step shows
+    as a lower speedup."""
     profiler = cProfile.Profile()
     profiler.enable()
     _batch_rate(engine, prompts, max_tokens, ids)
     profiler.disable()
-    engine.set_speculator(None)
+    engine.speculate(None)
     print(f"host profile, {label} (cProfile, cumulative, pdserve's own; an untimed run):")
     pstats.Stats(profiler).sort_stats("cumulative").print_stats("pdserve", 40)
 
@@ -172,7 +171,7 @@ def controlled(engine: Engine, args: argparse.Namespace) -> list[ControlledRun]:
     k, vocab = args.k, engine.arch.vocab_size
     if args.chain:
         make_greedy_chain(engine.model)
-    target = draft_target(engine)
+    target = draft_target(engine.parts, engine.config)
     draft_model = load_draft_model(args.draft or args.model, target)
     head_ids = draft_head_ids(engine.config.spec, vocab)
     rng = random.Random(1)
@@ -180,7 +179,7 @@ def controlled(engine: Engine, args: argparse.Namespace) -> list[ControlledRun]:
     for batch in args.batches:
         prompts = [[rng.randrange(vocab) for _ in range(args.context)] for _ in range(batch)]
         ids = [f"b{batch}-{i}" for i in range(batch)]
-        engine.set_speculator(None)
+        engine.speculate(None)
         _batch_rate(engine, prompts[:1], 4, ["warm-up"])
         base, oracle = _batch_rate(engine, prompts, args.max_tokens, ids)
         print(f"batch {batch}: no speculation {base:.1f} tok/s")
@@ -188,11 +187,10 @@ def controlled(engine: Engine, args: argparse.Namespace) -> list[ControlledRun]:
         # Warm up: the draft's own kernels compile on its first prompt and on the catch-ups
         # of every length adaptive K's pauses leave (eager steps of new shapes).
         drafter.alpha = 0.5
-        for warm in (SpecDecoder(drafter, engine.sampler, k), SpecDecoder(
-                drafter, engine.sampler, k, AdaptiveK(k, _costs(engine, drafter)))):
-            engine.set_speculator(warm)
+        for adaptive in (False, True):
+            engine.speculate(_config(k, adaptive), drafter=drafter)
             _batch_rate(engine, prompts[:1], 48, [ids[0]])
-        engine.set_speculator(None)
+        engine.speculate(None)
         costs = pass_costs(engine, {"draft": drafter}, k, [batch], args.context, args.iters)
         v = costs[0].verify_ms / costs[0].decode_ms
         c = costs[1].decode_ms / costs[0].decode_ms
@@ -202,9 +200,9 @@ def controlled(engine: Engine, args: argparse.Namespace) -> list[ControlledRun]:
         drafter.alpha = 1.0
         for _ in range(args.oracle_iterations):
             drafter.rng = random.Random(2)
-            engine.set_speculator(SpecDecoder(drafter, engine.sampler, k))
+            engine.speculate(_config(k), drafter=drafter)
             _, outputs = _batch_rate(engine, prompts, args.max_tokens, ids)
-            engine.set_speculator(None)
+            engine.speculate(None)
             if outputs == drafter.oracle:
                 break
             drafter.oracle = oracle = outputs
@@ -212,13 +210,12 @@ def controlled(engine: Engine, args: argparse.Namespace) -> list[ControlledRun]:
         for alpha, adaptive in cases:
             cost, mode = c + (v - 1) / k, "adaptive" if adaptive else f"K={k}"
             if batch in args.profile and alpha == args.alphas[0]:
-                _host_profile(engine, _speculator(engine, drafter, k, alpha, adaptive, cost), prompts,
-                              args.max_tokens, ids, f"batch {batch}, {mode}")
-            spec = _speculator(engine, drafter, k, alpha, adaptive, cost)
-            engine.set_speculator(spec)
+                _speculate(engine, drafter, k, alpha, adaptive, cost)
+                _host_profile(engine, prompts, args.max_tokens, ids, f"batch {batch}, {mode}")
+            spec = _speculate(engine, drafter, k, alpha, adaptive, cost)
             counters = _counters(engine, drafter)
             rate, outputs = _batch_rate(engine, prompts, args.max_tokens, ids)
-            engine.set_speculator(None)
+            engine.speculate(None)
             print(f"  steps served (target eager, by q; draft eager, by q): {_counters(engine, drafter, counters)}")
             matched = _matched(oracle, outputs)
             m = spec.metrics

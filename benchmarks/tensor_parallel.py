@@ -30,8 +30,8 @@ import torch
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.models.arch import DUMMY_SHAPES
+from pdserve.engine.models.parallel import ShardPlan
 from pdserve.engine.models.registry import param_counts
-from pdserve.engine.parallel import ShardPlan
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transport.shards import PoolShards
 

@@ -53,7 +53,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from benchmarks.gpu_clock import GpuClock, stamp
-from pdserve.engine.kv_pool import KVLayout, KVPool
+from pdserve.engine.kv.pool import KVLayout, KVPool
 from pdserve.kv_transport import PeerAddress, TransferResult, TransportConfig
 from pdserve.kv_transport.staging import check_block_ids, gather_blocks, scatter_blocks
 

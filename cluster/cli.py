@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdserve.cluster.settings.flags import engine_config_from_args
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling import SamplingParams, StructuredOutput
 
@@ -24,13 +25,6 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json-schema", default=None,
                    help="structured output: JSON that follows this JSON schema (JSON text, or @file)")
     g.add_argument("--json-object", action="store_true", help="structured output: any JSON object")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The engine config of `pdserve generate`: the defaults and its engine.* flags."""
-    from pdserve.cluster.flags import apply_flags
-
-    return apply_flags(EngineConfig(), args, "engine.")
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -56,9 +50,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     if args.target:
         return _generate_remote(args, params)
-    from pdserve.engine.speculative import speculative_engine
+    from pdserve.engine.engine import Engine
 
-    engine = speculative_engine(engine_config_from_args(args))
+    engine = Engine(engine_config_from_args(args))
     prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
                for p in args.prompts]
     if len(prompts) == 1:  # stream a single prompt as it is generated
@@ -93,17 +87,17 @@ def _generate_remote(args: argparse.Namespace, params: SamplingParams) -> int:
     return 0
 
 
-def _client(args: argparse.Namespace):  # -> pdserve.cluster.client.Client
+def _client(args: argparse.Namespace):  # -> pdserve.cluster.clients.grpc_client.Client
     """A gRPC client for --target with the credentials its flags name (credentials.from_args)."""
-    from pdserve.cluster.client import Client
-    from pdserve.cluster.credentials import from_args
+    from pdserve.cluster.clients.credentials import from_args
+    from pdserve.cluster.clients.grpc_client import Client
 
     return Client(args.target, from_args(args))
 
 
 def _generate_http(args: argparse.Namespace, params: SamplingParams) -> int:
-    from pdserve.cluster.credentials import from_args
-    from pdserve.cluster.http_client import HttpApiError, stream_text
+    from pdserve.cluster.clients.credentials import from_args
+    from pdserve.cluster.clients.http_client import HttpApiError, stream_text
 
     credentials = from_args(args)
     for i, prompt in enumerate(args.prompts):
@@ -121,9 +115,9 @@ def _generate_http(args: argparse.Namespace, params: SamplingParams) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pdserve.cluster.config import ServeConfig, load_config
-    from pdserve.cluster.flags import apply_flags
     from pdserve.cluster.server import serve_forever
+    from pdserve.cluster.settings.config import ServeConfig, load_config
+    from pdserve.cluster.settings.flags import apply_flags
 
     # Defaults < the config file < the flags. The environment overrides no field: it
     # holds the cluster secret and the fallbacks of fields left unset (see engine/env.py).
@@ -141,7 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_kv_wipe(args: argparse.Namespace) -> int:
     """Delete a disk tier's files, offline (a running worker's tiers: `engine.kv_tiers.disk_persist`
     false at its start, or `Engine.wipe_kv_tiers`)."""
-    from pdserve.engine.kv_disk import wipe_folder
+    from pdserve.engine.kv.disk import wipe_folder
 
     root = Path(args.kv_disk_dir).expanduser()
     if not root.is_dir():
@@ -167,10 +161,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _admin(args: argparse.Namespace):  # -> pdserve.cluster.admin_client.AdminClient
+def _admin(args: argparse.Namespace):  # -> pdserve.cluster.clients.admin_client.AdminClient
     """An admin client for --target with the TLS files and admin token its flags name."""
-    from pdserve.cluster.admin_client import AdminClient
-    from pdserve.cluster.credentials import admin_from_args
+    from pdserve.cluster.clients.admin_client import AdminClient
+    from pdserve.cluster.clients.credentials import admin_from_args
 
     return AdminClient(args.target, admin_from_args(args))
 
@@ -188,7 +182,7 @@ def _admin_call(call) -> int:  # call: () -> None
 
 
 def _print_worker(w) -> None:  # w: admin_pb2.WorkerStatus
-    from pdserve.cluster.admin_client import PHASE_NAMES
+    from pdserve.cluster.clients.admin_client import PHASE_NAMES
 
     print(f"  {w.name:<12} {w.role:<8} {PHASE_NAMES.get(w.phase, '?'):<9} running {w.running:>4}  "
           f"queued {w.queued:>4}  in flight {w.inflight:>4}")
@@ -241,7 +235,7 @@ def _move(args: argparse.Namespace) -> int:
 
 
 def _add_admin_parsers(sub) -> None:  # sub: the subparsers of build_parser
-    from pdserve.cluster.credentials import add_admin_credential_args
+    from pdserve.cluster.clients.credentials import add_admin_credential_args
 
     def admin_parser(name: str, help_text: str, func) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
@@ -277,9 +271,9 @@ def _add_admin_parsers(sub) -> None:  # sub: the subparsers of build_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdserve.cluster.config_tree import config_fields
-    from pdserve.cluster.credentials import add_credential_args
-    from pdserve.cluster.flags import add_config_flags
+    from pdserve.cluster.clients.credentials import add_credential_args
+    from pdserve.cluster.settings.config_tree import config_fields
+    from pdserve.cluster.settings.flags import add_config_flags
 
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -298,17 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the gRPC and OpenAI HTTP APIs from Ray prefill and decode pools",
                            usage="%(prog)s [--config FILE] [--check-config] [--<section>.<field> VALUE ...]",
-                           description="Every field of the serve config (cluster/config.py) is a flag --<section>."
-                                       "<field>; a flag overrides --config's file, which overrides the defaults.")
+                           description="Every field of the serve config (cluster/settings/config.py) is a flag "
+                                       "--<section>.<field>; a flag overrides --config's file, which overrides "
+                                       "the defaults.")
     serve.add_argument("--config", help="YAML config file (the one the Helm chart renders)")
     serve.add_argument("--check-config", action="store_true", help="print the resulting config and exit")
     add_config_flags(serve, config_fields())
     serve.set_defaults(func=cmd_serve)
 
     from pdserve.cluster.bench import add_parser as add_bench_parser
-    from pdserve.cluster.profiler import add_parser as add_profile_parser
-    from pdserve.cluster.simulate_cli import add_parser as add_simulate_parser
-    from pdserve.cluster.spec_sim import add_parser as add_spec_sim_parser
+    from pdserve.cluster.sim.profile_cmd import add_parser as add_profile_parser
+    from pdserve.cluster.sim.simulate_cmd import add_parser as add_simulate_parser
+    from pdserve.cluster.sim.spec_sim_cmd import add_parser as add_spec_sim_parser
 
     add_spec_sim_parser(sub)
     add_simulate_parser(sub)

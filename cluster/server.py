@@ -15,27 +15,27 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.cluster.admin_service import AdminService
-from pdserve.cluster.auth import AdminTokenInterceptor, BearerTokenInterceptor, HttpTls, grpc_server_credentials
-from pdserve.cluster.config import ServeConfig, client_auth, cluster_secret, read_chat_template
-from pdserve.cluster.coordinator import Coordinator
-from pdserve.cluster.elastic import Elastic
-from pdserve.cluster.frontend import Frontend
-from pdserve.cluster.http_api import HttpServer
-from pdserve.cluster.interceptors import MalformedRequestInterceptor
-from pdserve.cluster.metrics import Metrics
-from pdserve.cluster.planner import Planner
-from pdserve.cluster.planner_loop import PlannerLoop
-from pdserve.cluster.pool_config import fit_pools_to_gpus
-from pdserve.cluster.pools import ActorSpec, Pool
+from pdserve.cluster.api.admin_service import AdminService
+from pdserve.cluster.api.auth import AdminTokenInterceptor, BearerTokenInterceptor, HttpTls, grpc_server_credentials
+from pdserve.cluster.api.frontend import Frontend
+from pdserve.cluster.api.grpc_service import GenerationService
+from pdserve.cluster.api.http_api import HttpServer
+from pdserve.cluster.api.interceptors import MalformedRequestInterceptor
 from pdserve.cluster.ray_driver import init_ray
-from pdserve.cluster.service import GenerationService
-from pdserve.cluster.step_costs import StepCosts
+from pdserve.cluster.scaling.elastic import Elastic
+from pdserve.cluster.scaling.planner import Planner
+from pdserve.cluster.scaling.planner_loop import PlannerLoop
+from pdserve.cluster.serving.coordinator import Coordinator
+from pdserve.cluster.serving.metrics import Metrics
+from pdserve.cluster.serving.pools import ActorSpec, Pool
+from pdserve.cluster.settings.config import ServeConfig, client_auth, cluster_secret, read_chat_template
+from pdserve.cluster.settings.pool_config import fit_pools_to_gpus
+from pdserve.cluster.sim.step_costs import StepCosts
 from pdserve.decode_node.worker import DecodeWorker
-from pdserve.engine.parallel import check_splits
-from pdserve.engine.request_processor import RequestProcessor
-from pdserve.engine.tools import tool_format
-from pdserve.engine.weights import load_tokenizer, resolve_model
+from pdserve.engine.models.parallel import check_splits
+from pdserve.engine.models.weights import load_tokenizer, resolve_model
+from pdserve.engine.text.request_processor import RequestProcessor
+from pdserve.engine.text.tools import tool_format
 from pdserve.kv_transport import TransportConfig
 from pdserve.prefill_node.worker import PrefillWorker
 from pdserve.proto.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc

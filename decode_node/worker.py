@@ -11,10 +11,10 @@ import asyncio
 import logging
 
 from pdserve.engine.config import EngineConfig, WorkerConfig
+from pdserve.engine.engine import Engine
 from pdserve.engine.loop import LoopConfig, LoopWorker, log_failure
 from pdserve.engine.messages import KVTransferInfo, WorkerRequest
 from pdserve.engine.outputs import TokenDelta
-from pdserve.engine.speculative import speculative_engine
 from pdserve.kv_transport import PeerAddress, TransportConfig
 from pdserve.kv_transport.shards import PoolShards
 
@@ -26,8 +26,7 @@ class DecodeWorker(LoopWorker):
                  worker_config: WorkerConfig | None = None, loop_config: LoopConfig | None = None, *,
                  slot: str | None = None) -> None:
         """`slot`: its place in the pool (`cluster.pools`), which names its KV disk tier; None: its id."""
-        # speculative_engine: speculates when engine_config.spec says.
-        super().__init__(worker_id, speculative_engine(engine_config.for_worker(slot or worker_id)), loop_config)
+        super().__init__(worker_id, Engine(engine_config.for_worker(slot or worker_id)), loop_config)
         self._transport = transport
         self._config = worker_config or WorkerConfig()
         self._receiver = None

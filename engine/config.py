@@ -113,7 +113,7 @@ class CacheConfig:
     kv_copy_wait_s: bound on waiting for a KV copy into this engine's blocks (its CUDA event)
         before they are freed: a copy from a process that died may never complete, and the
         engine thread must keep serving.
-    kv_events_max_pending: KV events (`engine/kv_events.py`: blocks stored in or removed from
+    kv_events_max_pending: KV events (`engine/kv/events.py`: blocks stored in or removed from
         the prefix cache) kept for the router between two load reports. Beyond it the oldest
         are dropped and the router, seeing the gap, resynchronizes from a snapshot.
     """
@@ -157,7 +157,7 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class KVTierConfig:
-    """KV tiers below the device pool (`engine/kv_tiers.py`): blocks the prefix cache evicts
+    """KV tiers below the device pool (`engine/kv/tiers.py`): blocks the prefix cache evicts
     are copied down (host memory first, then a local disk directory) off the step's path, and
     come back on a prefix hit instead of being recomputed. Both tiers off by default.
 
@@ -224,8 +224,9 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpecConfig:
     """Speculative decoding: a drafter proposes tokens, the target verifies them in one pass.
 
-    The engine only runs the hooks; `engine.speculative.build_speculator` turns
-    this config into the drafter it attaches (`Engine.set_speculator`).
+    `Engine(config)` speculates as `config.spec` says: `speculative.factory.build_speculator`,
+    the one builder, turns this config into the drafter it attaches (`Engine.speculate` for
+    another config on a running engine).
 
     method: "none", "draft_model" (a smaller model with the target's tokenizer),
         "self_draft" (the target's first `num_draft_layers` layers) or "ngram"

@@ -18,19 +18,21 @@ from collections.abc import Iterator
 
 import torch
 
-from pdserve.engine.assembly import assemble
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, SpecConfig
+from pdserve.engine.kv.events import DISK_TIER, HOST_TIER, KVSnapshot
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.kv_events import DISK_TIER, HOST_TIER, KVSnapshot
 from pdserve.engine.kv_handoff import KVComputed, KVHandoff
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import EngineLoad, RequestOutput, TextDelta, TokenDelta
-from pdserve.engine.request_processor import ProcessedRequest, RequestProcessor
+from pdserve.engine.runner.assembly import assemble
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculative.drafter import Drafter
+from pdserve.engine.speculative.factory import build_speculator
 from pdserve.engine.speculator import Speculator
 from pdserve.engine.step_core import EngineCore
+from pdserve.engine.text.request_processor import ProcessedRequest, RequestProcessor
 
 Prompt = str | list[int]
 
@@ -59,6 +61,8 @@ class Engine:
         self.core = EngineCore(config, parts, self.scheduler, self.kv, self.handoff)
         self.structured, self.penalties = self.core.structured, self.core.penalties
         self._ids = itertools.count()
+        self.parts = parts
+        self.speculate(config.spec)
 
     def close(self) -> None:
         """Stop the engine's other tensor-parallel ranks and its KV tiers' offload thread
@@ -95,33 +99,33 @@ class Engine:
                              "generate_stream(), or engine.processor.output_stream() over the deltas")
         request = self.processor.process(prompt, params=params)
         _check_prior(num_prior_output_tokens, request)
-        return self._add(request, request_id, hold_kv, num_prior_output_tokens)
+        return self._add(request.for_worker(self._request_id(request_id), num_prior_output_tokens), hold_kv)
 
     def add_worker_request(self, req: WorkerRequest, hold_kv: bool = False) -> str:
         """Queue a request that a frontend validated (`RequestProcessor.process`): a worker's
         way in. Only its integrity is checked (`WorkerRequest.check`: BadWorkerRequest, a
         ValueError); `hold_kv` as in `add_request`."""
         self._check(req)
-        request = ProcessedRequest(req.prompt_token_ids, req.params)
-        return self._add(request, req.request_id, hold_kv, req.num_prior_output_tokens)
+        return self._add(req, hold_kv)
 
     def _check(self, req: WorkerRequest) -> None:
         req.check(self.arch.vocab_size, self.max_model_len, self.tokenizer is not None)
 
-    def _add(self, request: ProcessedRequest, request_id: str | None, hold_kv: bool = False,
-             num_prior_output_tokens: int = 0) -> str:
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self._check_unused(request_id)
-        self.core.add(self._sequence(request_id, request, num_prior_output_tokens), hold_kv)
-        return request_id
+    def _request_id(self, request_id: str | None) -> str:
+        return request_id if request_id is not None else f"req-{next(self._ids)}"
+
+    def _add(self, req: WorkerRequest, hold_kv: bool = False) -> str:
+        self._check_unused(req.request_id)
+        self.core.add(self._sequence(req), hold_kv)
+        return req.request_id
 
     def _check_unused(self, request_id: str) -> None:
         if request_id in self.core.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
 
-    def _sequence(self, request_id: str, request: ProcessedRequest, num_prior_output_tokens: int) -> Sequence:
-        return Sequence(request_id, request.prompt_token_ids, request.params, self.pool.layout.block_size,
-                        num_prior_output_tokens=num_prior_output_tokens)
+    def _sequence(self, req: WorkerRequest) -> Sequence:
+        return Sequence(req.request_id, req.prompt_token_ids, req.params, self.pool.layout.block_size,
+                        num_prior_output_tokens=req.num_prior_output_tokens)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request at once and free its blocks (held ones too); False if it is unknown or done."""
@@ -144,8 +148,7 @@ class Engine:
         self._check(req)
         self._check_unused(req.request_id)
         self.handoff.check_seat()
-        seq = self._sequence(req.request_id, ProcessedRequest(req.prompt_token_ids, req.params),
-                             req.num_prior_output_tokens)
+        seq = self._sequence(req)
         block_ids = self.handoff.reserve(seq)
         self.core.adopt(seq)
         return block_ids
@@ -217,9 +220,13 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished
 
-    def set_speculator(self, speculator: Speculator | None) -> None:
-        """Speculate with `speculator` from the next step on (None: stop).
-        `engine.speculative.build_speculator` makes one from `config.spec`."""
+    def speculate(self, spec: SpecConfig | None, drafter: Drafter | None = None) -> None:
+        """Speculate as `spec` says from the next step on (None, or a config with speculation
+        off: plain steps), through the builder `Engine(config)` uses for `config.spec`
+        (`speculative.factory.build_speculator`). `drafter` replaces the drafter `spec` names:
+        a benchmark's or a test's own, adapted and verified as any other. Raises ValueError for
+        a draft that cannot serve this model."""
+        speculator = None if spec is None else build_speculator(self.parts, self.config, spec, drafter)
         self.core.set_speculator(speculator)
 
     @property
@@ -263,7 +270,7 @@ class Engine:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         requests = [self.processor.process(p, params=sp) for p, sp in zip(prompts, params_list)]
-        return [(self._add(request, None), request) for request in requests]
+        return [(self._add(request.for_worker(self._request_id(None))), request) for request in requests]
 
     def _stream(self, submitted: list[tuple[str, ProcessedRequest]]) -> Iterator[TextDelta]:
         """Step until every submitted request is done, their token deltas turned into text."""

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import cast
 
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_events import DEVICE_TIER, DISK_TIER, HOST_TIER, KVEventRecorder, KVSnapshot
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.kv_tiers import KVTiers, TierHit
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.events import DEVICE_TIER, DISK_TIER, HOST_TIER, KVEventRecorder, KVSnapshot
+from pdserve.engine.kv.pool import KVPool
+from pdserve.engine.kv.tiers import KVTiers, TierHit
 from pdserve.engine.scheduler import ScheduledBatch
 
 

@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from pdserve.engine.kv_events import KVSnapshot
+from pdserve.engine.kv.events import KVSnapshot
 from pdserve.engine.outputs import EngineLoad, TokenDelta
 from pdserve.engine.sequence import FinishReason
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdserve.engine.kv_events import KVEventBatch
+from pdserve.engine.kv.events import KVEventBatch
 from pdserve.engine.sequence import FinishReason
 
 if TYPE_CHECKING:
-    from pdserve.engine.kv_tiers import KVTierStats
+    from pdserve.engine.kv.tiers import KVTierStats
     from pdserve.engine.sampler import TokenLogprobs
     from pdserve.engine.speculator import SpecMetrics
 

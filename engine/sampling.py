@@ -18,7 +18,7 @@ class StructuredOutput:
 
     kind: "json_schema": JSON that follows `json_schema`; "json_object": any JSON object;
         "structural_tag": text in the shape of an xgrammar structural tag (a chat's forced tool
-        calls, `engine/tools.py`).
+        calls, `engine/text/tools.py`).
     json_schema: the schema as compact JSON text, member order kept (the output follows it;
         the grammar cache's key); "" for the other kinds.
     structural_tag: the structural tag as JSON text; "" for the other kinds.

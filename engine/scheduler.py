@@ -25,8 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence, SequenceStatus, tokens_left
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.engine.block_hash import hash_block_tokens, salt_seed
+from pdserve.engine.kv.block_hash import hash_block_tokens, salt_seed
 from pdserve.engine.sampling import SamplingParams
 
 # A token sampled by a step whose result has not reached the host yet (overlapped steps):

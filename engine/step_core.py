@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.assembly import EngineParts
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import StructuredOutputs
 from pdserve.engine.kv_cache import KVCache
@@ -25,12 +24,13 @@ from pdserve.engine.kv_handoff import KVHandoff
 from pdserve.engine.outputs import TokenDelta
 from pdserve.engine.penalties import Penalties
 from pdserve.engine.prompt_logprobs import PromptChunk, PromptLogprobs
+from pdserve.engine.runner.assembly import EngineParts
+from pdserve.engine.runner.step_inputs import InFlightTokens
 from pdserve.engine.sampler import PendingSample, TokenLogprobs
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import FinishReason, Sequence
-from pdserve.engine.spec_step import SpeculativeSteps, StepProposals
+from pdserve.engine.speculative_steps import SpeculativeSteps, StepProposals
 from pdserve.engine.speculator import Speculator
-from pdserve.engine.step_inputs import InFlightTokens
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """Configuration of the KV transport (frozen dataclasses, validated on construction).
 
 `TransportSettings` holds every tunable and its default: it is also the `kv_transport`
-section of `pdserve serve`'s config (cluster/config.py embeds it). `TransportConfig` is
+section of `pdserve serve`'s config (cluster/settings/config.py embeds it). `TransportConfig` is
 what a worker's transport runs with: those settings plus the cluster secret and the
 worker's own address, which come from the environment and the worker's node, never
 from a config file.

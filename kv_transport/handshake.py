@@ -15,7 +15,7 @@ import hmac
 import json
 import os
 
-from pdserve.engine.kv_pool import KVLayout
+from pdserve.engine.kv.pool import KVLayout
 
 PROTOCOL_VERSION = 2  # 2: connections from worker addresses (hello on HELLO_TAG), no listener
 NONCE_BYTES = 16

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.kv_pool import KVLayout
+from pdserve.engine.kv.pool import KVLayout
 from pdserve.kv_transport.api import (
     HandshakeRefused,
     PeerAddress,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import ucxx
 
-from pdserve.engine.kv_pool import KVLayout
+from pdserve.engine.kv.pool import KVLayout
 from pdserve.kv_transport.api import HandshakeRefused, PeerAddress, PeerLost, TransferError, TransferResult
 from pdserve.kv_transport.config import TransportConfig
 from pdserve.kv_transport.cuda_ipc import export_pool

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.kv_pool import KVLayout
+from pdserve.engine.kv.pool import KVLayout
 from pdserve.kv_transport.api import (
     HandshakeRefused,
     PeerAddress,

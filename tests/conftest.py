@@ -56,7 +56,7 @@ SLOWEST_MODULES = (
     "tests/cluster/test_serving.py",  # ~130
     "tests/cluster/test_elastic.py",  # ~80 alone (its own server of three workers, two more added)
     "tests/engine/test_new_families.py",
-    "tests/engine/test_tensor_parallel.py",
+    "tests/engine/runner/test_tensor_parallel.py",
     "tests/engine/test_engine.py",
     "tests/cluster/test_structured_outputs.py",
     "tests/cluster/test_http_api.py",
@@ -70,7 +70,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
-from pdserve.engine.weights import resolve_model  # noqa: E402
+from pdserve.engine.models.weights import resolve_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -25,9 +25,9 @@ BLOCK_FIELDS = {"block_ids", "block_table_version", "num_cached_tokens", "num_pu
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "update", "add", "discard"}
 WRITERS = {
     "engine/scheduler.py": FIELDS,
-    "engine/block_manager.py": BLOCK_FIELDS,
+    "engine/kv/block_manager.py": BLOCK_FIELDS,
     "engine/sequence.py": FIELDS,  # its own methods (`self`) and construction
-    "cluster/service.py": {"finish_reason"},  # a gRPC response's
+    "cluster/api/grpc_service.py": {"finish_reason"},  # a gRPC response's
 }
 
 

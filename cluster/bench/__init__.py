@@ -27,11 +27,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pdserve.cluster.bench.backends import Backend, GrpcBackend, OpenAIBackend
+from pdserve.cluster.bench.conversations import MultiTurnWorkload, run_multi_turn
 from pdserve.cluster.bench.dataset import SYNTHETIC_CHAT, BenchRequest, jsonl_requests, random_requests
-from pdserve.cluster.bench.multi_turn import MultiTurnWorkload, run_multi_turn
-from pdserve.cluster.bench.report import Slo, format_table, plot_cdfs, plot_sweep, summarize
+from pdserve.cluster.bench.report import format_table, plot_cdfs, plot_sweep, summarize
 from pdserve.cluster.bench.runner import LoadShape, RunResult, run_load
-from pdserve.cluster.credentials import add_credential_args, from_args
+from pdserve.cluster.clients.credentials import add_credential_args, from_args
+from pdserve.cluster.sim.slo import Slo
 
 __all__ = ["add_parser", "run_bench"]
 

@@ -12,7 +12,7 @@ from typing import Protocol
 import grpc
 
 from pdserve.cluster.bench.dataset import BenchRequest
-from pdserve.cluster.credentials import ClientCredentials
+from pdserve.cluster.clients.credentials import ClientCredentials
 from pdserve.proto.v1 import generation_pb2 as pb
 from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
 

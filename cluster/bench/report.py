@@ -5,41 +5,17 @@ request rate for a sweep."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from pdserve.cluster.bench.runner import RunResult
+from pdserve.cluster.sim.slo import Slo
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
 _TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
            "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
-
-
-@dataclass(frozen=True, slots=True)
-class Slo:
-    """Goodput's service-level objectives, ms; a request counts when it meets all that are set."""
-
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2el_ms: float | None = None
-
-    @classmethod
-    def parse(cls, items: list[str]) -> Slo:
-        """From `ttft:500 tpot:50` (vllm bench serve's --goodput)."""
-        values: dict[str, float] = {}
-        for item in items:
-            name, _, value = item.partition(":")
-            if name not in ("ttft", "tpot", "e2el") or not value:
-                raise ValueError(f"goodput objective must be ttft:MS, tpot:MS or e2el:MS, got {item!r}")
-            values[f"{name}_ms"] = float(value)
-        return cls(**values)
-
-    @property
-    def is_set(self) -> bool:
-        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2el_ms))
 
 
 def summarize(run: RunResult, slo: Slo = Slo()) -> dict[str, float | int | None]:
@@ -67,7 +43,7 @@ def summarize(run: RunResult, slo: Slo = Slo()) -> dict[str, float | int | None]
         out["total_computed_prompt_tokens"] = input_tokens - sum(cached)
         out["mean_computed_prompt_tokens"] = (input_tokens - sum(cached)) / len(ok)
     if slo.is_set:
-        good = sum(1 for r in ok if _meets(r, slo))
+        good = sum(1 for r in ok if slo.met_by(r.ttft, r.tpot, r.e2el))
         out["request_goodput"] = good / duration
     for name in LATENCIES:
         ms = np.asarray(samples[name], dtype=np.float64) * 1000.0
@@ -85,13 +61,6 @@ def _samples(run: RunResult) -> dict[str, list[float]]:
     ok = [r for r in run.results if r.ok]
     return {"ttft": [r.ttft for r in ok], "tpot": [t for r in ok if (t := r.tpot) is not None],
             "itl": [gap for r in ok for gap in r.itls], "e2el": [r.e2el for r in ok]}
-
-
-def _meets(result, slo: Slo) -> bool:
-    tpot = result.tpot
-    return ((slo.ttft_ms is None or result.ttft * 1000 <= slo.ttft_ms)
-            and (slo.tpot_ms is None or tpot is None or tpot * 1000 <= slo.tpot_ms)
-            and (slo.e2el_ms is None or result.e2el * 1000 <= slo.e2el_ms))
 
 
 def format_table(summary: dict[str, float | int | None], errors: list[str] = ()) -> str:

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv.pool import KVPool
 from pdserve.engine.models.layers import AttentionStep
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention.base import AttentionMetadata
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv.pool import KVPool
 from pdserve.engine.models.rope import Rope
 from pdserve.kernels import fp8
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.attention.base import AttentionMetadata
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv.pool import KVPool
 from pdserve.engine.models.rope import Rope
 from pdserve.kernels.flash_prefill import flash_prefill
 from pdserve.kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported

@@ -20,8 +20,8 @@ from pdserve.engine.models import fp8, loading
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.layers import AttentionStep, DecoderLayer, Linear, RMSNorm, VocabParallelEmbedding
 from pdserve.engine.models.moe import FusedExperts
+from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.models.rope import RotaryEmbedding
-from pdserve.engine.parallel import TensorParallel
 
 
 class CausalLM(nn.Module):

@@ -26,8 +26,8 @@ from torch import nn
 
 from pdserve.engine.models import fp8
 from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.models.parallel import Collectives, TensorParallel
 from pdserve.engine.models.rope import Rope
-from pdserve.engine.parallel import Collectives, TensorParallel
 from pdserve.kernels.activation import silu_and_mul
 from pdserve.kernels.fp8_gemm import FP8, SCALE_BLOCK
 from pdserve.kernels.gemv import gemv

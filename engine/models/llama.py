@@ -10,7 +10,7 @@ from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.models.layers import Attention, DecoderLayer
 from pdserve.engine.models.moe import mlp_of_layer
-from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.models.parallel import TensorParallel
 
 
 class LlamaForCausalLM(CausalLM):

@@ -27,7 +27,7 @@ from torch import nn
 
 from pdserve.engine.models import fp8
 from pdserve.engine.models.arch import ModelArch
-from pdserve.engine.parallel import ShardPlan
+from pdserve.engine.models.parallel import ShardPlan
 
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}

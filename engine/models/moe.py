@@ -25,7 +25,7 @@ from torch import nn
 from pdserve.engine.models import fp8
 from pdserve.engine.models.arch import ModelArch, MoEArch
 from pdserve.engine.models.layers import MLP, Linear
-from pdserve.engine.parallel import Collectives, TensorParallel
+from pdserve.engine.models.parallel import Collectives, TensorParallel
 from pdserve.kernels.fused_moe import fused_moe
 from pdserve.kernels.moe_routing import topk_route
 

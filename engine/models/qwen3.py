@@ -9,7 +9,7 @@ from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.models.layers import Attention, DecoderLayer, HeadNorm, RMSNorm
 from pdserve.engine.models.moe import mlp_of_layer
-from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.models.parallel import TensorParallel
 
 
 class Qwen3Attention(Attention):

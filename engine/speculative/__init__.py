@@ -3,22 +3,23 @@ the offline one and the decode workers').
 
 The engine owns the mechanics (proposed tokens scheduled as K+1 verification
 tokens, logits for every verified position, KV rollback); this package plugs
-into it through `engine.speculator.Speculator`:
+into it through `engine.speculator.Speculator`. `factory.build_speculator` is the one builder,
+which the engine calls for its config's `spec`:
 
-    engine = speculative_engine(EngineConfig(spec=SpecConfig(method="ngram", num_speculative_tokens=4)))
+    engine = Engine(EngineConfig(spec=SpecConfig(method="ngram", num_speculative_tokens=4)))
 """
 
 from pdserve.engine.speculative.adaptive import AdaptiveK, best_k, expected_speedup, expected_tokens_per_pass
 from pdserve.engine.speculative.draft_model import ModelDrafter, check_draft, load_draft_model, self_draft_model
 from pdserve.engine.speculative.drafter import Drafter
-from pdserve.engine.speculative.factory import build_speculator, speculative_engine
+from pdserve.engine.speculative.factory import build_speculator, draft_target
 from pdserve.engine.speculative.ngram import NgramDrafter
 from pdserve.engine.speculative.rejection import rejection_sample
-from pdserve.engine.speculative.speculator import SpecDecoder
+from pdserve.engine.speculative.spec_decoder import SpecDecoder
 from pdserve.engine.speculator import SpecMetrics
 
 __all__ = [
     "AdaptiveK", "Drafter", "ModelDrafter", "NgramDrafter", "SpecDecoder", "SpecMetrics", "best_k",
-    "build_speculator", "check_draft", "expected_speedup", "expected_tokens_per_pass", "load_draft_model",
-    "rejection_sample", "self_draft_model", "speculative_engine",
+    "build_speculator", "check_draft", "draft_target", "expected_speedup", "expected_tokens_per_pass",
+    "load_draft_model", "rejection_sample", "self_draft_model",
 ]

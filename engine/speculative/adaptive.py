@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pdserve.engine.cuda_graphs import StepGraphs
+from pdserve.engine.runner.cuda_graphs import StepGraphs
 from pdserve.engine.sequence import Sequence
 
 
@@ -35,7 +35,7 @@ def best_k(alpha: float, max_k: int, cost_ratio: float) -> int:
     return max(range(max_k + 1), key=lambda k: (expected_speedup(alpha, k, cost_ratio), -k))
 
 
-class StepCosts(Protocol):
+class PassCosts(Protocol):
     def step_ms(self, batch_size: int, k: int) -> float:
         """Time of one step of `batch_size` sequences proposing k tokens each (k = 0: a
         plain decode step): the target's pass over k + 1 tokens plus k draft steps. Any
@@ -104,7 +104,7 @@ class AdaptiveK:
     """
 
     max_k: int
-    costs: StepCosts
+    costs: PassCosts
     prior_alpha: float = 0.7
     prior_weight: float = 8.0
     decay: float = 0.8  # weight of a request's past per pass: about its last five passes count

@@ -26,16 +26,18 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention import backend_for
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import MAX_SPECULATIVE_TOKENS, ModelConfig, SchedulerConfig, SpecConfig
-from pdserve.engine.cuda_graphs import StepGraphs
-from pdserve.engine.executor import Executor
-from pdserve.engine.kv_pool import KVLayout, KVPool
-from pdserve.engine.model_runner import ModelRunner, StepLogits
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.pool import KVLayout, KVPool
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.models.layers import Linear
 from pdserve.engine.models.registry import param_counts
+from pdserve.engine.models.weights import load_model, load_tokenizer, resolve_model
+from pdserve.engine.runner.cuda_graphs import StepGraphs
+from pdserve.engine.runner.executor import Executor
+from pdserve.engine.runner.model_runner import ModelRunner, StepLogits
+from pdserve.engine.runner.step_inputs import InFlightTokens, StepInputBuilder
 from pdserve.engine.sampler import Sampler, on_device
 from pdserve.engine.scheduler import (
     ScheduledBatch,
@@ -47,8 +49,6 @@ from pdserve.engine.scheduler import (
 )
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculator import Proposals
-from pdserve.engine.step_inputs import InFlightTokens, StepInputBuilder
-from pdserve.engine.weights import load_model, load_tokenizer, resolve_model
 from pdserve.kernels.paged_decode import paged_verify_fits
 
 

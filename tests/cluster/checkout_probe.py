@@ -42,7 +42,7 @@ def _actor_class():
             return scope["REPORT"]
 
         def find_in_spawned_child(self, names: list[str], out: str) -> dict:
-            # The context and process kind engine/tensor_parallel.py starts its ranks with.
+            # The context and process kind engine/runner/tensor_parallel.py starts its ranks with.
             import torch.multiprocessing
 
             ctx = torch.multiprocessing.get_context("spawn")

@@ -14,16 +14,16 @@ from typing import Any
 
 import pytest
 
-from pdserve.cluster.config import ServeConfig, config_from_dict
 from pdserve.cluster.server import Server, start_server
+from pdserve.cluster.settings.config import ServeConfig, config_from_dict
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import Engine
 from tests.cluster.streams import free_port
 from tests.conftest import SmallModel
 
 # A tool-capable chat template that renders chats without tools as the model's own does
-# (tests/engine/test_tools.py), so that the shared servers can serve tools with it.
-TOOL_TEMPLATE = Path(__file__).parents[1] / "engine" / "chatml_tools.jinja"
+# (tests/engine/text/test_tools.py), so that the shared servers can serve tools with it.
+TOOL_TEMPLATE = Path(__file__).parents[1] / "engine" / "text" / "chatml_tools.jinja"
 
 
 @pytest.fixture(scope="session")

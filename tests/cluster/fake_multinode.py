@@ -26,8 +26,8 @@ import ray
 from ray import cloudpickle
 from ray.cluster_utils import Cluster
 
-from pdserve.cluster.config import HealthConfig
-from pdserve.cluster.pools import ActorSpec, Pool
+from pdserve.cluster.serving.pools import ActorSpec, Pool
+from pdserve.cluster.settings.config import HealthConfig
 from tests.cluster.streams import free_port
 
 # Ray's workers do not have the tests on their path, so this module's actor travels by value.

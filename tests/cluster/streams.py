@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.cluster.client import Client
+from pdserve.cluster.clients.grpc_client import Client
 from pdserve.engine.sampling import SamplingParams
 
 # The engine section of a server on the default model (the cluster tests' servers run the

@@ -1,4 +1,4 @@
-"""The line for decode seats (cluster/seats.py), without Ray: a request
+"""The line for decode seats (cluster/serving/seats.py), without Ray: a request
 waits for a running seat and the free KV blocks to reserve its prompt, first come first
 served; one that would wait behind a full queue is refused without waiting for anything."""
 
@@ -8,13 +8,13 @@ import asyncio
 
 import pytest
 
-from pdserve.cluster.config import CoordinatorConfig
-from pdserve.cluster.errors import Overloaded
-from pdserve.cluster.kv_index import KVIndex
-from pdserve.cluster.pools import Pool, Worker
-from pdserve.cluster.router import KVClaim, LeastLoad, PrefixAware, PromptBlocks, WorkerState
-from pdserve.cluster.seats import SeatLine
-from pdserve.engine.kv_events import BlockStored, KVEventBatch
+from pdserve.cluster.serving.errors import Overloaded
+from pdserve.cluster.serving.kv_index import KVIndex
+from pdserve.cluster.serving.pools import Pool, Worker
+from pdserve.cluster.serving.router import KVClaim, LeastLoad, PrefixAware, PromptBlocks, WorkerState
+from pdserve.cluster.serving.seats import SeatLine
+from pdserve.cluster.settings.config import CoordinatorConfig
+from pdserve.engine.kv.events import BlockStored, KVEventBatch
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import EngineLoad
 from pdserve.engine.sampling import SamplingParams

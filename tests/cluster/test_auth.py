@@ -25,8 +25,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster.cli import main
-from pdserve.cluster.client import Client
-from pdserve.cluster.credentials import ClientCredentials
+from pdserve.cluster.clients.credentials import ClientCredentials
+from pdserve.cluster.clients.grpc_client import Client
 from pdserve.engine.sampling import SamplingParams
 from pdserve.proto.v1 import generation_pb2 as pb
 from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
@@ -315,7 +315,7 @@ def test_a_client_certificate_without_its_key_is_a_clear_error(mutual, capsys):
 
 
 def test_a_client_ca_without_the_servers_own_tls_is_refused():
-    from pdserve.cluster.config import config_from_dict
+    from pdserve.cluster.settings.config import config_from_dict
 
     with pytest.raises(ValueError, match="tls_client_ca .* set tls_cert and tls_key"):
         config_from_dict({"server": {"tls_client_ca": "/etc/ca.pem"}})

@@ -18,8 +18,8 @@ import sys
 
 import pytest
 
-from pdserve.cluster.config import HealthConfig
-from pdserve.cluster.pools import ActorSpec, Pool, WorkerStartTimeout
+from pdserve.cluster.serving.pools import ActorSpec, Pool, WorkerStartTimeout
+from pdserve.cluster.settings.config import HealthConfig
 from tests.cluster.fake_multinode import IdleWorker
 
 

@@ -67,7 +67,7 @@ def test_bench_counts_match_the_servers_metrics(srv, tmp_path, capsys):
 
 @pytest.mark.parametrize("api", ["grpc", "openai"])
 def test_bench_over_either_api_counts_what_the_server_counts(srv, api, tmp_path):
-    from pdserve.cluster.client import Client
+    from pdserve.cluster.clients.grpc_client import Client
 
     with Client(srv.target) as client:
         vocab = client.list_models().models[0].vocab_size

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster import openai_models as m
-from pdserve.cluster.client import sampling_to_proto
-from pdserve.cluster.openai_protocol import _sampling
-from pdserve.cluster.validation import sampling_from_proto
+from pdserve.cluster.api import openai_models as m
+from pdserve.cluster.api.grpc_request import sampling_from_proto
+from pdserve.cluster.api.openai_protocol import _sampling
+from pdserve.cluster.clients.grpc_client import sampling_to_proto
 from pdserve.engine.sampling import SamplingParams
 
 

@@ -1,13 +1,13 @@
-"""What a request continued on another worker carries (cluster/coordinator.py)."""
+"""What a request continued on another worker carries (cluster/serving/coordinator.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.coordinator import _continuation, _transfer_failed
-from pdserve.cluster.errors import WorkerLost, WorkerUnavailable
-from pdserve.cluster.pools import Worker
-from pdserve.cluster.router import WorkerState
+from pdserve.cluster.serving.coordinator import _continuation, _transfer_failed
+from pdserve.cluster.serving.errors import WorkerLost, WorkerUnavailable
+from pdserve.cluster.serving.pools import Worker
+from pdserve.cluster.serving.router import WorkerState
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transport import HandshakeRefused, PeerLost, PeerReplaced, SlowPathRefused, TransferTimeout

@@ -1,4 +1,4 @@
-"""A drain's rules (cluster/elastic.py) without Ray, over pools whose actors are stand-ins:
+"""A drain's rules (cluster/scaling/elastic.py) without Ray, over pools whose actors are stand-ins:
 the last serving worker of a role stays while any request of its pool may need it (a draining
 worker's requests move to a serving one past its deadline); a draining worker takes no seat; past
 the deadline its streams end with WorkerLost behind the deltas already queued, and it leaves once
@@ -10,17 +10,17 @@ import asyncio
 
 import pytest
 
-from pdserve.cluster.config import CoordinatorConfig
-from pdserve.cluster.elastic import AdminRefused, Elastic
-from pdserve.cluster.errors import WorkerLost
-from pdserve.cluster.kv_index import KVIndex
-from pdserve.cluster.metrics import Metrics
-from pdserve.cluster.pool_config import DrainConfig
-from pdserve.cluster.pools import Phase, Pool, Worker
-from pdserve.cluster.router import LeastLoad, PromptBlocks, WorkerState
-from pdserve.cluster.seats import SeatLine
-from pdserve.cluster.token_streams import TokenStreams
-from pdserve.engine.kv_events import BlockStored, KVEventBatch
+from pdserve.cluster.scaling.elastic import AdminRefused, Elastic
+from pdserve.cluster.serving.errors import WorkerLost
+from pdserve.cluster.serving.kv_index import KVIndex
+from pdserve.cluster.serving.metrics import Metrics
+from pdserve.cluster.serving.pools import Phase, Pool, Worker
+from pdserve.cluster.serving.router import LeastLoad, PromptBlocks, WorkerState
+from pdserve.cluster.serving.seats import SeatLine
+from pdserve.cluster.serving.token_streams import TokenStreams
+from pdserve.cluster.settings.config import CoordinatorConfig
+from pdserve.cluster.settings.pool_config import DrainConfig
+from pdserve.engine.kv.events import BlockStored, KVEventBatch
 from pdserve.engine.outputs import TokenDelta
 
 

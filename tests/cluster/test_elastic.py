@@ -18,9 +18,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.cluster.admin_client import AdminClient
 from pdserve.cluster.cli import main
-from pdserve.cluster.credentials import ClientCredentials
+from pdserve.cluster.clients.admin_client import AdminClient
+from pdserve.cluster.clients.credentials import ClientCredentials
 from pdserve.engine.sampling import SamplingParams
 from pdserve.proto.v1 import admin_pb2 as pb
 from tests.cluster.streams import Streamed, collect, pools_are_full, wait_until

@@ -16,8 +16,8 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.cluster.client import Client
-from pdserve.cluster.errors import cause, original
+from pdserve.cluster.clients.grpc_client import Client
+from pdserve.cluster.serving.errors import cause, original
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv_transport import PeerLost, SlowPathRefused, TransferError
 

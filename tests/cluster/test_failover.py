@@ -18,7 +18,7 @@ import threading
 
 import pytest
 
-from pdserve.cluster.client import Client
+from pdserve.cluster.clients.grpc_client import Client
 from pdserve.engine.sampling import SamplingParams
 from pdserve.proto.v1 import generation_pb2 as pb
 from tests.cluster.streams import DEFAULT_MODEL, collect, pools_are_full, scrape, wait_until

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve.cluster.client import Client
+from pdserve.cluster.clients.grpc_client import Client
 from pdserve.engine.sampling import SamplingParams
 from tests.cluster.streams import collect, pools_are_full, scrape, wait_until
 
@@ -114,7 +114,7 @@ def seeded(seed: int, max_tokens: int, ignore_eos: bool = False) -> SamplingPara
 
 
 def test_n_choices_with_a_seed_are_each_seeds_answer(srv, client, model):
-    # Choice i draws from seed + i (cluster/openai_protocol.py): the answer gRPC gives that seed.
+    # Choice i draws from seed + i (cluster/api/openai_protocol.py): the answer gRPC gives that seed.
     def sample() -> list[str]:
         out = client.completions.create(model=model, prompt="Once upon a time", n=2, seed=1234, temperature=1.0,
                                         max_tokens=8, extra_body={"ignore_eos": True})

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 from starlette.testclient import TestClient
 
-from pdserve.cluster.errors import WorkerUnavailable
-from pdserve.cluster.frontend import Frontend
-from pdserve.cluster.http_api import OpenAIApi
-from pdserve.cluster.metrics import Metrics
+from pdserve.cluster.api.frontend import Frontend
+from pdserve.cluster.api.http_api import OpenAIApi
+from pdserve.cluster.serving.errors import WorkerUnavailable
+from pdserve.cluster.serving.metrics import Metrics
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import TokenDelta
-from pdserve.engine.request_processor import RequestProcessor
+from pdserve.engine.text.request_processor import RequestProcessor
 
 
 @dataclass

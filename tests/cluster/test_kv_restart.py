@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from pdserve.cluster.client import Client
-from pdserve.cluster.coordinator import Coordinator
-from pdserve.cluster.pools import Worker
-from pdserve.engine.block_hash import prefix_block_hashes
-from pdserve.engine.kv_events import DEVICE_TIER, DISK_TIER
+from pdserve.cluster.clients.grpc_client import Client
+from pdserve.cluster.serving.coordinator import Coordinator
+from pdserve.cluster.serving.pools import Worker
+from pdserve.engine.kv.block_hash import prefix_block_hashes
+from pdserve.engine.kv.events import DEVICE_TIER, DISK_TIER
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import EngineLoad
 from pdserve.engine.sampling import SamplingParams

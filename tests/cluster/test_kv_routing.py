@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from pdserve.cluster.cli import main
-from pdserve.cluster.coordinator import Coordinator
-from pdserve.cluster.pools import Worker
-from pdserve.engine.block_hash import prefix_block_hashes
-from pdserve.engine.kv_events import DEVICE_TIER, HOST_TIER, KVSnapshot
+from pdserve.cluster.serving.coordinator import Coordinator
+from pdserve.cluster.serving.pools import Worker
+from pdserve.engine.kv.block_hash import prefix_block_hashes
+from pdserve.engine.kv.events import DEVICE_TIER, HOST_TIER, KVSnapshot
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.sampling import SamplingParams
 from tests.cluster.conftest import RunningServer

@@ -14,7 +14,7 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.cluster.client import Client
+from pdserve.cluster.clients.grpc_client import Client
 from pdserve.engine.sampling import SamplingParams
 from tests.cluster.streams import pools_are_full, wait_until
 

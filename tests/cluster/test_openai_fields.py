@@ -9,7 +9,7 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from pdserve.cluster import openai_models as m
+from pdserve.cluster.api import openai_models as m
 
 BODIES = [(m.CompletionRequest, completion_create_params.CompletionCreateParamsBase, {"prompt": "hi"}),
           (m.ChatCompletionRequest, chat_create_params.CompletionCreateParamsBase, {"messages": []})]
@@ -49,7 +49,7 @@ def test_fields_that_change_nothing_here_are_accepted(body, client_params, requi
 
 @pytest.mark.parametrize("body, client_params, required", BODIES)
 def test_penalties_bias_and_min_tokens_are_carried_to_the_sampling_params(body, client_params, required):
-    from pdserve.cluster.openai_protocol import _sampling
+    from pdserve.cluster.api.openai_protocol import _sampling
 
     req = body.model_validate({**required, "frequency_penalty": 0.5, "presence_penalty": -1.0,
                                "logit_bias": {"11": 5.0, "7": -100}, "repetition_penalty": 1.3, "min_tokens": 4})

@@ -12,8 +12,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from pdserve.cluster.pools import Phase
-from pdserve.cluster.step_costs import Curve, StepCosts
+from pdserve.cluster.serving.pools import Phase
+from pdserve.cluster.sim.step_costs import Curve, StepCosts
 from pdserve.engine.sampling import SamplingParams
 from tests.cluster.streams import Streamed, collect, pools_are_full, wait_until
 from tests.engine.prompts import prompt_ids

@@ -13,8 +13,8 @@ import pytest
 from ray import cloudpickle
 from ray.exceptions import ActorDiedError
 
-from pdserve.cluster.config import HealthConfig
-from pdserve.cluster.pools import ActorSpec, Pool
+from pdserve.cluster.serving.pools import ActorSpec, Pool
+from pdserve.cluster.settings.config import HealthConfig
 
 # Ray's workers cannot import tests/ (they start in pdserve's empty folder, not the
 # checkout: cluster/ray_driver.py), so this module's actor class travels by value.

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from pdserve.cluster.client import Client
+from pdserve.cluster.clients.grpc_client import Client
 from pdserve.proto.v1 import generation_pb2 as pb
 
 pytestmark = pytest.mark.slow

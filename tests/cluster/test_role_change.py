@@ -1,4 +1,4 @@
-"""A role change's steps (cluster/elastic.py) without Ray, over pools whose actors are stand-ins:
+"""A role change's steps (cluster/scaling/elastic.py) without Ray, over pools whose actors are stand-ins:
 the worker drains, leaves, and a worker of the other role starts in its place; the last worker
 of a role is not moved while requests need it. And the planner's loop: what it observes from
 /metrics and the loads, and that it acts through Elastic."""
@@ -10,15 +10,15 @@ import itertools
 
 import pytest
 
-from pdserve.cluster.elastic import AdminRefused, Elastic
-from pdserve.cluster.kv_index import KVIndex
-from pdserve.cluster.metrics import Metrics
-from pdserve.cluster.planner import Action, Planner
-from pdserve.cluster.planner_loop import PlannerLoop
-from pdserve.cluster.pool_config import DrainConfig, PlannerConfig
-from pdserve.cluster.pools import Phase, Pool, Worker
-from pdserve.cluster.router import WorkerState
-from pdserve.cluster.step_costs import Curve, StepCosts
+from pdserve.cluster.scaling.elastic import AdminRefused, Elastic
+from pdserve.cluster.scaling.planner import Action, Planner
+from pdserve.cluster.scaling.planner_loop import PlannerLoop
+from pdserve.cluster.serving.kv_index import KVIndex
+from pdserve.cluster.serving.metrics import Metrics
+from pdserve.cluster.serving.pools import Phase, Pool, Worker
+from pdserve.cluster.serving.router import WorkerState
+from pdserve.cluster.settings.pool_config import DrainConfig, PlannerConfig
+from pdserve.cluster.sim.step_costs import Curve, StepCosts
 from pdserve.engine.outputs import EngineLoad
 
 

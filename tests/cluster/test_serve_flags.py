@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from pdserve.cluster.cli import build_parser, main
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.config_tree import config_fields, with_values
-from pdserve.cluster.flags import ALIASES, apply_flags, given_values, shown
+from pdserve.cluster.settings.config import ServeConfig
+from pdserve.cluster.settings.config_tree import config_fields, with_values
+from pdserve.cluster.settings.flags import ALIASES, apply_flags, given_values, shown
 
 
 @functools.cache
@@ -95,7 +95,7 @@ def test_a_flag_sets_its_field(argv, path, want) -> None:
 def test_none_unsets_an_optional_field_the_file_set(tmp_path) -> None:
     f = tmp_path / "c.yaml"
     f.write_text("engine: {model: {max_model_len: 512}}\nray: {address: auto}\nserver: {port: 6000}\n")
-    from pdserve.cluster.config import load_config
+    from pdserve.cluster.settings.config import load_config
 
     config = served("--max-model-len", "none", "--ray.address", "None", config=load_config(f))
     assert config.engine.model.max_model_len is None and config.ray.address is None
@@ -149,7 +149,7 @@ def test_help_shows_each_default_taken_from_the_config(monkeypatch) -> None:
 
 
 def test_generate_takes_the_engine_flags() -> None:
-    from pdserve.cluster.cli import engine_config_from_args
+    from pdserve.cluster.settings.flags import engine_config_from_args
 
     args = build_parser().parse_args(["generate", "--model", "dummy:tiny", "--engine.spec.method", "ngram", "hi"])
     config = engine_config_from_args(args)

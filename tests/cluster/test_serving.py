@@ -14,7 +14,7 @@ import threading
 import grpc
 import pytest
 
-from pdserve.cluster.client import Client
+from pdserve.cluster.clients.grpc_client import Client
 from pdserve.engine.sampling import SamplingParams
 from pdserve.proto.v1 import generation_pb2 as pb
 from tests.cluster.streams import collect, collect_concurrently, pools_are_full, wait_until
@@ -210,7 +210,7 @@ def _histogram(srv, name: str) -> dict[tuple[str, str], float]:
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_a_first_tokens_hops_are_its_path_and_add_up_to_its_ttft(mode, colocated_server, disaggregated, tokenizer):
-    from pdserve.cluster.coordinator import COLOCATED_HOPS, DISAGGREGATED_HOPS
+    from pdserve.cluster.serving.coordinator import COLOCATED_HOPS, DISAGGREGATED_HOPS
 
     srv = disaggregated if mode == "disaggregated" else colocated_server
     hops_before = _histogram(srv, "pdserve_first_token_hop_seconds")

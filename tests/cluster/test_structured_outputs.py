@@ -15,7 +15,7 @@ import openai
 import pydantic
 import pytest
 
-from pdserve.cluster.client import Client
+from pdserve.cluster.clients.grpc_client import Client
 from pdserve.engine.sampling import SamplingParams, StructuredOutput
 from tests.cluster.streams import collect, collect_concurrently
 from tests.engine.grammar_cases import MAX_TOKENS, PROMPT, SCHEMAS, validates

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from pdserve.cluster import openai_models as m
-from pdserve.cluster.client import sampling_to_proto
-from pdserve.cluster.validation import sampling_from_proto
+from pdserve.cluster.api import openai_models as m
+from pdserve.cluster.api.grpc_request import sampling_from_proto
+from pdserve.cluster.clients.grpc_client import sampling_to_proto
 from pdserve.engine.grammar import check_structured
 from pdserve.engine.sampling import SamplingParams, StructuredOutput
 

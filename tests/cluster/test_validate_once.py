@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from pdserve.cluster.validation import parse_request
+from pdserve.cluster.api.grpc_request import parse_request
 from pdserve.engine.messages import WorkerRequest
-from pdserve.engine.request_processor import RequestProcessor
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.tools import tool_request
+from pdserve.engine.text.request_processor import RequestProcessor
+from pdserve.engine.text.tools import tool_request
 from pdserve.proto.v1 import generation_pb2 as pb
 
 MAX_MODEL_LEN = 2048

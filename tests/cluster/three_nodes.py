@@ -10,9 +10,9 @@ import json
 import ray
 from ray.cluster_utils import Cluster
 
-from pdserve.cluster.client import Client
-from pdserve.cluster.config import config_from_dict
+from pdserve.cluster.clients.grpc_client import Client
 from pdserve.cluster.server import start_server
+from pdserve.cluster.settings.config import config_from_dict
 from pdserve.engine.sampling import SamplingParams
 
 LOCAL = {"node_ip_address": "127.0.0.1", "include_dashboard": False}

@@ -11,7 +11,7 @@ import promql_parser
 import pytest
 from prometheus_client import Counter, Gauge, Histogram
 
-from pdserve.cluster.metrics import Metrics
+from pdserve.cluster.serving.metrics import Metrics
 from tests.deploy.conftest import CHART, Render
 
 DASHBOARD = CHART / "dashboards" / "pdserve.json"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import yaml
 
-from pdserve.cluster.config import config_from_dict
+from pdserve.cluster.settings.config import config_from_dict
 from tests.deploy.conftest import Render, one
 from tests.deploy.test_helm_schemas import validate
 

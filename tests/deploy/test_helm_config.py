@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.cluster.config import RayConfig, ServeConfig, ServerConfig
-from pdserve.cluster.pool_config import PoolConfig
+from pdserve.cluster.settings.config import RayConfig, ServeConfig, ServerConfig
+from pdserve.cluster.settings.pool_config import PoolConfig
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.kv_transport.config import TransportSettings
 from tests.deploy.conftest import GPU_VALUES, Render, one, run_helm, template_args
@@ -87,7 +87,7 @@ def test_configmap_is_the_config_pdserve_serve_builds(render: Render, values: st
 
 
 def test_configmap_parses_with_the_loader(render: Render, tmp_path: Path) -> None:
-    from pdserve.cluster.config import config_from_dict, load_config
+    from pdserve.cluster.settings.config import config_from_dict, load_config
 
     text = one(render(), "ConfigMap")["data"]["config.yaml"].replace("__POD_IP__", POD_IP)
     (tmp_path / "c.yaml").write_text(text)

@@ -20,8 +20,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.config_tree import config_fields as serve_config_fields
+from pdserve.cluster.settings.config import ServeConfig
+from pdserve.cluster.settings.config_tree import config_fields as serve_config_fields
 from tests.deploy.conftest import CHART, GPU_VALUES, ROOT, Render, one, run_helm, template_args
 
 K8S_VERSION = "1.30"  # the kubectl the helm package ships beside it; gRPC probes are GA since 1.27
@@ -198,14 +198,14 @@ def config_schema() -> dict[str, Any]:
 
 
 def test_the_walk_reads_the_sections_config_from_dict_reads() -> None:
-    from pdserve.cluster.config import _ENGINE_SECTIONS, _SECTIONS
+    from pdserve.cluster.settings.config import _ENGINE_SECTIONS, _SECTIONS
 
     sections = {path.rpartition(".")[0] for path in config_fields()}
     assert sections == {f"engine.{k}" for k in _ENGINE_SECTIONS} | set(_SECTIONS) | {"pools.planner"}
 
 
 def test_the_schema_covers_every_serve_config_field_and_nothing_else() -> None:
-    """values.schema.json (additionalProperties: false) and cluster/config.py cannot drift:
+    """values.schema.json (additionalProperties: false) and cluster/settings/config.py cannot drift:
     every field a user may set has an entry of its JSON type, and no entry names a field
     the config lacks."""
     fields, entries = config_fields(), schema_fields(config_schema())
@@ -213,7 +213,7 @@ def test_the_schema_covers_every_serve_config_field_and_nothing_else() -> None:
     missing = sorted(set(fields) - set(entries) - CHART_OWNED)
     assert not missing, f"values.schema.json config lacks serve-config fields: {missing}"
     unknown = sorted(set(entries) - set(fields))
-    assert not unknown, f"values.schema.json config has keys cluster/config.py lacks: {unknown}"
+    assert not unknown, f"values.schema.json config has keys cluster/settings/config.py lacks: {unknown}"
     owned = sorted(set(entries) & CHART_OWNED)
     assert not owned, f"values.schema.json lets config set what the chart sets itself: {owned}"
     for path, entry in entries.items():
@@ -225,7 +225,7 @@ def test_the_schema_covers_every_serve_config_field_and_nothing_else() -> None:
 def test_the_schema_takes_every_default_and_refuses_what_the_config_refuses() -> None:
     """The config's own defaults validate; a value under a field's minimum or outside its
     enum is refused by both the schema and the config."""
-    from pdserve.cluster.config import config_from_dict
+    from pdserve.cluster.settings.config import config_from_dict
 
     schema = config_schema()
     defaults = dataclasses.asdict(ServeConfig())

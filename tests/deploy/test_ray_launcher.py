@@ -14,7 +14,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from pdserve.cluster.config import load_config
+from pdserve.cluster.settings.config import load_config
 from tests.deploy.conftest import ROOT
 
 RAY_DIR = ROOT / "deploy" / "ray"

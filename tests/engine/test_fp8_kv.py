@@ -17,7 +17,6 @@ import torch
 
 from pdserve.engine.config import SpecConfig
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.speculative import build_speculator
 from tests.engine.hf_reference import fp8_pool_steps
 from tests.engine.prompts import prompt_ids
 
@@ -75,14 +74,13 @@ def test_speculation_over_fp8_caches_keeps_greedy_output(make_engine, tokenizer)
                prompt_ids(tokenizer, 90, variant=2)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     plain = engine.generate(prompts, dataclasses.replace(params, logprobs=2))
-    engine.set_speculator(build_speculator(engine, SpecConfig(method="draft_model", draft_model="default",
-                                                              num_speculative_tokens=4)))
+    engine.speculate(SpecConfig(method="draft_model", draft_model="default", num_speculative_tokens=4))
     try:
         assert engine.speculator.drafter.pool.kv.dtype == torch.float8_e4m3fn
         got = [o.token_ids for o in engine.generate(prompts, params)]
         metrics = engine.speculator.metrics
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
     for want, tokens in zip(plain, got):
         first = next((i for i, (a, b) in enumerate(zip(want.token_ids, tokens)) if a != b), None)
         if first is None:

@@ -264,8 +264,8 @@ def test_cuda_fp8_checkpoint_matches_hf_dequantized(name, tmp_path):
 
 
 def _shard(folder: Path, rank: int, size: int):
-    from pdserve.engine.parallel import ShardPlan, SingleRank, TensorParallel
-    from pdserve.engine.weights import load_model, resolve_model
+    from pdserve.engine.models.parallel import ShardPlan, SingleRank, TensorParallel
+    from pdserve.engine.models.weights import load_model, resolve_model
 
     files = resolve_model(ModelConfig(source=str(folder), device="cpu", dtype="float32"))
     tp = TensorParallel(ShardPlan.of(files.arch, rank, size), SingleRank())  # loading only: no collectives

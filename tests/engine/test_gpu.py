@@ -92,7 +92,7 @@ def test_bf16_attention_step_matches_the_reference_with_and_without_context(monk
     to tests/kernels/test_paged_decode_fp8_dot.py's bound (prefill widens as before)."""
     from pdserve.engine.attention import AttentionMetadata, triton_backend
     from pdserve.engine.attention.torch_ref import TorchAttention
-    from pdserve.engine.kv_pool import KVLayout, KVPool
+    from pdserve.engine.kv.pool import KVLayout, KVPool
     from pdserve.engine.models.arch import RopeConfig
     from pdserve.engine.models.rope import RotaryEmbedding
 
@@ -181,7 +181,6 @@ def test_speculation_under_cuda_graphs_keeps_greedy_output(tmp_path, method, ada
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from pdserve.engine.config import SpecConfig
-    from pdserve.engine.speculative import speculative_engine
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -202,7 +201,7 @@ def test_speculation_under_cuda_graphs_keeps_greedy_output(tmp_path, method, ada
                                               draft_model=str(tmp_path), adaptive=adaptive,
                                               draft_vocab_size=draft_vocab_size,
                                               draft_vocab_file=str(vocab_file) if vocab_file else None)):
-            engine = speculative_engine(EngineConfig(
+            engine = Engine(EngineConfig(
                 model=ModelConfig(source=str(tmp_path), device="cuda", dtype="float32", enforce_eager=eager),
                 cache=CacheConfig(num_blocks=512, kv_cache_dtype=kv_cache_dtype),
                 scheduler=SchedulerConfig(max_num_batched_tokens=256), spec=spec))

@@ -8,12 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.penalties import Penalties
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.speculative import SpecDecoder
-from pdserve.engine.speculative.ngram import NgramDrafter
 from tests.engine.penalty_reference import reference_logits
 from tests.engine.test_penalties import EOS, VOCAB, _batch, _reference
 from tests.engine.test_prompt_logprobs import assert_matches_hf
@@ -77,13 +75,13 @@ def test_greedy_with_penalties_under_graphs_and_speculation_is_the_references(mo
     outs = engine.generate([prompt] * 3, [*PENALIZED, plain])
     assert [o.token_ids for o in outs[:2]] == expected
     assert engine.runner.graphs is not None
-    engine.set_speculator(SpecDecoder(NgramDrafter(1, 3, engine.device), engine.sampler, 3))
+    engine.speculate(SpecConfig(method="ngram", ngram_min=1, ngram_max=3, num_speculative_tokens=3))
     try:
         outs = engine.generate([prompt] * 3, [*PENALIZED, plain])
         assert [o.token_ids for o in outs[:2]] == expected
         assert engine.speculator.metrics.num_passes > 0
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
 
 
 def test_prompt_logprobs_on_cuda_over_chunks_match_hf(models):

@@ -86,7 +86,7 @@ def test_dummy_weights_are_seeded_and_need_token_ids():
 
 @pytest.mark.slow
 def test_gguf_file_source_uses_the_conversion_cache(model_folder):
-    from pdserve.engine.weights import default_gguf_path, resolve_model
+    from pdserve.engine.models.weights import default_gguf_path, resolve_model
 
     files = resolve_model(ModelConfig(source=str(default_gguf_path())))
     assert files.folder == model_folder and files.arch.num_layers == 30

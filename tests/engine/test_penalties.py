@@ -9,12 +9,11 @@ import dataclasses
 import pytest
 import torch
 
+from pdserve.engine.config import SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.penalties import Penalties
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
-from pdserve.engine.speculative import SpecDecoder
-from pdserve.engine.speculative.ngram import NgramDrafter
 from tests.engine.penalty_reference import reference_logits
 from tests.engine.speculative.stats import chi_square_pvalue
 
@@ -141,12 +140,12 @@ def test_greedy_with_penalties_is_the_references_with_and_without_speculation(en
     assert expected[0] != _hf_greedy(hf_model, prompt, SamplingParams(temperature=0.0, max_tokens=12), eos)
     plain = SamplingParams(temperature=0.0, max_tokens=12)
     assert _run(engine, prompt, [*GREEDY, plain])[:2] == expected  # mixed with an unpenalized row
-    engine.set_speculator(SpecDecoder(NgramDrafter(1, 3, engine.device), engine.sampler, 3))
+    engine.speculate(SpecConfig(method="ngram", ngram_min=1, ngram_max=3, num_speculative_tokens=3))
     try:
         assert _run(engine, prompt, [*GREEDY, plain])[:2] == expected
         assert engine.speculator.metrics.num_passes > 0
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
 
 
 def test_min_tokens_holds_off_eos_and_logprobs_are_the_models(engine, hf_model, prompt):

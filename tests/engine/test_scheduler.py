@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence, SequenceStatus

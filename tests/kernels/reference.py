@@ -169,3 +169,69 @@ def ref_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
             h = w13[e] @ x[t]
             out[t] += weights[t, slot] * (w2[e] @ (torch.nn.functional.silu(h[:inter]) * h[inter:]))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class PagedLatent:
+    """A random paged MLA latent cache (one layer). Slots no sequence owns hold NaN."""
+
+    cache: torch.Tensor         # [num_blocks, block_size, kv_lora_rank + rope_dim]
+    block_tables: torch.Tensor  # [batch, max_blocks_per_seq] int32, shuffled
+    seq_lens: torch.Tensor      # [batch] int32
+
+
+def make_paged_latent(
+    seq_lens: list[int], latent_dim: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
+    cache_dtype: torch.dtype | None = None,
+) -> PagedLatent:
+    """A latent row for every position of each sequence, over randomly permuted blocks, as
+    the pool's [layers, 1, blocks, block_size, 1, latent_dim] holds one layer's (one "KV
+    head" of the latent's width, taken out of `make_paged_kv`'s K cache)."""
+    kv = make_paged_kv(seq_lens, 1, latent_dim, block_size, dtype, device, cache_dtype=cache_dtype)
+    return PagedLatent(kv.k_cache[:, :, 0], kv.block_tables, kv.seq_lens)
+
+
+def ref_mla_decode(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, latent: PagedLatent, q_lens: list[int], scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA attention in float64: query token i of sequence b (packed, at position
+    seq_len_b - q_len_b + i) scores each key's latent row as q_nope . c_kv + q_pe . k_pe and
+    takes the softmax-weighted c_kv. Returns [num_tokens, num_heads, kv_lora_rank]."""
+    q_nope, q_pe = q_nope.double(), q_pe.double()
+    rank = q_nope.shape[-1]
+    rows_all = latent.cache.double().flatten(0, 1)
+    block_tables, block_size = latent.block_tables.cpu(), latent.cache.shape[1]
+    device = q_nope.device
+    outs, start = [], 0
+    for b, q_len in enumerate(q_lens):
+        seq_len = int(latent.seq_lens[b])
+        rows = rows_all[torch.tensor(slot_mapping(block_tables, b, range(seq_len), block_size), device=device,
+                                     dtype=torch.long)]
+        c_kv, k_pe = rows[:, :rank], rows[:, rank:]
+        qn, qp = q_nope[start:start + q_len], q_pe[start:start + q_len]
+        scores = (torch.einsum("qhc,kc->hqk", qn, c_kv) + torch.einsum("qhr,kr->hqk", qp, k_pe)) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len, device=device)[None, :] > q_pos, float("-inf"))
+        outs.append(torch.einsum("hqk,kc->qhc", scores.softmax(-1), c_kv))
+        start += q_len
+    return torch.cat(outs)
+
+
+def ref_mla_prefill(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
+    q_lens: list[int], k_lens: list[int], scale: float,
+) -> torch.Tensor:
+    """Causal attention in float64 over packed per-head keys [k_nope, k_pe (shared by the
+    heads, [num_k_tokens, rope_dim])] and values of another width; query i of sequence b
+    sits at key position k_len_b - q_len_b + i. Returns [num_q_tokens, num_heads, v_dim]."""
+    q = torch.cat([q_nope.double(), q_pe.double()], dim=-1)
+    k = torch.cat([k_nope.double(), k_pe.double()[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1)
+    v, device = v.double(), q.device
+    outs, q0, k0 = [], 0, 0
+    for q_len, k_len in zip(q_lens, k_lens):
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q0 + q_len], k[k0:k0 + k_len]) * scale
+        q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+        scores = scores.masked_fill(torch.arange(k_len, device=device)[None, :] > q_pos, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[k0:k0 + k_len]))
+        q0, k0 = q0 + q_len, k0 + k_len
+    return torch.cat(outs)

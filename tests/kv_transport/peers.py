@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import ucxx
 
-from pdserve.engine.kv_pool import KVLayout, KVPool
+from pdserve.engine.kv.pool import KVLayout, KVPool
 from pdserve.kv_transport import PeerAddress, TransferResult, TransportConfig, release_on_failure
 from pdserve.kv_transport.handshake import HELLO_TAG
 from pdserve.kv_transport.ucx_link import MAX_FRAME_BYTES, stop_ucx

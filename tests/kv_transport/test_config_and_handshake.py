@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.kv_pool import KVLayout
+from pdserve.engine.kv.pool import KVLayout
 from pdserve.kv_transport import TransportConfig
 from pdserve.kv_transport.handshake import (
     HELLO_TAG,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.engine.kv_pool import KVLayout, KVPool
+from pdserve.engine.kv.pool import KVLayout, KVPool
 from pdserve.kv_transport import (
     HandshakeRefused,
     LoopbackNetwork,

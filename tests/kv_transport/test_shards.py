@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from pdserve.engine.kv_pool import KVLayout
+from pdserve.engine.kv.pool import KVLayout
 from pdserve.kv_transport import HandshakeRefused, LoopbackNetwork, TransportConfig
 from pdserve.kv_transport.shards import PoolShards
 

@@ -23,7 +23,7 @@ from pdserve.engine.models.arch import DUMMY_SHAPES, ModelArch
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative import SpecDecoder, build_speculator
+from pdserve.engine.speculative import SpecDecoder
 from pdserve.engine.speculative.drafter import HostDrafter
 from pdserve.engine.speculator import Proposals
 from tests.engine.speculative.stats import chi_square_pvalue, resample_from_target_batched
@@ -71,7 +71,7 @@ def _next_token_probs(engine: Engine, prefixes: list[list[int]]) -> torch.Tensor
 @pytest.fixture(scope="module")
 def exact_marginals(engine) -> tuple[torch.Tensor, torch.Tensor]:
     """The distributions of the 2nd and 3rd generated tokens."""
-    engine.set_speculator(None)
+    engine.speculate(None)
     p1 = _next_token_probs(engine, [PROMPT])[0]
     p2 = _next_token_probs(engine, [PROMPT + [a] for a in range(VOCAB)])
     p3 = _next_token_probs(engine, [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
@@ -97,9 +97,11 @@ class UniformDrafter(HostDrafter):
         pass
 
 
-def _speculator(engine: Engine, method: str, tmp_path=None):
-    if method == "uniform":
-        return SpecDecoder(UniformDrafter(engine.sampler), engine.sampler, 3)
+def _speculate(engine: Engine, method: str, tmp_path=None) -> SpecDecoder:
+    """Speculate with `method`'s drafter from now on; returns the speculator."""
+    if method == "uniform":  # the drafter's own method: K and the rule are the config's
+        engine.speculate(SpecConfig(method="ngram", num_speculative_tokens=3), drafter=UniformDrafter(engine.sampler))
+        return engine.speculator
     # "draft_model_head_10": the draft proposes only among token ids 0-9; "draft_model_head_odd":
     # only among the odd ones (a ranking file: columns of the head are not their token ids).
     # The target's mass elsewhere must come back through the residual.
@@ -111,9 +113,10 @@ def _speculator(engine: Engine, method: str, tmp_path=None):
     with pytest.MonkeyPatch.context() as mp:
         for name, arch in SHAPES.items():
             mp.setitem(DUMMY_SHAPES, name, arch)
-        return build_speculator(engine, SpecConfig(method=method, num_speculative_tokens=3, num_draft_layers=1,
-                                                   draft_model="dummy:spec-test-draft", draft_vocab_size=size,
-                                                   draft_vocab_file=str(path) if path else None))
+        engine.speculate(SpecConfig(method=method, num_speculative_tokens=3, num_draft_layers=1,
+                                    draft_model="dummy:spec-test-draft", draft_vocab_size=size,
+                                    draft_vocab_file=str(path) if path else None))
+    return engine.speculator
 
 
 def _sample_marginals(engine: Engine) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,12 +130,11 @@ def _sample_marginals(engine: Engine) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("method", ["self_draft", "draft_model", "ngram", "uniform", "draft_model_head_10",
                                     "self_draft_head_odd"])
 def test_speculative_sampling_keeps_the_target_distribution(engine, exact_marginals, method, tmp_path):
-    spec = _speculator(engine, method, tmp_path)
-    engine.set_speculator(spec)
+    spec = _speculate(engine, method, tmp_path)
     try:
         second, third = _sample_marginals(engine)
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
     assert spec.metrics.num_passes > NUM_SAMPLES // 2  # the tokens really went through verification
     assert 0 < spec.metrics.num_accepted < spec.metrics.num_proposed
     if "_head_" in method:  # the ids the draft cannot propose carry real mass, and are emitted
@@ -144,11 +146,11 @@ def test_speculative_sampling_keeps_the_target_distribution(engine, exact_margin
 
 def test_the_test_fails_when_the_acceptance_rule_is_broken(engine, exact_marginals, monkeypatch):
     monkeypatch.setattr(rejection_module, "rejection_sample", resample_from_target_batched)
-    engine.set_speculator(_speculator(engine, "uniform"))
+    _speculate(engine, "uniform")
     try:
         second, third = _sample_marginals(engine)
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
     assert chi_square_pvalue(second, exact_marginals[0]) < 1e-6
 
 
@@ -161,7 +163,7 @@ def test_penalized_sampling_with_speculation_keeps_the_penalized_distribution(en
                             presence_penalty=1.0, logit_bias={3: 1.0})
     bias = torch.zeros(VOCAB)
     bias[3] = 1.0
-    engine.set_speculator(None)
+    engine.speculate(None)
 
     def penalized(probs: torch.Tensor, output: list[int]) -> torch.Tensor:
         counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=VOCAB).float()
@@ -173,12 +175,12 @@ def test_penalized_sampling_with_speculation_keeps_the_penalized_distribution(en
     p2 = torch.stack([penalized(p2[a], [a]) for a in range(VOCAB)])
     p3 = torch.stack([torch.stack([penalized(p3[a, b], [a, b]) for b in range(VOCAB)]) for a in range(VOCAB)])
     second, third = p1 @ p2, torch.einsum("a,ab,abc->c", p1, p2, p3)
-    engine.set_speculator(_speculator(engine, "uniform"))
+    _speculate(engine, "uniform")
     try:
         seeded = [dataclasses.replace(params, seed=s) for s in range(NUM_SAMPLES)]
         outs = engine.generate([PROMPT] * NUM_SAMPLES, seeded)
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
     counts = [torch.bincount(torch.tensor([o.token_ids[i] for o in outs]), minlength=VOCAB) for i in (1, 2)]
     assert chi_square_pvalue(counts[0], second) > 1e-3
     assert chi_square_pvalue(counts[1], third) > 1e-3

@@ -16,7 +16,7 @@ from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.models.arch import DUMMY_SHAPES
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative import SpecDecoder, build_speculator
+from pdserve.engine.speculative import SpecDecoder
 from pdserve.engine.speculative.drafter import Drafter
 from pdserve.engine.speculator import Proposals
 from tests.engine.prompts import PASSAGE, prompt_ids
@@ -94,7 +94,7 @@ def run(engine: Engine, requests) -> tuple[dict[str, list[int]], dict[str, int],
 
 @pytest.fixture(scope="module")
 def baseline(engine, requests):
-    engine.set_speculator(None)
+    engine.speculate(None)
     return run(engine, requests)
 
 
@@ -104,14 +104,14 @@ def all_blocks_free(engine: Engine) -> bool:
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
 def test_greedy_is_token_identical_in_a_mixed_batch(engine, requests, baseline, name):
-    spec = build_speculator(engine, DRAFTERS[name])
+    engine.speculate(DRAFTERS[name])
+    spec = engine.speculator
     assert isinstance(spec, SpecDecoder)
     spec.drafter = OnlySome(spec.drafter, SPECULATING)
-    engine.set_speculator(spec)
     try:
         tokens, num_deltas, logprobs = run(engine, requests)
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
     assert tokens == baseline[0]
     assert spec.drafter.proposed_for == set(SPECULATING)
     assert all_blocks_free(engine)
@@ -144,8 +144,9 @@ class EveryOther(SpecDecoder):
 
 
 def test_steps_at_k_zero_overlap_and_greedy_output_is_unchanged(engine, requests, baseline):
-    spec = EveryOther(build_speculator(engine, DRAFTERS["self_draft"]))
-    engine.set_speculator(spec)
+    engine.speculate(DRAFTERS["self_draft"])
+    spec = EveryOther(engine.speculator)
+    engine.core.set_speculator(spec)  # a test double of the plan, around what the builder made
     tokens = {rid: [] for rid, _, _ in requests}
     overlapped = 0
     try:
@@ -156,7 +157,7 @@ def test_steps_at_k_zero_overlap_and_greedy_output_is_unchanged(engine, requests
                 tokens[delta.request_id].extend(delta.token_ids)
             overlapped += engine.core.in_flight is not None  # the step just queued resolves in the next call
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
     assert tokens == baseline[0]
     assert 0 in spec.plans and spec.num_speculative_tokens in spec.plans
     assert overlapped >= spec.plans.count(0) // 2  # plain steps overlapped (some are the last ones)
@@ -169,12 +170,12 @@ def test_steps_at_k_zero_overlap_and_greedy_output_is_unchanged(engine, requests
     SpecConfig(method="draft_model", draft_model="default", num_speculative_tokens=6),
 ], ids=["self_draft_all_layers", "draft_model_same_model"])
 def test_draft_equal_to_target_accepts_everything(engine, requests, baseline, spec_config):
-    engine.set_speculator(build_speculator(engine, spec_config))
+    engine.speculate(spec_config)
     spec = engine.speculator
     try:
         tokens, num_deltas, _ = run(engine, requests)
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
     assert tokens == baseline[0]
     # Proposals after the first start from the catch-up that ran behind their verification
     # (its KV, had it been wrong, would have made the equal draft disagree).
@@ -196,7 +197,7 @@ def test_a_draft_head_trimmed_to_the_first_ids_keeps_greedy_output(engine, reque
     view of the target's rows, not a copy."""
     config = SpecConfig(method=method, draft_model="default", num_draft_layers=30, num_speculative_tokens=4,
                         draft_vocab_size=TRIMMED)
-    engine.set_speculator(build_speculator(engine, config))
+    engine.speculate(config)
     spec = engine.speculator
     head = spec.drafter.runner.model.lm_head.weight
     assert head.shape == (TRIMMED, engine.arch.hidden_size)
@@ -205,7 +206,7 @@ def test_a_draft_head_trimmed_to_the_first_ids_keeps_greedy_output(engine, reque
     try:
         tokens, num_deltas, _ = run(engine, requests)
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
     assert tokens == baseline[0]
     beyond = sum(t >= TRIMMED for ids in tokens.values() for t in ids)
     assert beyond > 0  # the outputs hold ids the draft cannot propose
@@ -228,13 +229,13 @@ def test_a_draft_head_of_listed_ids_proposes_those_tokens(engine, requests, base
     torch.save(torch.tensor(ranking), path)
     config = SpecConfig(method="draft_model", draft_model="default", num_speculative_tokens=4,
                         draft_vocab_size=len(used), draft_vocab_file=str(path))
-    engine.set_speculator(build_speculator(engine, config))
+    engine.speculate(config)
     spec = engine.speculator
     assert spec.drafter.runner.model.lm_head.weight.shape == (len(used), engine.arch.hidden_size)
     try:
         tokens, _, _ = run(engine, requests)
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
     assert tokens == baseline[0]
     m = spec.metrics
     assert m.num_proposed > 0 and m.num_accepted == m.num_proposed
@@ -243,9 +244,9 @@ def test_a_draft_head_of_listed_ids_proposes_those_tokens(engine, requests, base
 
 def test_bad_drafts_are_refused_at_start(engine, monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="self-draft layers must be in"):
-        build_speculator(engine, SpecConfig(method="self_draft", num_draft_layers=31))
+        engine.speculate(SpecConfig(method="self_draft", num_draft_layers=31))
     with pytest.raises(ValueError, match=r"draft_vocab_size must be in \[1, 49152\].*got 49153"):
-        build_speculator(engine, SpecConfig(method="self_draft", draft_vocab_size=49153))
+        engine.speculate(SpecConfig(method="self_draft", draft_vocab_size=49153))
     files = {"missing.json": None, "far.json": "[1, 2, 49152]", "twice.json": "[5, 6, 5]", "text.json": "nope",
              "empty.json": "[]"}
     for name, text in files.items():
@@ -255,17 +256,17 @@ def test_bad_drafts_are_refused_at_start(engine, monkeypatch, tmp_path):
                           ("twice.json", "lists a token id twice"), ("text.json", "cannot be read"),
                           ("empty.json", "non-empty list of token ids")]:
         with pytest.raises(ValueError, match=f"draft_vocab_file .*{name}.*{message}"):
-            build_speculator(engine, SpecConfig(method="self_draft", draft_vocab_file=str(tmp_path / name)))
+            engine.speculate(SpecConfig(method="self_draft", draft_vocab_file=str(tmp_path / name)))
     (tmp_path / "short.json").write_text("[3, 1, 2]")
     with pytest.raises(ValueError, match=r"draft_vocab_size must be in \[1, 3\] \(the file's 3 ids\), got 4"):
-        build_speculator(engine, SpecConfig(method="self_draft", draft_vocab_size=4,
+        engine.speculate(SpecConfig(method="self_draft", draft_vocab_size=4,
                                             draft_vocab_file=str(tmp_path / "short.json")))
     with pytest.raises(ValueError, match="vocabulary size 512 differs"):
-        build_speculator(engine, SpecConfig(method="draft_model", draft_model="dummy:tiny"))
+        engine.speculate(SpecConfig(method="draft_model", draft_model="dummy:tiny"))
     tiny = Engine(EngineConfig(model=ModelConfig(source="dummy:tiny", device="cpu", dtype="float32")))
     monkeypatch.setitem(DUMMY_SHAPES, "tiny-deeper", replace(DUMMY_SHAPES["tiny"], num_layers=4))
     with pytest.raises(ValueError, match="larger than the target"):
-        build_speculator(tiny, SpecConfig(method="draft_model", draft_model="dummy:tiny-deeper"))
+        tiny.speculate(SpecConfig(method="draft_model", draft_model="dummy:tiny-deeper"))
 
 
 def test_decode_worker_path_builds_the_draft_kv_from_the_received_prompt(engine, make_engine):
@@ -273,7 +274,7 @@ def test_decode_worker_path_builds_the_draft_kv_from_the_received_prompt(engine,
     the draft has none and catches up from the prompt tokens on its first proposal."""
     prompt = engine.apply_chat_template([{"role": "user", "content": "Repeat word for word: " + PASSAGE[:300]}])
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    engine.set_speculator(None)
+    engine.speculate(None)
     want = engine.generate([prompt], params)[0].token_ids
 
     prefill = make_engine()
@@ -288,23 +289,23 @@ def test_decode_worker_path_builds_the_draft_kv_from_the_received_prompt(engine,
     prefill.release(rid)
     engine.admit_prefilled("received", first_token)
 
-    spec = build_speculator(engine, DRAFTERS["self_draft"])
-    engine.set_speculator(spec)
+    engine.speculate(DRAFTERS["self_draft"])
+    spec = engine.speculator
     got = [first_token]
     try:
         while engine.has_unfinished:
             for delta in engine.step():
                 got.extend(delta.token_ids)
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
     assert got == want
     assert spec.metrics.num_passes > 0
     assert all_blocks_free(engine)
 
 
 def test_abort_and_finish_free_the_draft_kv_too(engine):
-    spec = build_speculator(engine, DRAFTERS["self_draft"])
-    engine.set_speculator(spec)
+    engine.speculate(DRAFTERS["self_draft"])
+    spec = engine.speculator
     draft_blocks = spec.drafter.block_manager
     try:
         story = engine.add_request("Tell me a story about a dragon.",
@@ -317,7 +318,7 @@ def test_abort_and_finish_free_the_draft_kv_too(engine):
         while engine.has_unfinished:
             engine.step()
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
     assert draft_blocks.num_free_blocks == draft_blocks.num_blocks
     assert all_blocks_free(engine)
 
@@ -329,8 +330,23 @@ def test_preemption_under_speculation_keeps_greedy_output(make_engine, tokenizer
                                                                             ignore_eos=True)) for i in range(4)]
     want, _, _ = run(small, reqs)
     before = small.scheduler.num_preemptions
-    small.set_speculator(build_speculator(small, DRAFTERS["self_draft"]))
+    small.speculate(DRAFTERS["self_draft"])
     got, _, _ = run(small, [(f"s{i}", p, params) for i, (_, p, params) in enumerate(reqs)])
     assert small.scheduler.num_preemptions > before, "the pool was meant to be too small: no preemption happened"
     assert list(got.values()) == list(want.values())
     assert all_blocks_free(small)
+
+
+def test_an_engine_speculates_as_its_config_says():
+    """`Engine(config)` honours `config.spec` (the workers, the CLI and the tests build engines
+    only this way): the n-gram drafter proposes and the output stays the plain engine's."""
+    config = EngineConfig(model=ModelConfig(source="dummy:tiny", device="cpu", dtype="float32"))
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = Engine(config)
+    assert plain.speculator is None
+    want = plain.generate([prompt], params)[0].token_ids
+    engine = Engine(replace(config, spec=SpecConfig(method="ngram", num_speculative_tokens=3)))
+    assert isinstance(engine.speculator, SpecDecoder)
+    assert engine.generate([prompt], params)[0].token_ids == want
+    assert engine.speculator.metrics.num_proposed > 0

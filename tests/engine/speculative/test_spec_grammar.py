@@ -11,7 +11,7 @@ from pdserve.engine.config import SpecConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling import SamplingParams, StructuredOutput
 from pdserve.engine.sequence import FinishReason, Sequence
-from pdserve.engine.speculative import SpecDecoder, build_speculator
+from pdserve.engine.speculative import SpecDecoder
 from pdserve.engine.speculative.drafter import HostDrafter
 from pdserve.engine.speculator import Proposals
 from tests.engine.grammar_cases import MAX_TOKENS, PROMPT, SCHEMAS, validates
@@ -64,17 +64,16 @@ def test_drafts_outside_the_grammar_are_rejected_and_greedy_output_is_unchanged(
     requests = [(name, chat, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                             structured=StructuredOutput.from_schema(schema)))
                 for name, schema in SCHEMAS.items()]
-    engine.set_speculator(None)
+    engine.speculate(None)
     want = run(engine, requests)
 
-    spec = build_speculator(engine, NGRAM)
+    engine.speculate(NGRAM, drafter=Scripted(want, engine.tokenize("\n")[0], engine.device))
+    spec = engine.speculator
     assert isinstance(spec, SpecDecoder)
-    spec.drafter = Scripted(want, engine.tokenize("\n")[0], engine.device)
-    engine.set_speculator(spec)
     try:
         got = run(engine, requests)
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
     assert got == want
     for name, schema in SCHEMAS.items():
         assert validates(engine.tokenizer.decode(got[name], skip_special_tokens=True), schema), name
@@ -90,12 +89,12 @@ def test_ngram_speculation_keeps_sampled_outputs_valid(engine):
     schema = SCHEMAS["nested"]
     params = [SamplingParams(temperature=t, seed=s, max_tokens=MAX_TOKENS, structured=StructuredOutput.from_schema(
         schema)) for t, s in ((0.0, None), (1.0, 1), (1.0, 2))]
-    engine.set_speculator(build_speculator(engine, NGRAM))
+    engine.speculate(NGRAM)
     spec = engine.speculator
     try:
         outs = engine.generate([chat] * len(params), params)
     finally:
-        engine.set_speculator(None)
+        engine.speculate(None)
     for out in outs:
         assert validates(out.text, schema), out.text
         assert out.finish_reason is FinishReason.STOP

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-from pdserve.engine.kv_budget import draft_memory
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.budget import draft_memory
 from pdserve.engine.models.arch import DUMMY_SHAPES
 from pdserve.engine.models.registry import param_counts
 from pdserve.engine.sampling import SamplingParams

@@ -1,0 +1,135 @@
+"""The line for decode seats: who runs where, and who waits.
+
+A disaggregated request waits here, first come first served, for a decode worker with a free
+running seat and the free KV blocks to reserve its prompt (`WorkerState.kv_headroom`: its last
+load, less the reservations that may not show in it yet); beyond a bounded queue
+(`max_queued()`) it is refused at once, and the service admits no more than `capacity()` (seats
+plus the queue). A colocated request takes its seat at once and queues in its worker's
+scheduler; a prefill worker's requests are seated there while it computes them. `SeatLine` is
+the one writer of a worker's `inflight` and `claims` (the routers read them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+
+from pdserve.cluster.serving.errors import Overloaded, WorkerUnavailable
+from pdserve.cluster.serving.pools import Pool, Worker
+from pdserve.cluster.serving.router import KVClaim, PromptBlocks, RoutingPolicy
+from pdserve.cluster.settings.config import CoordinatorConfig
+
+
+def may_wait(pool: Pool, migrated: bool, give_up: float) -> bool:
+    """Whether a request finding no serving worker in `pool` waits on: until `give_up`
+    (`config.migration_wait_s` after it began), while a lost worker is being replaced, or
+    in any case for a `migrated` request (its lost worker's replacement may not have
+    begun yet). With nothing being replaced a new request is refused at once."""
+    return (migrated or pool.replacing > 0) and asyncio.get_running_loop().time() < give_up
+
+
+class SeatLine:
+    def __init__(self, decode: Pool, policy: RoutingPolicy, block_size: int, seats_per_worker: int,
+                 max_waiting_per_worker: int, config: CoordinatorConfig) -> None:
+        self.decode = decode
+        self.policy = policy  # which of the workers that fit takes the head of the line
+        self.block_size = block_size
+        self.seats_per_worker = seats_per_worker  # the decode engines' max_num_seqs
+        self.max_waiting_per_worker = max_waiting_per_worker
+        self.config = config
+        # Requests waiting for a decode seat, in order: the head takes the next one that fits.
+        self._line: collections.deque[asyncio.Event] = collections.deque()
+
+    def capacity(self) -> int:
+        """Requests the pools take at once: per serving decode worker (healthy, not draining),
+        its running seats and a bounded queue of requests waiting for one."""
+        return len(self.decode.serving()) * (self.seats_per_worker + self.max_waiting_per_worker)
+
+    def max_queued(self) -> int:
+        """Requests that may wait for a decode seat (or the KV blocks to use one) at once: a
+        queue per serving decode worker and per one being replaced (requests that find no
+        serving worker wait for its replacement, `may_wait`)."""
+        return (len(self.decode.serving()) + self.decode.replacing) * self.max_waiting_per_worker
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for a decode seat now."""
+        return len(self._line)
+
+    def kv_need(self, num_prompt_tokens: int) -> int:
+        """KV blocks a decode worker reserves for a prompt (the tokens it generates take
+        blocks as they come; the engine preempts where they run out, as vLLM's does)."""
+        return -(-num_prompt_tokens // self.block_size)
+
+    def fits(self, worker: Worker, need: int) -> bool:
+        """Whether `worker` has a running seat and `need` KV blocks to reserve. A worker whose
+        load is not known yet is tried: its engine's reservation decides."""
+        headroom = worker.state.kv_headroom()
+        return worker.state.inflight < self.seats_per_worker and (headroom is None or need <= headroom)
+
+    async def take(self, request_id: str, need: int, front: bool, migrated: bool, give_up: float,
+                   prompt: PromptBlocks) -> Worker:
+        """A decode worker with a free running seat and `need` KV blocks to reserve (`fits`),
+        seated there with its claim on the blocks; of those that fit, the policy picks for
+        `prompt` (prefix-aware: the one holding its prefix wins a close call). Requests wait
+        for one in arrival order (`front`: ahead of all, a retried one); one that would wait
+        behind `max_queued()` others is refused at once (Overloaded). The head re-checks
+        whenever a seat or blocks are freed, the load is read, or `config.seat_recheck_s`
+        passed (a replaced worker's seats). A draining worker takes no one. With no serving
+        decode worker, waits while
+        `may_wait`, then WorkerUnavailable."""
+        me = asyncio.Event()
+        if front:
+            self._line.appendleft(me)
+        else:
+            self._line.append(me)
+        waited = front  # a retried request is never refused
+        try:
+            while True:
+                if self._line[0] is me:
+                    serving = self.decode.serving()
+                    if not serving and not may_wait(self.decode, migrated, give_up):
+                        raise WorkerUnavailable("no healthy decode worker")
+                    free = [w for w in serving if self.fits(w, need)]
+                    if free:
+                        state = self.policy.choose([w.state for w in free], prompt)
+                        worker = next(w for w in free if w.state is state)
+                        self.seat(worker, request_id, need)
+                        return worker
+                if not waited and len(self._line) - 1 >= self.max_queued():
+                    raise Overloaded(f"server is at its capacity: {self.max_queued()} requests are queued for a "
+                                     f"decode seat or the KV blocks of one")
+                waited = True
+                me.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(me.wait(), self.config.seat_recheck_s)
+        finally:
+            self._line.remove(me)
+            self.wake()
+
+    def seat(self, worker: Worker, request_id: str, need: int | None = None) -> None:
+        """`request_id` runs on `worker`, a worker of either pool (chosen with no await since:
+        the seat is its own), with a claim on `need` KV blocks (a decode reservation) until the
+        worker's load shows it."""
+        worker.state.inflight += 1
+        if need is not None:
+            worker.state.claims[request_id] = KVClaim(need)
+
+    def reserved(self, worker: Worker, request_id: str) -> None:
+        """`worker`'s engine holds `request_id`'s blocks: its loads asked for from now on show them."""
+        claim = worker.state.claims.get(request_id)
+        if claim is not None:
+            claim.reserved_at = asyncio.get_running_loop().time()
+
+    def free(self, worker: Worker, request_id: str) -> None:
+        """`request_id`'s seat and claim on `worker` are free (the worker has let them go); the
+        head of the line looks again."""
+        worker.state.inflight -= 1
+        worker.state.claims.pop(request_id, None)
+        self.wake()
+
+    def wake(self) -> None:
+        """Have the request at the head of the queue look for a seat again."""
+        if self._line:
+            self._line[0].set()

@@ -1,0 +1,76 @@
+"""The decode workers' token deltas, to the requests that wait for them.
+
+One poller per decode worker long-polls its batched token deltas and fans them out to the
+requests' queues. A request's queue takes deltas from the worker it was opened on only (fenced:
+a request continued elsewhere takes nothing more from a worker it left).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from pdserve.cluster.serving.pools import ACTOR_LOST, Pool, Worker
+from pdserve.engine.outputs import TokenDelta
+
+
+@dataclass(slots=True)
+class _Stream:
+    decode: Worker
+    queue: asyncio.Queue[TokenDelta | Exception] = field(default_factory=asyncio.Queue)
+
+
+class TokenStreams:
+    def __init__(self, decode: Pool, poll_wait_s: float) -> None:
+        self.decode = decode
+        self.poll_wait_s = poll_wait_s  # how long one poll waits for deltas
+        self._streams: dict[str, _Stream] = {}
+        self._pollers: dict[str, asyncio.Task[None]] = {}
+
+    def open(self, request_id: str, decode: Worker) -> asyncio.Queue[TokenDelta | Exception]:
+        """The queue of `request_id`'s deltas from `decode` (and the error that ends them, if one does)."""
+        stream = self._streams[request_id] = _Stream(decode)
+        return stream.queue
+
+    def close(self, request_id: str) -> None:
+        del self._streams[request_id]
+
+    def follow(self, worker: Worker) -> None:
+        """Poll `worker` for deltas, unless a poller already does."""
+        if worker.worker_id not in self._pollers:
+            self._pollers[worker.worker_id] = asyncio.create_task(self._poll(worker))
+
+    def fail(self, worker: Worker, error: Exception) -> None:
+        """`worker` is lost: its requests' streams end with `error`; its poller is forgotten."""
+        self._pollers.pop(worker.worker_id, None)
+        self.move(worker, error)
+
+    def move(self, worker: Worker, error: Exception) -> None:
+        """`worker`'s requests' streams end with `error` behind the deltas already queued: a
+        WorkerLost, which their coordinators answer by continuing them elsewhere (a drain past
+        its deadline calls this alone: its poller goes on while the worker lives)."""
+        for stream in self._streams.values():
+            if stream.decode is worker:
+                stream.queue.put_nowait(error)
+
+    def forget(self, worker: Worker) -> None:
+        """`worker` has left: its poller stops."""
+        task = self._pollers.pop(worker.worker_id, None)
+        if task is not None:
+            task.cancel()
+
+    def stop(self) -> None:
+        for task in self._pollers.values():
+            task.cancel()
+
+    async def _poll(self, worker: Worker) -> None:
+        while worker.state.healthy:
+            try:
+                deltas = await worker.actor.poll.remote(self.poll_wait_s)
+            except ACTOR_LOST:
+                await self.decode.replace(worker)
+                return
+            for delta in deltas:
+                stream = self._streams.get(delta.request_id)
+                if stream is not None and stream.decode is worker:
+                    stream.queue.put_nowait(delta)
