@@ -25,7 +25,8 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sampler import on_device
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.speculative import SpecDecoder, expected_tokens_per_pass
-from pdserve.engine.speculative.draft_model import DraftTarget, ModelDrafter, draft_head_ids, load_draft_model
+from pdserve.engine.speculative.draft_loading import DraftTarget, draft_head_ids, load_draft_model
+from pdserve.engine.speculative.draft_model import ModelDrafter
 from pdserve.engine.speculative.factory import draft_target
 
 

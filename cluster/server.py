@@ -16,11 +16,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.cluster.api.admin_service import AdminService
-from pdserve.cluster.api.auth import AdminTokenInterceptor, BearerTokenInterceptor, HttpTls, grpc_server_credentials
+from pdserve.cluster.api.auth import HttpTls, grpc_server_credentials
 from pdserve.cluster.api.frontend import Frontend
 from pdserve.cluster.api.grpc_service import GenerationService
 from pdserve.cluster.api.http_api import HttpServer
-from pdserve.cluster.api.interceptors import MalformedRequestInterceptor
+from pdserve.cluster.api.interceptors import AdminTokenInterceptor, BearerTokenInterceptor, MalformedRequestInterceptor
 from pdserve.cluster.ray_driver import init_ray
 from pdserve.cluster.scaling.elastic import Elastic
 from pdserve.cluster.scaling.planner import Planner
@@ -28,8 +28,10 @@ from pdserve.cluster.scaling.planner_loop import PlannerLoop
 from pdserve.cluster.serving.coordinator import Coordinator
 from pdserve.cluster.serving.metrics import Metrics
 from pdserve.cluster.serving.pools import ActorSpec, Pool
-from pdserve.cluster.settings.config import ServeConfig, client_auth, cluster_secret, read_chat_template
+from pdserve.cluster.serving.worker_set import WorkerSet
+from pdserve.cluster.settings.config import ServeConfig
 from pdserve.cluster.settings.pool_config import fit_pools_to_gpus
+from pdserve.cluster.settings.secrets import client_auth, cluster_secret, read_chat_template
 from pdserve.cluster.sim.step_costs import StepCosts
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine.models.parallel import check_splits
@@ -52,6 +54,7 @@ class Server:
 
     grpc_server: grpc.aio.Server
     coordinator: Coordinator
+    worker_set: WorkerSet
     elastic: Elastic
     health: health.aio.HealthServicer
     metrics: Metrics
@@ -73,7 +76,7 @@ class Server:
             await self.http.stop()
         await self.grpc_server.stop(grace=self.shutdown_grace_s)
         await self.elastic.stop()
-        await self.coordinator.stop()
+        await self.worker_set.stop()
 
 
 def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool | None, Pool]:
@@ -119,16 +122,15 @@ async def start_server(config: ServeConfig) -> Server:
         transport = TransportConfig.of(config.kv_transport, cluster_secret(), config.ray.node_ip_address)
     prefill, decode = _pools(config, transport)
     metrics = Metrics()
-    coordinator = Coordinator(prefill, decode, config.pools.routing,
-                              config.engine.cache.block_size, metrics, config.engine.scheduler.max_num_seqs,
-                              config.admission.max_waiting_per_worker, config.coordinator, config.router)
-    await coordinator.start(config.health.interval_s)
-    # Workers may cap the context below the model's (KV pool size): take the smallest.
-    lens = [await w.actor.max_model_len.remote() for p in coordinator.pools() for w in p.workers]
-    processor = RequestProcessor(tokenizer, files.name, files.arch.vocab_size, min(lens),
+    worker_set = WorkerSet(prefill, decode, config.pools.routing, config.engine.cache.block_size, metrics,
+                           config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker,
+                           config.coordinator, config.router)
+    await worker_set.start(config.health.interval_s)
+    coordinator = Coordinator(worker_set, config.engine.cache.block_size, metrics, config.coordinator)
+    processor = RequestProcessor(tokenizer, files.name, files.arch.vocab_size, await worker_set.max_model_len(),
                                  tool_format(config.server.tool_call_parser))
 
-    frontend = Frontend(coordinator, processor, metrics, config.server.default_timeout_s,
+    frontend = Frontend(coordinator, worker_set, processor, metrics, config.server.default_timeout_s,
                         config.admission.retry_after_s)
     # The tokens are checked before a request is parsed; a request that does not parse is
     # INVALID_ARGUMENT. The admin service answers to its own token only (AdminTokenInterceptor).
@@ -137,7 +139,7 @@ async def start_server(config: ServeConfig) -> Server:
     server = grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()])
     service = GenerationService(frontend)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
-    elastic = Elastic(coordinator, config.drain, metrics)
+    elastic = Elastic(worker_set, config.drain)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(elastic), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -160,7 +162,7 @@ async def start_server(config: ServeConfig) -> Server:
             await http.start(config.server.host, config.server.http_port)
         except BaseException:
             await server.stop(None)
-            await coordinator.stop()
+            await worker_set.stop()
             raise
     if config.server.metrics_port:
         metrics.serve(config.server.host, config.server.metrics_port)
@@ -171,11 +173,11 @@ async def start_server(config: ServeConfig) -> Server:
                 "asked" if auth.api_key else "not asked", "on" if auth.admin_token else "off")
     loop = None
     if planner is not None and coordinator.mode == "disaggregated":
-        loop = asyncio.create_task(PlannerLoop(planner, config.pools.planner, coordinator, elastic, metrics).run())
+        loop = asyncio.create_task(PlannerLoop(planner, config.pools.planner, worker_set, elastic, metrics).run())
     elif planner is not None:
         logger.warning("pools.planner: this server is %s (too few GPUs for both pools): the planner stays off",
                        coordinator.mode)
-    return Server(server, coordinator, elastic, health_servicer, metrics, port, frontend, http,
+    return Server(server, coordinator, worker_set, elastic, health_servicer, metrics, port, frontend, http,
                   config.server.shutdown_grace_s, loop)
 
 

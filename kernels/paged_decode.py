@@ -18,6 +18,7 @@ accumulating in float32. K and V carry no scale (`kernels.fp8`), so none is appl
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -360,6 +361,24 @@ def _workspace_args(workspace: torch.Tensor | None, out: torch.Tensor) -> tuple[
     return workspace, (workspace.stride(0), workspace.stride(1), workspace.stride(2))
 
 
+def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None,
+                  programs: int, num_splits: int, block_n: int | None, num_warps: int, num_stages: int | None,
+                  read_ahead: bool, fp8_dot: bool) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+    """What both launchers hand their split kernel besides their own inputs: the workspace's
+    pointer and strides, and the tiling (defaults: `_default_tiling`), constexprs and launch
+    options they share."""
+    default_block_n, default_stages = _default_tiling(q, k_cache, programs, num_splits, fp8_dot)
+    block_n, num_stages = block_n or default_block_n, num_stages or default_stages
+    assert not fp8_dot or block_n >= _FP8_DOT_MIN_K, f"fp8_dot needs block_n >= 32, got {block_n}"
+    ws, ws_strides = _workspace_args(workspace, out)
+    pdl = _pdl.pdl(q)
+    launch = dict(QUERIES_PER_KV=q.shape[1] // k_cache.shape[2], HEAD_DIM=q.shape[2], PAGE_SIZE=k_cache.shape[1],
+                  BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  PDL=pdl, READ_AHEAD=read_ahead, FP8_DOT=fp8_dot, num_warps=num_warps, num_stages=num_stages,
+                  launch_pdl=pdl)
+    return ws, ws_strides, launch
+
+
 def _merge(workspace: torch.Tensor, out: torch.Tensor, rows: int, ws_strides: tuple[int, int, int]) -> None:
     """The splits' partial results of out's first `rows` rows, merged into out."""
     num_splits, head_dim = workspace.shape[2], out.shape[2]
@@ -436,21 +455,15 @@ def paged_decode(
         workspace = decode_workspace(batch, num_q_heads, head_dim, num_splits, q.device)
     if batch == 0:
         return out
-    default_block_n, default_stages = _default_tiling(q, k_cache, batch * num_kv_heads, num_splits, fp8_dot)
-    block_n, num_stages = block_n or default_block_n, num_stages or default_stages
-    assert not fp8_dot or block_n >= _FP8_DOT_MIN_K, f"fp8_dot needs block_n >= 32, got {block_n}"
     queries_per_kv = num_q_heads // num_kv_heads
-    ws, ws_strides = _workspace_args(workspace, out)
-    pdl = _pdl.pdl(q)
+    ws, ws_strides, launch = _split_launch(q, k_cache, out, workspace, batch * num_kv_heads, num_splits, block_n,
+                                           num_warps, num_stages, read_ahead, fp8_dot)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, ws, scale * LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), *ws_strides,
-        num_kv_heads * head_dim, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size,
+        num_kv_heads * head_dim,
         # tl.dot needs at least 16 rows: pad the query group.
-        BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)), BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        READ_AHEAD=read_ahead, FP8_DOT=fp8_dot, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)), **launch,
     )
     if num_splits > 1:
         _merge(workspace, out, batch, ws_strides)
@@ -528,18 +541,12 @@ def paged_verify(
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, head_dim, block_tables.shape[1] * page_size, q.device)
     workspace = decode_workspace(num_tokens, num_q_heads, head_dim, num_splits, q.device) if num_splits > 1 else None
-    default_block_n, default_stages = _default_tiling(q, k_cache, batch * num_kv_heads, num_splits, fp8_dot)
-    block_n, num_stages = block_n or default_block_n, num_stages or default_stages
-    assert not fp8_dot or block_n >= _FP8_DOT_MIN_K, f"fp8_dot needs block_n >= 32, got {block_n}"
-    ws, ws_strides = _workspace_args(workspace, out)
-    pdl = _pdl.pdl(q)
+    ws, ws_strides, launch = _split_launch(q, k_cache, out, workspace, batch * num_kv_heads, num_splits, block_n,
+                                           num_warps, num_stages, read_ahead, fp8_dot)
     _verify_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, ws, scale * LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), *ws_strides,
-        num_kv_heads * head_dim, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_R=max(16, triton.next_power_of_2(max_seqlen_q * queries_per_kv)), BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        READ_AHEAD=read_ahead, FP8_DOT=fp8_dot, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        num_kv_heads * head_dim, BLOCK_R=max(16, triton.next_power_of_2(max_seqlen_q * queries_per_kv)), **launch,
     )
     if num_splits > 1:
         _merge(workspace, out, num_tokens, ws_strides)

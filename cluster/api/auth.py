@@ -4,13 +4,9 @@ TLS: the gRPC server credentials and the HTTP API's uvicorn options, from Server
 files. With a client CA (mutual TLS) both refuse a client without a certificate signed by
 it in the TLS handshake, before any request is read.
 
-Tokens: a gRPC server interceptor and an ASGI middleware. Both compare in constant time
-and let the health checks through (probes carry no token). The token itself is never
-logged or echoed.
-
-The admin API (the gRPC `Admin` service) has a token of its own, checked by
-`AdminTokenInterceptor` alone: the clients' token opens no admin call, and the admin token
-no client call.
+Tokens: `bearer_matches` compares in constant time; the HTTP API checks it in an ASGI
+middleware here, gRPC in the interceptors (`interceptors.py`). Both let the health checks
+through (probes carry no token). The token itself is never logged or echoed.
 """
 
 from __future__ import annotations
@@ -18,23 +14,17 @@ from __future__ import annotations
 import hmac
 import json
 import ssl
-from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.cluster.settings.config import ClientAuth, ServerConfig
+from pdserve.cluster.settings.config import ServerConfig
+from pdserve.cluster.settings.secrets import ClientAuth
 
-HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
-ADMIN_METHOD_PREFIX = "/pdserve.v1.Admin/"
 HEALTH_PATHS = ("/health",)
-_MESSAGE = "missing or wrong bearer token (Authorization: Bearer <token>)"
-_ADMIN_OFF = ("the admin API is off: start the server with --admin-token-file FILE (server.admin_token_file), "
-              "FILE holding a token of its own, and call it with that token")
-_ADMIN_MESSAGE = "missing or wrong admin token (authorization: Bearer <admin token>, pdserve --admin-token-file)"
-_NOT_ADMIN = "the clients' token opens no admin call: admin calls need the admin token (--admin-token-file)"
+TOKEN_MESSAGE = "missing or wrong bearer token (Authorization: Bearer <token>)"
 
 
 def grpc_server_credentials(auth: ClientAuth) -> grpc.ServerCredentials:
@@ -69,84 +59,12 @@ class HttpTls:
         return options
 
 
-def _matches(header: str | bytes | None, token: str) -> bool:
+def bearer_matches(header: str | bytes | None, token: str) -> bool:
     if isinstance(header, bytes):
         header = header.decode(errors="replace")
     if not header or not header.startswith("Bearer "):
         return False
     return hmac.compare_digest(header[len("Bearer "):].strip().encode(), token.encode())
-
-
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for a call without `authorization: Bearer <token>` metadata."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token
-
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith((HEALTH_METHOD_PREFIX, ADMIN_METHOD_PREFIX)):
-            return handler  # the admin API: AdminTokenInterceptor's
-        if _presents(details, self._token):
-            return handler
-        return _refusing(handler)
-
-
-class AdminTokenInterceptor(grpc.aio.ServerInterceptor):
-    """The admin service's calls need `authorization: Bearer <admin token>`: without a token
-    or with a wrong one UNAUTHENTICATED, with the clients' token PERMISSION_DENIED (a client,
-    not an admin); with no admin token configured (None) every admin call is refused,
-    saying how to turn the API on. Other calls pass untouched."""
-
-    def __init__(self, admin_token: str | None, client_token: str | None) -> None:
-        self._admin_token = admin_token
-        self._client_token = client_token
-
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(ADMIN_METHOD_PREFIX):
-            return handler
-        if self._admin_token is None:
-            return _refusing(handler, grpc.StatusCode.PERMISSION_DENIED, _ADMIN_OFF)
-        if _presents(details, self._admin_token):
-            return handler
-        if self._client_token is not None and _presents(details, self._client_token):
-            return _refusing(handler, grpc.StatusCode.PERMISSION_DENIED, _NOT_ADMIN)
-        return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, _ADMIN_MESSAGE)
-
-
-def _presents(details: grpc.HandlerCallDetails, token: str) -> bool:
-    """Whether the call's metadata carries `authorization: Bearer <token>`."""
-    metadata: Sequence[tuple[str, Any]] = details.invocation_metadata or ()
-    return any(k == "authorization" and _matches(v, token) for k, v in metadata)
-
-
-def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
-              message: str = _MESSAGE) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that answers `code` with `message`."""
-
-    async def unary(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(code, message)
-
-    async def stream(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(code, message)
-        yield  # an async generator, as a streaming handler is
-
-    codec = {"request_deserializer": handler.request_deserializer,
-             "response_serializer": handler.response_serializer}
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary, **codec)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(stream, **codec)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary, **codec)
-    return grpc.stream_stream_rpc_method_handler(stream, **codec)
 
 
 class BearerTokenMiddleware:
@@ -162,10 +80,10 @@ class BearerTokenMiddleware:
             await self.app(scope, receive, send)
             return
         header = dict(scope.get("headers") or ()).get(b"authorization")
-        if _matches(header, self._token):
+        if bearer_matches(header, self._token):
             await self.app(scope, receive, send)
             return
-        body = json.dumps({"error": {"message": _MESSAGE, "type": "invalid_request_error", "param": None,
+        body = json.dumps({"error": {"message": TOKEN_MESSAGE, "type": "invalid_request_error", "param": None,
                                      "code": "invalid_api_key"}}).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),

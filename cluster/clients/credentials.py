@@ -1,7 +1,7 @@
 """What pdserve's own clients (`pdserve generate`, `info`, `bench`, `Client`) present to a
 server: the CA they trust (TLS), their own certificate and key (mutual TLS), the bearer token.
 
-The server's side is `config.ClientAuth`; this is the other end of it, one object for the
+The server's side is `settings.secrets.ClientAuth`; this is the other end of it, one object for the
 gRPC and the HTTP clients alike.
 """
 
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.cluster.settings.config import ServerConfig, client_auth
+from pdserve.cluster.settings.config import ServerConfig
+from pdserve.cluster.settings.secrets import client_auth
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,8 @@ which the engine calls for its config's `spec`:
 """
 
 from pdserve.engine.speculative.adaptive import AdaptiveK, best_k, expected_speedup, expected_tokens_per_pass
-from pdserve.engine.speculative.draft_model import ModelDrafter, check_draft, load_draft_model, self_draft_model
+from pdserve.engine.speculative.draft_loading import check_draft, load_draft_model, self_draft_model
+from pdserve.engine.speculative.draft_model import ModelDrafter
 from pdserve.engine.speculative.drafter import Drafter
 from pdserve.engine.speculative.factory import build_speculator, draft_target
 from pdserve.engine.speculative.ngram import NgramDrafter

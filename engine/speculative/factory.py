@@ -7,13 +7,8 @@ from pdserve.engine.config import EngineConfig, SpecConfig
 from pdserve.engine.models.registry import param_counts
 from pdserve.engine.runner.assembly import EngineParts
 from pdserve.engine.speculative.adaptive import AdaptiveK, MeasuredCosts, PassCosts, RelativeCosts
-from pdserve.engine.speculative.draft_model import (
-    DraftTarget,
-    ModelDrafter,
-    draft_head_ids,
-    load_draft_model,
-    self_draft_model,
-)
+from pdserve.engine.speculative.draft_loading import DraftTarget, draft_head_ids, load_draft_model, self_draft_model
+from pdserve.engine.speculative.draft_model import ModelDrafter
 from pdserve.engine.speculative.drafter import Drafter
 from pdserve.engine.speculative.ngram import NgramDrafter
 from pdserve.engine.speculative.spec_decoder import SpecDecoder

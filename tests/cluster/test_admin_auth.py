@@ -12,10 +12,11 @@ import grpc
 import pytest
 
 from pdserve.cluster.api.admin_service import AdminService
-from pdserve.cluster.api.auth import AdminTokenInterceptor, BearerTokenInterceptor
+from pdserve.cluster.api.interceptors import AdminTokenInterceptor, BearerTokenInterceptor
 from pdserve.cluster.clients.admin_client import AdminClient
 from pdserve.cluster.clients.credentials import ClientCredentials
-from pdserve.cluster.settings.config import ServerConfig, client_auth
+from pdserve.cluster.settings.config import ServerConfig
+from pdserve.cluster.settings.secrets import client_auth
 from pdserve.proto.v1 import admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 CLIENT_TOKEN = "client-token-0123456789"

@@ -99,7 +99,8 @@ def test_explicit_gpus_per_worker_is_kept():
 
 
 def test_client_auth_reads_the_files_and_the_env(tmp_path, monkeypatch):
-    from pdserve.cluster.settings.config import API_KEY_ENV, ServerConfig, client_auth
+    from pdserve.cluster.settings.config import API_KEY_ENV, ServerConfig
+    from pdserve.cluster.settings.secrets import client_auth
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     assert client_auth(ServerConfig()).api_key is None and not client_auth(ServerConfig()).tls

@@ -22,7 +22,7 @@ from pdserve.engine.speculative.adaptive import (
     expected_speedup,
     expected_tokens_per_pass,
 )
-from pdserve.engine.speculative.draft_model import check_draft
+from pdserve.engine.speculative.draft_loading import check_draft
 from pdserve.engine.speculative.ngram import lookup
 from pdserve.engine.speculator import SpecMetrics
 
