@@ -127,7 +127,8 @@ async def start_server(config: ServeConfig) -> Server:
     # Workers may cap the context below the model's (KV pool size): take the smallest.
     lens = [await w.actor.max_model_len.remote() for p in coordinator.pools() for w in p.workers]
     processor = RequestProcessor(tokenizer, files.name, files.arch.vocab_size, min(lens),
-                                 tool_format(config.server.tool_call_parser))
+                                 tool_format(config.server.tool_call_parser),
+                                 config.server.tool_format_fallback == "generic")
 
     frontend = Frontend(coordinator, processor, metrics, config.server.default_timeout_s,
                         config.admission.retry_after_s)

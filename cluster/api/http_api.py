@@ -42,6 +42,7 @@ from pdserve.cluster.api.openai_protocol import (
 )
 from pdserve.engine.outputs import TextDelta
 from pdserve.engine.text.request_processor import RequestProcessor
+from pdserve.engine.text.tool_parsers import GENERIC_FORMAT
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class OpenAIApi:
             self.frontend.count(e.status)
             raise
         try:
-            self.frontend.check_capacity(len(choices))
+            self.frontend.check_capacity(len(choices), choices[0].request.params.priority)
         except RequestFailed as e:
             raise ApiError(e.status, str(e), retry_after_s=e.retry_after_s) from e
         return choices
@@ -168,10 +169,12 @@ class OpenAIApi:
     async def _respond(self, request: Request, body: m.CompletionRequest | m.ChatCompletionRequest,
                        choices: list[Choice], renderer: Renderer) -> Response:
         run = _Run(self.frontend, choices)
+        # Said to the client: its tools went in pdserve's generic format (the template renders none).
+        headers = {"x-pdserve-tool-format": "generic"} if choices[0].request.tool_format is GENERIC_FORMAT else {}
         try:
             if not body.stream:
                 await _unless_disconnected(request, run.wait_all())
-                return _json(renderer.response(choices))
+                return _json(renderer.response(choices), headers)
             first = await _unless_disconnected(request, run.next())  # errors before the first token keep status
         except RequestFailed as e:
             run.cancel()
@@ -181,7 +184,7 @@ class OpenAIApi:
             raise
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return _EventStream(_events(run, first, renderer, include_usage), media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache"})
+                            headers={"Cache-Control": "no-cache", **headers})
 
 
 class _Run:
@@ -291,8 +294,8 @@ def _param(message: str, body: BaseModel) -> str | None:
     return word.group(0) if name in type(body).model_fields else None
 
 
-def _json(body: BaseModel) -> Response:
-    return Response(body.model_dump_json(), media_type="application/json")
+def _json(body: BaseModel, headers: dict[str, str] | None = None) -> Response:
+    return Response(body.model_dump_json(), headers=headers, media_type="application/json")
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

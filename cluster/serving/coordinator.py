@@ -214,7 +214,7 @@ class Coordinator:
             self.seats.seat(decode, rid)
         else:
             need = self.seats.kv_need(len(req.prompt_token_ids))
-            decode = await self.seats.take(rid, need, retried, migrated, give_up, prompt)
+            decode = await self.seats.take(rid, need, retried, migrated, give_up, prompt, req.params.priority)
         hops["seat"] = time.perf_counter() - started
         self.streams.follow(decode)  # a replacement: not waiting for the health loop
         queue = self.streams.open(rid, decode)

@@ -64,3 +64,17 @@ def test_penalties_bias_and_min_tokens_are_carried_to_the_sampling_params(body, 
 def test_best_of_is_only_n():
     assert m.CompletionRequest.model_validate({"prompt": "x", "n": 2, "best_of": 2}).unsupported() is None
     assert m.CompletionRequest.model_validate({"prompt": "x", "best_of": 3}).unsupported() == "best_of"
+
+
+@pytest.mark.parametrize("body, client_params, required", BODIES)
+def test_priority_is_an_integer_carried_to_the_sampling_params(body, client_params, required):
+    from pydantic import ValidationError
+
+    from pdserve.cluster.api.openai_protocol import _sampling
+
+    assert _sampling(body.model_validate(required), 16, None).priority == 0  # vLLM's default
+    assert _sampling(body.model_validate({**required, "priority": -3}), 16, None).priority == -3
+    for bad in ("1", 1.5, 2.0, True, None):
+        with pytest.raises(ValidationError) as e:
+            body.model_validate({**required, "priority": bad})
+        assert e.value.errors()[0]["loc"] == ("priority",), bad
