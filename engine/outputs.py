@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from pdserve.engine.kv.tiers import KVTierStats
     from pdserve.engine.sampler import TokenLogprobs
     from pdserve.engine.speculator import SpecMetrics
+    from pdserve.engine.text.tool_parsers import ToolCall
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +42,23 @@ class TokenDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class AnswerDelta:
+    """What a text delta adds to the answer as the APIs show it (engine/text/answer.py): a
+    reasoning model's thinking apart from the content of a chat's answer, and the tool calls
+    the content made (their text taken out of it). A raw prompt's answer is all content."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    num_tool_calls: int = 0  # the answer's calls so far, these included (OpenAI's index of a streamed call)
+
+
+@dataclass(frozen=True, slots=True)
 class TextDelta:
     """A token delta with its text, as the offline API and the frontends stream it.
 
     A stop string ends it early: `token_ids` up to the one that completed it, `text` up to
-    the stop string, finish_reason STOP.
+    the stop string, finish_reason STOP (TOOL_CALLS when the answer made calls).
     """
 
     request_id: str
@@ -55,6 +68,7 @@ class TextDelta:
     logprobs: tuple[TokenLogprobs, ...] = ()
     num_cached_tokens: int = 0
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # as TokenDelta's
+    answer: AnswerDelta = AnswerDelta()  # `text` split as the APIs render it
 
     @property
     def finished(self) -> bool:
@@ -63,7 +77,8 @@ class TextDelta:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A whole request: prompt, generated tokens and text, why it stopped."""
+    """A whole request: prompt, generated tokens and text (and its answer's parts: `AnswerDelta`),
+    why it stopped."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -74,11 +89,17 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     def add(self, delta: TextDelta) -> None:
         self.prompt_logprobs.extend(delta.prompt_logprobs)
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
+        self.reasoning += delta.answer.reasoning
+        self.content += delta.answer.content
+        self.tool_calls.extend(delta.answer.tool_calls)
         self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason
         self.num_cached_tokens = delta.num_cached_tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.engine.kv.block_hash import hash_block_tokens, salt_seed
+from pdserve.engine.block_hash import hash_block_tokens, salt_seed
 from pdserve.engine.sampling import SamplingParams
 
 # A token sampled by a step whose result has not reached the host yet (overlapped steps):
@@ -31,6 +31,9 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # cancelled by the caller
+    # A chat's answer that made tool calls stopped: set by the request processor's OutputStream
+    # (engine/text/answer.py) in place of STOP, never by the engine.
+    TOOL_CALLS = "tool_calls"
 
 
 @dataclass(slots=True, eq=False, weakref_slot=True)

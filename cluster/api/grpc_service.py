@@ -11,12 +11,11 @@ from pdserve.cluster.api.grpc_request import parse_request
 from pdserve.cluster.serving.coordinator import RequestReport
 from pdserve.engine.outputs import TextDelta
 from pdserve.engine.sequence import FinishReason
-from pdserve.engine.text.reasoning import ReasoningSplitter
-from pdserve.engine.text.tool_parsers import ToolCallStream
 from pdserve.proto.v1 import generation_pb2 as pb
 from pdserve.proto.v1 import generation_pb2_grpc as pb_grpc
 
-_FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
+_FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+           FinishReason.TOOL_CALLS: pb.FINISH_REASON_TOOL_CALLS}
 VERSION = "0.1.0"
 _CODES = {
     Status.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -45,14 +44,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         num_prompt, num_generated = len(parsed.prompt_token_ids), 0
         client_id = request.request_id or uuid.uuid4().hex
         report = RequestReport()
-        # A reasoning model's chat: its thinking apart from its answer (a raw prompt is the
-        # caller's own template: its text as generated).
-        splitter = self.processor.reasoning_splitter(parsed.prompt_token_ids) if request.HasField("messages") else None
-        tool_stream = ToolCallStream(parsed.tool_format) if parsed.tool_format is not None else None
         try:
             async for delta in self.frontend.generate(parsed, context.time_remaining(), report):
                 num_generated += len(delta.token_ids)
-                yield self._response(client_id, delta, num_prompt, num_generated, report, splitter, tool_stream)
+                yield self._response(client_id, delta, num_prompt, num_generated, report)
         except RequestFailed as e:
             if e.retry_after_s is not None:  # gRPC's retry pushback: a client's retry policy waits this long
                 context.set_trailing_metadata((("grpc-retry-pushback-ms", str(int(e.retry_after_s * 1000))),))
@@ -60,19 +55,13 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     @staticmethod
     def _response(client_id: str, delta: TextDelta, num_prompt: int, num_generated: int,
-                  report: RequestReport, splitter: ReasoningSplitter | None,
-                  tool_stream: ToolCallStream | None) -> pb.GenerateResponse:
-        text, reasoning, final = delta.text, "", delta.finish_reason is not None
-        if splitter is not None:
-            part = splitter.add(delta.text, final=final)
-            text, reasoning = part.content, part.reasoning
-        calls = []
-        if tool_stream is not None:
-            tool_part = tool_stream.add(text, final=final)
-            text, calls = tool_part.content, tool_part.calls
-        resp = pb.GenerateResponse(request_id=client_id, token_ids=list(delta.token_ids), text=text,
-                                   reasoning=reasoning)
-        for call in calls:
+                  report: RequestReport) -> pb.GenerateResponse:
+        """`delta` as a response: its answer's content in `text` (a reasoning model's chat: its
+        thinking in `reasoning`; with tools: the calls it completed in `tool_calls`)."""
+        answer = delta.answer
+        resp = pb.GenerateResponse(request_id=client_id, token_ids=list(delta.token_ids), text=answer.content,
+                                   reasoning=answer.reasoning)
+        for call in answer.tool_calls:
             resp.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
         for lp in delta.logprobs:
             resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=list(lp.top_token_ids),
@@ -83,8 +72,6 @@ class GenerationService(pb_grpc.GenerationServicer):
                                      top_logprobs=list(lp.top_logprobs), rank=lp.rank)
         if delta.finish_reason is not None:
             resp.finish_reason = _FINISH[delta.finish_reason]
-            if tool_stream is not None and tool_stream.num_calls and delta.finish_reason is not FinishReason.LENGTH:
-                resp.finish_reason = pb.FINISH_REASON_TOOL_CALLS
             resp.usage.prompt_tokens = num_prompt
             resp.usage.completion_tokens = num_generated
             resp.usage.cached_prompt_tokens = delta.num_cached_tokens

@@ -8,17 +8,16 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.cluster.api import openai_models as m
 from pdserve.engine.outputs import RequestOutput, TextDelta
-from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.sequence import FinishReason
-from pdserve.engine.text.reasoning import ReasoningSplitter
 from pdserve.engine.text.request_processor import ProcessedRequest, RequestProcessor, prompt_only
-from pdserve.engine.text.tool_parsers import ToolCall, ToolCallStream
 from pdserve.engine.text.tools import tool_request
+
+if TYPE_CHECKING:  # annotations only: the sampler imports torch, which the HTTP path does not need
+    from pdserve.engine.sampler import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -170,15 +169,8 @@ def usage(choices: list[Choice]) -> m.Usage:
 
 
 def _finish(delta: TextDelta | RequestOutput) -> str | None:
+    """OpenAI's finish_reason, "tool_calls" included (the `OutputStream` says when)."""
     return None if delta.finish_reason is None else delta.finish_reason.value
-
-
-def _chat_finish(reason: FinishReason | None, num_calls: int) -> str | None:
-    """OpenAI's finish_reason: "tool_calls" once an answer that made calls ends, unless it was
-    cut by its length (the client should know that its last call may be missing)."""
-    if reason is None:
-        return None
-    return "tool_calls" if num_calls and reason is not FinishReason.LENGTH else reason.value
 
 
 class CompletionRenderer:
@@ -267,42 +259,30 @@ class CompletionRenderer:
 
 class ChatRenderer:
     """/v1/chat/completions bodies: a whole response, or stream chunks for each text delta (the
-    first of each choice says role "assistant"). A reasoning model's thinking goes to
-    `reasoning_content`; with tools, calls the answer makes go to `tool_calls` (the request's
-    `tool_format`), and finish_reason is "tool_calls"."""
+    first of each choice says role "assistant"), rendered from the answer's parts that the
+    request's `OutputStream` parsed (`TextDelta.answer`, `RequestOutput`): a reasoning model's
+    thinking in `reasoning_content`; with tools, the calls the answer made in `tool_calls`."""
 
     def __init__(self, processor: RequestProcessor, response_id: str, created: int, model: str) -> None:
         self.processor = processor
         self.head = {"id": response_id, "created": created, "model": model}
-        self._splitters: dict[int, ReasoningSplitter | None] = {}
-        self._tool_streams: dict[int, ToolCallStream | None] = {}
+        self._started: set[int] = set()  # the choices whose first chunk is out
 
     def chunks(self, choice: Choice, delta: TextDelta) -> list[m.ChatCompletionChunk]:
-        """`delta`, already added to `choice.output`, as stream chunks: its text, then each call
+        """`delta`, already added to `choice.output`, as stream chunks: its content, then each call
         it completes (its id and name, then its arguments); finish_reason on the last."""
-        first = choice.index not in self._splitters
-        if first:
-            self._splitters[choice.index] = self.processor.reasoning_splitter(choice.request.prompt_token_ids)
-            fmt = choice.request.tool_format
-            self._tool_streams[choice.index] = ToolCallStream(fmt) if fmt is not None else None
-        splitter, tool_stream = self._splitters[choice.index], self._tool_streams[choice.index]
-        final = delta.finish_reason is not None
-        content, reasoning = delta.text, None
-        if splitter is not None:
-            part = splitter.add(delta.text, final=final)
-            content, reasoning = part.content, part.reasoning or None
-        calls: list[ToolCall] = []
-        if tool_stream is not None:
-            tool_part = tool_stream.add(content, final=final)
-            content, calls = tool_part.content, tool_part.calls
-        deltas = [m.ChatDelta(role="assistant" if first else None, content=content, reasoning_content=reasoning)]
-        index = tool_stream.num_calls - len(calls) if tool_stream is not None else 0
-        for i, call in enumerate(calls, index):
+        first = choice.index not in self._started
+        self._started.add(choice.index)
+        answer = delta.answer
+        deltas = [m.ChatDelta(role="assistant" if first else None, content=answer.content,
+                              reasoning_content=answer.reasoning or None)]
+        index = answer.num_tool_calls - len(answer.tool_calls)
+        for i, call in enumerate(answer.tool_calls, index):
             deltas.append(m.ChatDelta(tool_calls=[m.ToolCallDeltaOut(
                 index=i, id=call.id, type="function", function=m.FunctionDeltaOut(name=call.name, arguments=""))]))
             deltas.append(m.ChatDelta(tool_calls=[m.ToolCallDeltaOut(
                 index=i, function=m.FunctionDeltaOut(arguments=call.arguments))]))
-        finish = _chat_finish(delta.finish_reason, tool_stream.num_calls if tool_stream is not None else 0)
+        finish = _finish(delta)
         logprobs = self._logprobs(choice, delta.logprobs)
         return [m.ChatCompletionChunk(**self.head, choices=[m.ChatChunkChoice(
             index=choice.index, delta=d, logprobs=logprobs if i == 0 else None,
@@ -316,24 +296,18 @@ class ChatRenderer:
         for c in choices:
             message = self._message(c)
             body.append(m.ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, c.output.logprobs),
-                                     finish_reason=_chat_finish(c.output.finish_reason, len(message.tool_calls or ()))))
+                                     finish_reason=_finish(c.output)))
         return m.ChatCompletionResponse(**self.head, usage=usage(choices), choices=body)
 
-    def _message(self, choice: Choice) -> m.AssistantMessage:
-        content, reasoning = choice.output.text, None
-        splitter = self.processor.reasoning_splitter(choice.request.prompt_token_ids)
-        if splitter is not None:
-            part = splitter.add(choice.output.text, final=True)
-            content, reasoning = part.content, part.reasoning or None
-        fmt = choice.request.tool_format
-        if fmt is None:
-            return m.AssistantMessage(content=content, reasoning_content=reasoning)
-        tool_part = ToolCallStream(fmt).add(content, final=True)
-        if not tool_part.calls:
-            return m.AssistantMessage(content=tool_part.content, reasoning_content=reasoning)
-        return m.AssistantMessage(content=tool_part.content.strip() or None, reasoning_content=reasoning,
+    @staticmethod
+    def _message(choice: Choice) -> m.AssistantMessage:
+        """The whole answer; beside calls, content that is only blanks is none."""
+        out, reasoning = choice.output, choice.output.reasoning or None
+        if not out.tool_calls:
+            return m.AssistantMessage(content=out.content, reasoning_content=reasoning)
+        return m.AssistantMessage(content=out.content.strip() or None, reasoning_content=reasoning,
                                   tool_calls=[m.ToolCallOut(id=c.id, function=m.FunctionCallOut(
-                                      name=c.name, arguments=c.arguments)) for c in tool_part.calls])
+                                      name=c.name, arguments=c.arguments)) for c in out.tool_calls])
 
     def _logprobs(self, choice: Choice, logprobs: list[TokenLogprobs] | tuple[TokenLogprobs, ...]
                   ) -> m.ChatLogprobs | None:

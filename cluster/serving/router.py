@@ -16,7 +16,7 @@ from typing import Protocol
 
 from pdserve.cluster.serving.kv_index import KVIndex
 from pdserve.cluster.settings.config import RouterConfig
-from pdserve.engine.kv.block_hash import prefix_block_hashes
+from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.outputs import EngineLoad
 
 

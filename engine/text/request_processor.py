@@ -1,7 +1,8 @@
 """The request processor: the one place where text becomes token ids and token ids text.
 
 Every way in (the offline `Engine` API, the gRPC frontend) validates, applies the chat
-template and tokenizes a request here, and turns its token deltas into text through an
+template and tokenizes a request here, and turns its token deltas into text, and the text into
+its answer's parts (reasoning, content, tool calls: engine/text/answer.py), through an
 `OutputStream`. The engine core gets token ids and sampling params without stop strings,
 and hands back token ids only; workers never detokenize.
 """
@@ -19,9 +20,10 @@ from pdserve.engine.outputs import TextDelta, TokenDelta
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import FinishReason
 from pdserve.engine.text import generic_tools
+from pdserve.engine.text.answer import AnswerParser
 from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 from pdserve.engine.text.reasoning import ReasoningSplitter, opens_thinking, thinks
-from pdserve.engine.text.tool_parsers import GENERIC_FORMAT, TOOL_FORMATS, ToolFormat
+from pdserve.engine.text.tool_parsers import GENERIC_FORMAT, TOOL_FORMATS, ToolCallStream, ToolFormat
 from pdserve.engine.text.tools import ToolRequest
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,9 @@ class ProcessedRequest:
     # the engine runs it with max_tokens 1 (the prompt's forward samples anyway) and its
     # OutputStream drops that token, ending the request by length. See `prompt_only`.
     prompt_only: bool = False
+    # Made of chat messages: the answer is the assistant's turn, a reasoning model's thinking apart
+    # from its content (a raw prompt is the caller's own template: its text as generated).
+    chat: bool = False
 
     def for_worker(self, request_id: str, num_prior_output_tokens: int = 0) -> WorkerRequest:
         """What an engine runs of this request (its stop strings stay here): the one request
@@ -126,7 +131,8 @@ class RequestProcessor:
             raise ValueError(f"{field} has token ids {bad[:4]} outside the vocabulary [0, {self.vocab_size})")
         if not params_checked:
             self.check_params(params)
-        return ProcessedRequest(tuple(token_ids), dataclasses.replace(params, stop=()), params.stop, fmt)
+        return ProcessedRequest(tuple(token_ids), dataclasses.replace(params, stop=()), params.stop, fmt,
+                                chat=messages is not None)
 
     def _tools(self, tools: ToolRequest, params: SamplingParams) -> tuple[ToolFormat | None, SamplingParams]:
         """The format the answer's calls are read in, and `params` with a forced choice's grammar."""
@@ -243,7 +249,10 @@ class RequestProcessor:
         return self.tokenizer.decode(list(token_ids))
 
     def output_stream(self, request: ProcessedRequest) -> OutputStream:
-        return OutputStream(self.tokenizer, request.prompt_token_ids, request.stop, request.prompt_only)
+        splitter = self.reasoning_splitter(request.prompt_token_ids) if request.chat else None
+        tool_calls = ToolCallStream(request.tool_format) if request.tool_format is not None else None
+        return OutputStream(self.tokenizer, request.prompt_token_ids, request.stop, request.prompt_only,
+                            AnswerParser(splitter, tool_calls))
 
     def _tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -265,18 +274,23 @@ def _reads_variable(template: str, name: str) -> bool:
 
 
 class OutputStream:
-    """One request's text as its token deltas arrive: incremental detokenization, stop strings.
+    """One request's text as its token deltas arrive: incremental detokenization, stop strings,
+    and the text's answer parts (`TextDelta.answer`), which every API renders as they are.
 
     Text that could still begin a stop string is held back until it cannot (or the request
     ends). A delta that completes a stop string comes back cut (see `TextDelta`) with
-    finish_reason STOP while the engine still runs the request: the caller aborts it.
+    finish_reason STOP while the engine still runs the request: the caller aborts it. An
+    answer that made tool calls and stopped ends with TOOL_CALLS instead of STOP (one cut by
+    its length keeps LENGTH: its last call may be missing).
     prompt_only: the request's one token is dropped (`ProcessedRequest.prompt_only`).
+    answer: the answer's parser (None: all content).
     """
 
     def __init__(self, tokenizer: Any | None, prompt_token_ids: Sequence[int], stop: tuple[str, ...],
-                 prompt_only: bool = False) -> None:
+                 prompt_only: bool = False, answer: AnswerParser | None = None) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, stop) if tokenizer is not None else None
         self._prompt_only = prompt_only
+        self._answer = answer if answer is not None else AnswerParser()
 
     def add(self, delta: TokenDelta) -> TextDelta:
         if self._prompt_only:
@@ -290,5 +304,8 @@ class OutputStream:
                     token_ids, reason = token_ids[:i + 1], FinishReason.STOP
                     break
             text = self._detokenizer.take_delta(reason is not None)
+        answer = self._answer.add(text, final=reason is not None)
+        if reason is FinishReason.STOP and answer.num_tool_calls:
+            reason = FinishReason.TOOL_CALLS
         return TextDelta(delta.request_id, token_ids, text, reason, delta.logprobs[:len(token_ids)],
-                         delta.num_cached_tokens, delta.prompt_logprobs)
+                         delta.num_cached_tokens, delta.prompt_logprobs, answer)

@@ -148,6 +148,7 @@ class ToolCallStream:
         self._pending = ""  # text not yet given out: a possible marker's start, or an open region
         self._in_region: str | None = None  # the marker that opened the current region
         self._plain = False  # the answer is text only (a format whose calls must come first saw text)
+        self._texted = False  # the text since the last region holds more than blanks
         self.num_calls = 0
         self._generic = GenericAnswerStream() if fmt is GENERIC_FORMAT else None
 
@@ -194,7 +195,10 @@ class ToolCallStream:
             self._pending, self._in_region = self._pending[i + len(marker):], marker
             return True
         keep = 0 if final else max(_partial_suffix(self._pending, m) for m in fmt.begin)
-        self._content(out, self._pending[:len(self._pending) - keep])
+        text = self._pending[:len(self._pending) - keep]
+        if self.num_calls and not self._texted and not text.strip() and not final:
+            return False  # blanks after a call: the format's if a call or the end follows, content if text does
+        self._content(out, text)
         self._pending = self._pending[len(self._pending) - keep:]
         return False
 
@@ -215,13 +219,16 @@ class ToolCallStream:
             self.num_calls += len(calls)
             if unparsed:
                 out.content += f"{unparsed}{closing}"
-        self._pending, self._in_region = rest, None
+        self._pending, self._in_region, self._texted = rest, None, False
         return True
 
     def _content(self, out: ToolCallDelta, text: str) -> None:
-        # Blanks between and after calls are the format's, not content.
-        if self.num_calls and not text.strip():
+        # Blanks between and after calls are the format's, not content: a stretch of text between
+        # regions that is only blanks is dropped whole, however its deltas split it (a streamed
+        # answer's content is the whole answer's).
+        if self.num_calls and not self._texted and not text.strip():
             return
+        self._texted = self._texted or bool(text.strip())
         out.content += text
 
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from pdserve.cluster.clients.grpc_client import Client
-from pdserve.engine.kv.block_hash import prefix_block_hashes
+from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.sampling import SamplingParams
 from tests.cluster.streams import DEFAULT_MODEL, collect, free_port, pools_are_full, scrape, wait_until
 from tests.engine.prompts import prompt_ids

@@ -19,7 +19,7 @@ import pytest
 from pdserve.cluster.clients.grpc_client import Client
 from pdserve.cluster.serving.coordinator import Coordinator
 from pdserve.cluster.serving.pools import Worker
-from pdserve.engine.kv.block_hash import prefix_block_hashes
+from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.kv.events import DEVICE_TIER, DISK_TIER
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import EngineLoad

@@ -13,7 +13,7 @@ import pytest
 from pdserve.cluster.cli import main
 from pdserve.cluster.serving.coordinator import Coordinator
 from pdserve.cluster.serving.pools import Worker
-from pdserve.engine.kv.block_hash import prefix_block_hashes
+from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.kv.events import DEVICE_TIER, HOST_TIER, KVSnapshot
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.sampling import SamplingParams

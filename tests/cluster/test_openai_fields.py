@@ -5,6 +5,9 @@ name otherwise (issue 38: nothing that changes the output is dropped in silence)
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
@@ -64,6 +67,12 @@ def test_penalties_bias_and_min_tokens_are_carried_to_the_sampling_params(body, 
 def test_best_of_is_only_n():
     assert m.CompletionRequest.model_validate({"prompt": "x", "n": 2, "best_of": 2}).unsupported() is None
     assert m.CompletionRequest.model_validate({"prompt": "x", "best_of": 3}).unsupported() == "best_of"
+
+
+def test_the_bodies_and_their_protocol_import_no_torch():
+    code = ("import sys, pdserve.cluster.api.openai_protocol; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 @pytest.mark.parametrize("body, client_params, required", BODIES)

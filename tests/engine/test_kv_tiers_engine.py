@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.config import CacheConfig, EngineConfig, KVTierConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.kv.block_hash import prefix_block_hashes
 from pdserve.engine.kv.disk import block_path
 from pdserve.engine.kv.events import DISK_TIER, HOST_TIER
 from pdserve.engine.sampling import SamplingParams

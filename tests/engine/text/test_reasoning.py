@@ -1,7 +1,6 @@
 """A reasoning model's answer split into reasoning and content (engine/text/reasoning.py), and the
-chat template's own variables (`chat_template_kwargs`) on a tokenizer that thinks: the
-default model's, with Qwen3's `<think>` / `</think>` added as tokens and a Qwen3-style
-template (thinking on unless `enable_thinking` is false)."""
+chat template's own variables (`chat_template_kwargs`) on a tokenizer that thinks (conftest.py's
+`thinking_processor`: thinking on unless `enable_thinking` is false)."""
 
 from __future__ import annotations
 
@@ -15,12 +14,6 @@ from pdserve.engine.outputs import TokenDelta
 from pdserve.engine.sequence import FinishReason
 from pdserve.engine.text.reasoning import ReasoningSplitter
 from pdserve.engine.text.request_processor import RequestProcessor
-
-QWEN3_STYLE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
 
 
 def _split(chunks: list[str], in_reasoning: bool = False) -> tuple[str, str]:
@@ -50,16 +43,6 @@ def test_any_chunking_of_the_stream_gives_the_whole_answers_split(cuts, in_reaso
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
     chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [text]
     assert _split(chunks, in_reasoning) == _split([text], in_reasoning)
-
-
-@pytest.fixture(scope="module")
-def thinking_processor(model_folder) -> RequestProcessor:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_folder))
-    tokenizer.add_tokens(["<think>", "</think>"])
-    tokenizer.chat_template = QWEN3_STYLE
-    return RequestProcessor(tokenizer, "thinker", len(tokenizer), 4096)
 
 
 def test_chat_template_kwargs_reach_the_template(thinking_processor):
@@ -119,12 +102,11 @@ def test_grpc_takes_chat_template_kwargs_and_streams_the_reasoning_apart(thinkin
 
     answer = thinking_processor.tokenizer.encode("<think>Six sevens.</think>It is 42.", add_special_tokens=False)
     stream = thinking_processor.output_stream(request)
-    splitter = thinking_processor.reasoning_splitter(request.prompt_token_ids)
     responses = []
     for i, token_id in enumerate(answer):
         reason = FinishReason.LENGTH if i == len(answer) - 1 else None
         delta = stream.add(TokenDelta("r", (token_id,), reason))
-        responses.append(GenerationService._response("r", delta, 10, i + 1, RequestReport(), splitter, None))
+        responses.append(GenerationService._response("r", delta, 10, i + 1, RequestReport()))
     assert "".join(r.reasoning for r in responses) == "Six sevens."
     assert "".join(r.text for r in responses) == "It is 42."
     assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH

@@ -27,6 +27,8 @@ CASES = [
     (HERMES, '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
     (HERMES, f"<tool_call>\n{WEATHER}", "", [("get_weather", {"city": "Paris", "days": 2})]),  # EOS before </tool_call>
     (HERMES, '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', "", [("f", {"x": 1})]),
+    (HERMES, f"<tool_call>{WEATHER}</tool_call> It is 18 C. <tool_call>{TIME}</tool_call> \n", " It is 18 C. ",
+     [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "UTC"})]),  # text between calls, blanks after
     (LLAMA, '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
     (LLAMA, '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"n": 1}}', "",
      [("a", {}), ("b", {"n": 1})]),
