@@ -20,6 +20,7 @@ from pdserve.cluster.api.admission import AdmissionQueue
 from pdserve.cluster.serving.coordinator import Coordinator, RequestReport
 from pdserve.cluster.serving.errors import Overloaded, TransportRefused, WorkerUnavailable, cause
 from pdserve.cluster.serving.metrics import Metrics
+from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant, Tenants
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import TextDelta
 from pdserve.engine.sequence import FinishReason
@@ -65,7 +66,7 @@ class Frontend:
     """The request path both APIs share, on the coordinator, router and pools of one server."""
 
     def __init__(self, coordinator: Coordinator, processor: RequestProcessor, metrics: Metrics,
-                 default_timeout_s: float, retry_after_s: float) -> None:
+                 default_timeout_s: float, retry_after_s: float, tenants: Tenants | None = None) -> None:
         self.coordinator = coordinator
         self.processor = processor
         self.metrics = metrics
@@ -73,23 +74,25 @@ class Frontend:
         self.retry_after_s = retry_after_s
         self.inflight = 0  # admitted and neither finished nor displaced
         self.admission = AdmissionQueue()
+        self.tenants = tenants or Tenants()  # the APIs name a request's tenant from its key (`Tenants.of`)
 
     def count(self, status: Status) -> None:
         """Count a request a frontend refused before it ran (bad input)."""
         self.metrics.requests.labels(status.value).inc()
 
-    def check_capacity(self, num_requests: int = 1, priority: int = 0) -> None:
+    def check_capacity(self, num_requests: int = 1, priority: int = 0, tenant: Tenant = DEFAULT_TENANT) -> None:
         """Raise RequestFailed(RESOURCE_EXHAUSTED, with a retry hint) unless `num_requests` more
-        of `priority` fit the pools' capacity (`Coordinator.capacity()`: the healthy decode
+        of `priority` for `tenant` fit the pools' capacity (`Coordinator.capacity()`: the healthy decode
         workers' running seats plus their bounded waiting queues), if need be in the places
-        of queued requests of lower priority, which are refused (`AdmissionQueue.displace`).
+        of queued requests they outrank (lower priority, or a tenant over its fair share), which
+        are refused (`AdmissionQueue.displace`).
         A request admitted here may still be refused (Overloaded) by the coordinator's queue
         for a decode seat, where requests also wait for KV blocks: at most
         `SeatLine.max_queued()` wait there."""
         capacity = self.coordinator.capacity()
         over = self.inflight + num_requests - capacity
         # No healthy decode worker is not a full server: the coordinator answers UNAVAILABLE.
-        if capacity and over > 0 and self.admission.displace(priority, over) is not None:
+        if capacity and over > 0 and self.admission.displace(priority, over, tenant, capacity) is not None:
             self.inflight -= over
         elif capacity and over > 0:
             self.count(Status.RESOURCE_EXHAUSTED)
@@ -98,21 +101,23 @@ class Frontend:
                                 f"queued); retry in {self.retry_after_s:g} s", self.retry_after_s)
 
     async def generate(self, request: ProcessedRequest, timeout_s: float | None = None,
-                       report: RequestReport | None = None) -> AsyncIterator[TextDelta]:
+                       report: RequestReport | None = None, tenant: Tenant = DEFAULT_TENANT
+                       ) -> AsyncIterator[TextDelta]:
         """Run one request; yields its text deltas, the last with a finish reason (STOP or LENGTH).
 
         timeout_s: the client's deadline (None: `default_timeout_s`). report: filled in as
-        the request runs (its KV transfers, its first token's hops), complete once the last delta is out. Raises
+        the request runs (its KV transfers, its first token's hops), complete once the last delta is out.
+        tenant: whose request it is (the admission's fair share). Raises
         RequestFailed; closing the iterator early cancels the request and frees its blocks everywhere.
         """
-        self.check_capacity(1, request.params.priority)
+        self.check_capacity(1, request.params.priority, tenant)
         start = time.perf_counter()
         report = report if report is not None else RequestReport()
         worker_req = request.for_worker(uuid.uuid4().hex)
         timeout = self.default_timeout_s if timeout_s is None else max(0.0, timeout_s)
         deadline = asyncio.get_running_loop().time() + timeout
         self.inflight += 1
-        queued = self.admission.add(request.params.priority)
+        queued = self.admission.add(request.params.priority, tenant)
         self.metrics.arrived.inc()
         self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         status = Status.OK
@@ -138,8 +143,9 @@ class Frontend:
                 raise
             asyncio.current_task().uncancel()  # our own cancel, not the client's
             status = Status.RESOURCE_EXHAUSTED
-            raise RequestFailed(status, f"server is at its capacity and a request of higher priority took this "
-                                        f"one's place; retry in {self.retry_after_s:g} s", self.retry_after_s) from e
+            raise RequestFailed(status, f"server is at its capacity and a request of higher priority (or of a "
+                                        f"tenant under its fair share) took this one's place; retry in "
+                                        f"{self.retry_after_s:g} s", self.retry_after_s) from e
         except GeneratorExit:
             status = Status.CANCELLED
             raise
@@ -148,9 +154,9 @@ class Frontend:
             logger.exception("request %s failed", worker_req.request_id)
             raise RequestFailed(status, f"internal error in request {worker_req.request_id}") from e
         finally:
-            self.admission.started(queued)
             if not queued.displaced:
                 self.inflight -= 1
+            self.admission.ended(queued)
             self.count(status)
 
     async def _stream(self, req: WorkerRequest, request: ProcessedRequest, start: float, deadline: float,

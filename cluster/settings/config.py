@@ -63,6 +63,10 @@ class ServerConfig:
         default model's): "generic" (pdserve's generic format, engine/text/generic_tools.py:
         the tools in a system message, the answer constrained to a call or a reply; responses
         say `x-pdserve-tool-format: generic`) or "refuse" (400, naming --chat-template).
+    tenants_file: a YAML file mapping API keys to tenants and their weights
+        (`cluster/settings/tenants.py`): each tenant's keys are client tokens too, and a full
+        server's admission keeps each tenant to its weighted share while another waits. ""
+        is one tenant. Never logged.
     """
 
     host: str = "127.0.0.1"
@@ -80,6 +84,7 @@ class ServerConfig:
     chat_template: str = ""
     tool_call_parser: str = ""
     tool_format_fallback: str = "generic"
+    tenants_file: str = ""
 
     def __post_init__(self) -> None:
         if self.tool_format_fallback not in ("generic", "refuse"):

@@ -51,6 +51,7 @@ ALIASES: dict[str, str] = {
     "server.chat_template": "--chat-template",
     "server.tool_call_parser": "--tool-call-parser",
     "server.tool_format_fallback": "--tool-format-fallback",
+    "server.tenants_file": "--tenants-file",
     "pools.mode": "--mode",
     "pools.num_prefill": "--num-prefill",
     "pools.num_decode": "--num-decode",
