@@ -56,8 +56,7 @@ async def main_async(args: argparse.Namespace) -> None:
             if phase == "with a burst":
                 # Once every admitted stream holds its seat (and a moment more: they stream), the burst.
                 deadline = time.monotonic() + 600
-                while server.coordinator.num_queued or sum(w.state.inflight for w in
-                                                           server.coordinator.decode.workers) < args.seats:
+                while server.worker_set.num_queued() or server.worker_set.summary("decode").num_inflight < args.seats:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"the {args.seats} streams did not all take a seat within 600 s")
                     await asyncio.sleep(0.01)

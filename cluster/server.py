@@ -28,6 +28,7 @@ from pdserve.cluster.scaling.planner_loop import PlannerLoop
 from pdserve.cluster.serving.coordinator import Coordinator
 from pdserve.cluster.serving.metrics import Metrics
 from pdserve.cluster.serving.pools import ActorSpec, Pool
+from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.cluster.settings.config import ServeConfig
 from pdserve.cluster.settings.pool_config import fit_pools_to_gpus
 from pdserve.cluster.settings.secrets import client_auth, cluster_secret, read_chat_template
@@ -54,6 +55,7 @@ class Server:
 
     grpc_server: grpc.aio.Server
     coordinator: Coordinator
+    worker_set: WorkerSet
     elastic: Elastic
     health: health.aio.HealthServicer
     metrics: Metrics
@@ -75,7 +77,7 @@ class Server:
             await self.http.stop()
         await self.grpc_server.stop(grace=self.shutdown_grace_s)
         await self.elastic.stop()
-        await self.coordinator.stop()
+        await self.worker_set.stop()
 
 
 def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool | None, Pool]:
@@ -127,17 +129,16 @@ async def start_server(config: ServeConfig) -> Server:
         transport = TransportConfig.of(config.kv_transport, cluster_secret(), config.ray.node_ip_address)
     prefill, decode = _pools(config, transport)
     metrics = Metrics()
-    coordinator = Coordinator(prefill, decode, config.pools.routing,
-                              config.engine.cache.block_size, metrics, config.engine.scheduler.max_num_seqs,
-                              config.admission.max_waiting_per_worker, config.coordinator, config.router)
-    await coordinator.start(config.health.interval_s)
-    # Workers may cap the context below the model's (KV pool size): take the smallest.
-    lens = [await w.actor.max_model_len.remote() for p in coordinator.pools() for w in p.workers]
-    processor = RequestProcessor(tokenizer, files.name, files.arch.vocab_size, min(lens),
+    worker_set = WorkerSet(prefill, decode, config.pools.routing, config.engine.cache.block_size, metrics,
+                           config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker,
+                           config.coordinator, config.router)
+    await worker_set.start(config.health.interval_s)
+    coordinator = Coordinator(worker_set, config.engine.cache.block_size, metrics, config.coordinator)
+    processor = RequestProcessor(tokenizer, files.name, files.arch.vocab_size, await worker_set.max_model_len(),
                                  tool_format(config.server.tool_call_parser),
                                  config.server.tool_format_fallback == "generic")
 
-    frontend = Frontend(coordinator, processor, metrics, config.server.default_timeout_s,
+    frontend = Frontend(coordinator, worker_set, processor, metrics, config.server.default_timeout_s,
                         config.admission.retry_after_s, tenants)
     # The tokens are checked before a request is parsed; a request that does not parse is
     # INVALID_ARGUMENT. The admin service answers to its own token only (AdminTokenInterceptor).
@@ -146,7 +147,7 @@ async def start_server(config: ServeConfig) -> Server:
     server = grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()])
     service = GenerationService(frontend)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
-    elastic = Elastic(coordinator, config.drain, metrics)
+    elastic = Elastic(worker_set, config.drain)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(elastic), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -169,7 +170,7 @@ async def start_server(config: ServeConfig) -> Server:
             await http.start(config.server.host, config.server.http_port)
         except BaseException:
             await server.stop(None)
-            await coordinator.stop()
+            await worker_set.stop()
             raise
     if config.server.metrics_port:
         metrics.serve(config.server.host, config.server.metrics_port)
@@ -180,11 +181,11 @@ async def start_server(config: ServeConfig) -> Server:
                 "asked" if client_tokens else "not asked", "on" if auth.admin_token else "off")
     loop = None
     if planner is not None and coordinator.mode == "disaggregated":
-        loop = asyncio.create_task(PlannerLoop(planner, config.pools.planner, coordinator, elastic, metrics).run())
+        loop = asyncio.create_task(PlannerLoop(planner, config.pools.planner, worker_set, elastic, metrics).run())
     elif planner is not None:
         logger.warning("pools.planner: this server is %s (too few GPUs for both pools): the planner stays off",
                        coordinator.mode)
-    return Server(server, coordinator, elastic, health_servicer, metrics, port, frontend, http,
+    return Server(server, coordinator, worker_set, elastic, health_servicer, metrics, port, frontend, http,
                   config.server.shutdown_grace_s, loop)
 
 

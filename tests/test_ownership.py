@@ -8,6 +8,13 @@ such a field (or of an item or slice of it), or a mutating call on it (`append`,
 A write is recognised by the field's name on anything but `self`: other classes have fields of
 the same names (a delta's `token_ids`), and a sequence is never `self` outside its own class.
 The few other objects written under such a name from outside are listed in WRITERS by file.
+
+And one owner of each of the cluster's two seams: the coordinator (`cluster/serving/coordinator.py`:
+requests' attempts) and the worker set (`cluster/serving/worker_set.py`: pools, seats, token
+streams, KV index). From any other production module they are spoken to through their public
+methods only: an attribute chain through an object named for one of them
+(`x.coordinator.streams`, `worker_set.kv_index`, `self._coordinator.seats`) that reaches
+anything else (a part, a field, a private method) is a reach into its parts.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import ast
 import dataclasses
 from pathlib import Path
 
+from pdserve.cluster.serving.coordinator import Coordinator
+from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.engine.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,3 +94,64 @@ def test_production_code_writes_a_sequence_only_in_the_scheduler():
             allowed = WRITERS.get(name, set())
             found += [f"{name}:{line}: {field}" for line, field in sequence_writes(source) if field not in allowed]
     assert not found, "a sequence written outside the scheduler:\n" + "\n".join(found)
+
+
+def _methods(cls: type) -> set[str]:
+    """A class's public interface: its public methods and properties (not its parts)."""
+    return {name for name, value in vars(cls).items()
+            if not name.startswith("_") and (callable(value) or isinstance(value, property))}
+
+
+# Owner -> (its module, the names it is spoken to through). A name for it: `coordinator`,
+# `worker_set`, with or without a leading underscore.
+OWNERS = {
+    "coordinator": ("cluster/serving/coordinator.py", _methods(Coordinator)),
+    # Not `pools()`: the Pool objects themselves, for its own loops and for the tests' eyes; no
+    # call across the seam hands out an object graph.
+    "worker_set": ("cluster/serving/worker_set.py", _methods(WorkerSet) - {"pools"}),
+}
+
+
+def reaches_into_owners(source: str, owners: dict[str, set[str]]) -> list[tuple[int, str]]:
+    """(line, chain) of each `<...>.owner.part` or `owner.part` in `source` whose part is not
+    one of `owners[owner]`, the owner named `owner` or `_owner`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        holder = node.value
+        name = holder.attr if isinstance(holder, ast.Attribute) else holder.id if isinstance(holder, ast.Name) else None
+        owner = None if name is None else name.lstrip("_")
+        if owner in owners and node.attr not in owners[owner]:
+            found.append((node.lineno, f"{ast.unparse(node)}"))
+    return sorted(found)
+
+
+def test_the_owner_check_sees_every_reach_into_a_part():
+    owners = {"coordinator": {"generate", "capacity", "mode"}, "worker_set": {"workers", "add"}}
+    source = """
+self.coordinator.streams.follow(worker)
+coordinator.seats.num_queued
+self.frontend.coordinator.kv_index.blocks_of(w)
+x = self._worker_set.decode
+worker_set.seats.wake()
+self.coordinator._abort(w, rid)
+srv.server.coordinator.pools()
+self.coordinator.generate(req)     # its interface
+n = self.coordinator.capacity()
+self.worker_set.workers()
+await worker_set.add(role)
+self.coordinator = coordinator     # holding it is not reaching into it
+coordinators.seats                 # another name
+"""
+    assert [line for line, _ in reaches_into_owners(source, owners)] == [2, 3, 4, 5, 6, 7, 8]
+
+
+def test_production_code_reaches_no_owners_parts():
+    found: list[str] = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name, source = path.relative_to(ROOT).as_posix(), path.read_text()
+            owners = {owner: methods for owner, (module, methods) in OWNERS.items() if module != name}
+            found += [f"{name}:{line}: {chain}" for line, chain in reaches_into_owners(source, owners)]
+    assert not found, "a reach into the coordinator's or the worker set's parts:\n" + "\n".join(found)

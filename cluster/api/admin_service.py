@@ -7,9 +7,10 @@ import logging
 
 import grpc
 
-from pdserve.cluster.scaling.elastic import AdminRefused, Elastic, UnknownWorker, WorkerInfo
+from pdserve.cluster.scaling.elastic import AdminRefused, Elastic
 from pdserve.cluster.serving.errors import cause
 from pdserve.cluster.serving.pools import Phase
+from pdserve.cluster.serving.worker_set import UnknownWorker, WorkerInfo
 from pdserve.proto.v1 import admin_pb2 as pb
 from pdserve.proto.v1 import admin_pb2_grpc as pb_grpc
 

@@ -20,6 +20,7 @@ from pdserve.cluster.api.admission import AdmissionQueue
 from pdserve.cluster.serving.coordinator import Coordinator, RequestReport
 from pdserve.cluster.serving.errors import Overloaded, TransportRefused, WorkerUnavailable, cause
 from pdserve.cluster.serving.metrics import Metrics
+from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant, Tenants
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import TextDelta
@@ -63,11 +64,14 @@ def failed(status: Status, error: BaseException) -> RequestFailed:
 
 
 class Frontend:
-    """The request path both APIs share, on the coordinator, router and pools of one server."""
+    """The request path both APIs share, on the coordinator, router and pools of one server.
+    The worker set is read for the server's state only (its workers, roles without one)."""
 
-    def __init__(self, coordinator: Coordinator, processor: RequestProcessor, metrics: Metrics,
-                 default_timeout_s: float, retry_after_s: float, tenants: Tenants | None = None) -> None:
+    def __init__(self, coordinator: Coordinator, worker_set: WorkerSet, processor: RequestProcessor,
+                 metrics: Metrics, default_timeout_s: float, retry_after_s: float,
+                 tenants: Tenants | None = None) -> None:
         self.coordinator = coordinator
+        self.worker_set = worker_set
         self.processor = processor
         self.metrics = metrics
         self.default_timeout_s = default_timeout_s

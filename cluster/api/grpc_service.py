@@ -87,12 +87,11 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         info = pb.ServerInfo(version=VERSION, mode=self.coordinator.mode, model=self.processor.model_name)
-        for pool in self.coordinator.pools():
-            for w in pool.workers:
-                load = w.state.load
-                info.workers.add(id=w.worker_id, role=w.role, healthy=w.state.healthy,
-                                 running=load.num_running if load else 0, waiting=load.num_waiting if load else 0,
-                                 free_kv_blocks=load.num_free_blocks if load else 0,
-                                 total_kv_blocks=load.num_blocks if load else 0,
-                                 cached_blocks=self.coordinator.kv_index.blocks_of(w.worker_id))
+        for w in self.frontend.worker_set.workers(gone=False):
+            load = w.load
+            info.workers.add(id=w.worker_id, role=w.role, healthy=w.healthy,
+                             running=load.num_running if load else 0, waiting=load.num_waiting if load else 0,
+                             free_kv_blocks=load.num_free_blocks if load else 0,
+                             total_kv_blocks=load.num_blocks if load else 0,
+                             cached_blocks=self.frontend.worker_set.cached_blocks(w.worker_id))
         return info

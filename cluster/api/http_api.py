@@ -122,7 +122,7 @@ class OpenAIApi:
 
     async def health(self, request: Request) -> Response:
         # A pool whose workers all drain takes no request either.
-        down = [pool.role for pool in self.frontend.coordinator.pools() if not pool.serving()]
+        down = self.frontend.worker_set.unserved_roles()
         if down:
             return ApiError(Status.UNAVAILABLE, f"no healthy {' or '.join(down)} worker").response()
         return Response('{"status":"ok"}', media_type="application/json")

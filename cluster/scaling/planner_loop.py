@@ -10,9 +10,9 @@ import math
 
 from pdserve.cluster.scaling.elastic import Elastic
 from pdserve.cluster.scaling.planner import Action, Observation, Planner
-from pdserve.cluster.serving.coordinator import Coordinator
 from pdserve.cluster.serving.errors import cause
 from pdserve.cluster.serving.metrics import Metrics
+from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.cluster.settings.pool_config import PlannerConfig
 
 logger = logging.getLogger(__name__)
@@ -23,11 +23,11 @@ _HISTOGRAMS = {"ttft": "pdserve_time_to_first_token_seconds", "itl": "pdserve_in
 
 
 class PlannerLoop:
-    def __init__(self, planner: Planner, config: PlannerConfig, coordinator: Coordinator, elastic: Elastic,
+    def __init__(self, planner: Planner, config: PlannerConfig, worker_set: WorkerSet, elastic: Elastic,
                  metrics: Metrics) -> None:
         self.planner = planner
         self.config = config
-        self.coordinator = coordinator
+        self.worker_set = worker_set
         self.elastic = elastic
         self.metrics = metrics
         self._last = self._read()
@@ -47,9 +47,9 @@ class PlannerLoop:
         values = self._read()
         delta = {k: values[k] - self._last.get(k, 0.0) for k in values}
         self._last = values
-        prefill, decode = self.coordinator.prefill.serving(), self.coordinator.decode.serving()
-        queued = sum(w.state.load.queued_prefill_tokens for w in prefill if w.state.load is not None)
-        loads = [w.state.load for w in decode if w.state.load is not None]
+        prefill, decode = self.worker_set.serving_loads("prefill"), self.worker_set.serving_loads("decode")
+        queued = sum(load.queued_prefill_tokens for load in prefill if load is not None)
+        loads = [load for load in decode if load is not None]
         kv_usage = sum(1 - ld.num_free_blocks / max(1, ld.num_blocks) for ld in loads) / len(loads) if loads else 0.0
         return Observation(now, len(prefill), len(decode), round(delta["pdserve_requests_arrived_total"]),
                            round(delta["pdserve_prompt_tokens_total"]),

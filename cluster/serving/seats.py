@@ -6,7 +6,8 @@ load, less the reservations that may not show in it yet); beyond a bounded queue
 (`max_queued()`) it is refused at once, and the service admits no more than `capacity()` (seats
 plus the queue). A colocated request takes its seat at once and queues in its worker's
 scheduler; a prefill worker's requests are seated there while it computes them. `SeatLine` is
-the one writer of a worker's `inflight` and `claims` (the routers read them).
+the one writer of a worker's `inflight` and `claims` (the routers read them). A `Seat` is one
+request attempt's hold on its place, from its taking to its freeing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+from dataclasses import dataclass
 
 from pdserve.cluster.serving.errors import Overloaded, WorkerUnavailable
 from pdserve.cluster.serving.pools import Pool, Worker
@@ -139,3 +141,24 @@ class SeatLine:
         """Have the request at the head of the queue look for a seat again."""
         if self._line:
             self._line[0].set()
+
+
+@dataclass(eq=False, slots=True)
+class Seat:
+    """A request attempt's seat on one worker (with a decode reservation, its claim on the
+    worker's KV blocks), held by that attempt alone from its taking to its freeing."""
+
+    worker: Worker
+    request_id: str
+    _line: SeatLine
+    _freed: bool = False
+
+    def reserved(self) -> None:
+        """The worker's engine holds the request's blocks (`SeatLine.reserved`)."""
+        self._line.reserved(self.worker, self.request_id)
+
+    def free(self) -> None:
+        """The worker has let the request go: its seat and claim are free (once)."""
+        if not self._freed:
+            self._freed = True
+            self._line.free(self.worker, self.request_id)

@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 from pdserve.cluster.serving.pools import ACTOR_LOST, Pool, Worker
 from pdserve.engine.outputs import TokenDelta
 
+# A request's deltas from its decode worker, and the error that ends them, if one does.
+StreamQueue = asyncio.Queue[TokenDelta | Exception]
+
 
 @dataclass(slots=True)
 class _Stream:
     decode: Worker
-    queue: asyncio.Queue[TokenDelta | Exception] = field(default_factory=asyncio.Queue)
+    queue: StreamQueue = field(default_factory=asyncio.Queue)
 
 
 class TokenStreams:
@@ -27,7 +30,7 @@ class TokenStreams:
         self._streams: dict[str, _Stream] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
 
-    def open(self, request_id: str, decode: Worker) -> asyncio.Queue[TokenDelta | Exception]:
+    def open(self, request_id: str, decode: Worker) -> StreamQueue:
         """The queue of `request_id`'s deltas from `decode` (and the error that ends them, if one does)."""
         stream = self._streams[request_id] = _Stream(decode)
         return stream.queue
@@ -40,9 +43,13 @@ class TokenStreams:
         if worker.worker_id not in self._pollers:
             self._pollers[worker.worker_id] = asyncio.create_task(self._poll(worker))
 
-    def fail(self, worker: Worker, error: Exception) -> None:
-        """`worker` is lost: its requests' streams end with `error`; its poller is forgotten."""
-        self._pollers.pop(worker.worker_id, None)
+    def leave(self, worker: Worker, error: Exception) -> None:
+        """`worker` left (lost, or drained and stopped): the streams still open on it end with
+        `error`, and its poller stops (unless the poller is the caller: a poll that found the
+        worker lost ends by itself once its replacement began)."""
+        task = self._pollers.pop(worker.worker_id, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
         self.move(worker, error)
 
     def move(self, worker: Worker, error: Exception) -> None:
@@ -52,12 +59,6 @@ class TokenStreams:
         for stream in self._streams.values():
             if stream.decode is worker:
                 stream.queue.put_nowait(error)
-
-    def forget(self, worker: Worker) -> None:
-        """`worker` has left: its poller stops."""
-        task = self._pollers.pop(worker.worker_id, None)
-        if task is not None:
-            task.cancel()
 
     def stop(self) -> None:
         for task in self._pollers.values():

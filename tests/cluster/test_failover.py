@@ -48,11 +48,11 @@ def test_a_stream_whose_decode_worker_is_sigkilled_continues_on_its_replacement(
     (they are sent again, not recomputed)."""
     import ray
 
-    coordinator = disaggregated.server.coordinator
+    worker_set = disaggregated.server.worker_set
     prompt, params = prompt_ids(tokenizer, 100, variant=19), SamplingParams(temperature=0.0, max_tokens=200,
                                                                             ignore_eos=True)
     want = engine.generate([prompt], params)[0].token_ids
-    victim, prefill = coordinator.decode.workers[0], coordinator.prefill.workers[0]
+    victim, prefill = worker_set.decode.workers[0], worker_set.prefill.workers[0]
     pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
     # Sent once before, so the stream's own prefill takes the prompt's full blocks from cache.
     cached = collect(disaggregated.target, prompt, dataclasses.replace(params, max_tokens=1)).num_cached_tokens
@@ -70,10 +70,10 @@ def test_a_stream_whose_decode_worker_is_sigkilled_continues_on_its_replacement(
     # The usage counts the request's prefill, not the continuation's re-prefill after the loss.
     assert cached == 0 and resp.usage.cached_prompt_tokens == 16 * (len(prompt) // 16)
     # /metrics lists the live workers' load only: the lost one's series are gone.
-    live = {w.worker_id for pool in coordinator.pools() for w in pool.workers}
+    live = {w.worker_id for pool in worker_set.pools() for w in pool.workers}
     wait_until(lambda: _kv_usage_workers(disaggregated) == live, 30, "/metrics to list the live workers only")
     assert _migrations(disaggregated) == before + 1
-    assert coordinator.decode.workers[0] is not victim and coordinator.decode.workers[0].state.healthy
+    assert worker_set.decode.workers[0] is not victim and worker_set.decode.workers[0].state.healthy
     assert _prefix_hit_tokens(prefill) - hits == 16 * (len(prompt) // 16)  # every full block of the prompt
     wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
 
@@ -102,11 +102,11 @@ def test_a_decode_worker_killed_while_kv_is_sent_to_it_is_fenced_and_the_request
     on every worker is free afterwards."""
     import ray
 
-    coordinator = long_prefills.server.coordinator
+    worker_set = long_prefills.server.worker_set
     prompt = prompt_ids(tokenizer, 1500, variant=23)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     want = default_engine.generate([prompt], params)[0].token_ids
-    victim, prefill = coordinator.decode.workers[0], coordinator.prefill.workers[0]
+    victim, prefill = worker_set.decode.workers[0], worker_set.prefill.workers[0]
     pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
     before, hits = _migrations(long_prefills), _prefix_hit_tokens(prefill)
     responses: list = []
@@ -126,12 +126,12 @@ def test_a_decode_worker_killed_while_kv_is_sent_to_it_is_fenced_and_the_request
     assert [t for r in responses for t in r.token_ids] == want
     assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert len(responses[-1].kv_transfers) == 1  # to the replacement only
-    fresh = coordinator.decode.workers[0]
+    fresh = worker_set.decode.workers[0]
     assert fresh is not victim and fresh.state.healthy
     assert fresh.address.incarnation and fresh.address.incarnation != victim.address.incarnation
     assert _migrations(long_prefills) == before + 1
     assert _prefix_hit_tokens(prefill) - hits >= 16 * ((len(prompt) - 1) // 16)
-    assert coordinator.prefill.workers[0] is prefill and prefill.state.healthy and prefill.state.inflight == 0
+    assert worker_set.prefill.workers[0] is prefill and prefill.state.healthy and prefill.state.inflight == 0
     short = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     assert collect(long_prefills.target, "Name three colours.", short).token_ids == \
         default_engine.generate(["Name three colours."], short)[0].token_ids
@@ -143,15 +143,15 @@ def test_a_new_request_waits_for_the_only_decode_workers_replacement(disaggregat
     replacement starts waits for it (it is not refused UNAVAILABLE) and gets the engine's tokens."""
     import ray
 
-    coordinator = disaggregated.server.coordinator
+    worker_set = disaggregated.server.worker_set
     prompt, params = "Name three colours.", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     want = engine.generate([prompt], params)[0].token_ids
-    victim = coordinator.decode.workers[0]
+    victim = worker_set.decode.workers[0]
     os.kill(ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30), signal.SIGKILL)
-    wait_until(lambda: coordinator.decode.replacing == 1, 30, "the pool to begin replacing its lost worker")
+    wait_until(lambda: worker_set.decode.replacing == 1, 30, "the pool to begin replacing its lost worker")
     got = collect(disaggregated.target, prompt, params, 300)
     assert got.token_ids == want
-    assert coordinator.decode.workers[0] is not victim and coordinator.decode.replacing == 0
+    assert worker_set.decode.workers[0] is not victim and worker_set.decode.replacing == 0
     wait_until(lambda: pools_are_full(disaggregated.target), 30, "every block to be free")
 
 
@@ -160,11 +160,11 @@ def test_a_request_whose_prefill_worker_is_sigkilled_mid_prefill_is_retried(long
     on the replacement and the client's stream is the undisturbed run's."""
     import ray
 
-    coordinator = long_prefills.server.coordinator
+    worker_set = long_prefills.server.worker_set
     prompt = prompt_ids(tokenizer, 1500, variant=7)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     want = default_engine.generate([prompt], params)[0].token_ids
-    victim = coordinator.prefill.workers[0]
+    victim = worker_set.prefill.workers[0]
     pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
     before = _migrations(long_prefills)
     got: list = []
@@ -175,7 +175,7 @@ def test_a_request_whose_prefill_worker_is_sigkilled_mid_prefill_is_retried(long
     waiter.join(300)
     assert got and got[0].token_ids == want
     assert _migrations(long_prefills) == before + 1
-    assert coordinator.prefill.workers[0] is not victim
+    assert worker_set.prefill.workers[0] is not victim
     wait_until(lambda: pools_are_full(long_prefills.target), 30, "every block to be free")
 
 
@@ -183,10 +183,10 @@ def test_a_colocated_stream_whose_worker_is_sigkilled_continues(colocated_server
     import ray
 
     srv = colocated_server
-    coordinator = srv.server.coordinator
+    worker_set = srv.server.worker_set
     prompt, params = "Tell me a very long story.", SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     want = engine.generate([prompt], params)[0].token_ids
-    victim = coordinator.decode.workers[0]
+    victim = worker_set.decode.workers[0]
     pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
     before = _migrations(srv)
     got: list[int] = []

@@ -53,7 +53,7 @@ def metrics_say_blocks_are_free(srv) -> bool:
     m = scrape(srv.config.server.metrics_port)
     usage = {k: v for k, v in m.items() if k.startswith("pdserve_kv_block_usage_ratio{")}
     busy = [v for k, v in m.items() if k.startswith(("pdserve_running_sequences{", "pdserve_waiting_sequences{"))]
-    num_workers = sum(len(p.workers) for p in srv.server.coordinator.pools())
+    num_workers = sum(len(p.workers) for p in srv.server.worker_set.pools())
     return len(usage) == num_workers and not any(usage.values()) and not any(busy)
 
 

@@ -1,10 +1,9 @@
 """The HTTP API with no healthy worker: 503 in OpenAI's shape, from /health and from a
-completion (a coordinator fake stands in for the pools; token ids in, so no model)."""
+completion (a fake stands in for the coordinator and the worker set; token ids in, so no model)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from starlette.testclient import TestClient
 
@@ -17,17 +16,9 @@ from pdserve.engine.outputs import TokenDelta
 from pdserve.engine.text.request_processor import RequestProcessor
 
 
-@dataclass
-class _LostPool:
-    role: str = "decode"
-
-    def serving(self) -> list[object]:
-        return []
-
-
 class _NoWorkers:
-    def pools(self) -> list[_LostPool]:
-        return [_LostPool()]
+    def unserved_roles(self) -> list[str]:
+        return ["decode"]
 
     def capacity(self) -> int:
         return 0  # no healthy decode worker: no seats
@@ -38,7 +29,7 @@ class _NoWorkers:
 
 
 def test_no_healthy_worker_is_503():
-    frontend = Frontend(_NoWorkers(), RequestProcessor(None, "tiny", 100, 64), Metrics(),  # type: ignore[arg-type]
+    frontend = Frontend(_NoWorkers(), _NoWorkers(), RequestProcessor(None, "tiny", 100, 64), Metrics(),  # type: ignore[arg-type]
                         default_timeout_s=30.0, retry_after_s=1.0)
     with TestClient(OpenAIApi(frontend).app()) as client:
         health = client.get("/health")

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from pdserve.cluster.clients.grpc_client import Client
-from pdserve.cluster.serving.coordinator import Coordinator
 from pdserve.cluster.serving.pools import Worker
+from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.kv.events import DEVICE_TIER, DISK_TIER
 from pdserve.engine.messages import WorkerRequest
@@ -46,12 +46,12 @@ def srv(start, disk_dir: Path) -> RunningServer:
                  engine={"cache": {"num_blocks": 24}, "kv_tiers": {"disk_dir": str(disk_dir)}})
 
 
-def _coordinator(srv: RunningServer) -> Coordinator:
-    return srv.server.coordinator
+def _worker_set(srv: RunningServer) -> WorkerSet:
+    return srv.server.worker_set
 
 
 def _live(srv: RunningServer) -> list[Worker]:
-    return [w for p in _coordinator(srv).pools() for w in p.workers if w.state.healthy]
+    return [w for p in _worker_set(srv).pools() for w in p.workers if w.state.healthy]
 
 
 def _ask(srv: RunningServer, method: str, workers: list[Worker]) -> list[Any]:
@@ -65,7 +65,7 @@ def _ask(srv: RunningServer, method: str, workers: list[Worker]) -> list[Any]:
 def _index_equals_the_workers(srv: RunningServer) -> bool:
     """Block by block, tier by tier: the index holds exactly what each live worker's snapshot
     says it holds (no tier missing, none extra)."""
-    index = _coordinator(srv).kv_index
+    index = _worker_set(srv).kv_index
     workers = _live(srv)
     for worker, snap in zip(workers, _ask(srv, "kv_snapshot", workers)):
         held = {tier: set(hashes) for tier, hashes in snap.block_hashes.items() if hashes}
@@ -84,7 +84,7 @@ def _kill(worker: Worker) -> None:
 
 def _replacement(srv: RunningServer, lost: Worker) -> Worker:
     """The worker that took `lost`'s slot, once it serves."""
-    pool = _coordinator(srv).prefill if lost.role == "prefill" else _coordinator(srv).decode
+    pool = _worker_set(srv).prefill if lost.role == "prefill" else _worker_set(srv).decode
     found: list[Worker] = []
 
     def replaced() -> bool:
@@ -97,8 +97,8 @@ def _replacement(srv: RunningServer, lost: Worker) -> Worker:
 
 
 def test_a_prefill_worker_restarted_in_its_slot_serves_a_second_turn_from_disk(srv, engine, tokenizer, disk_dir):
-    index = _coordinator(srv).kv_index
-    old = _coordinator(srv).prefill.workers[0]
+    index = _worker_set(srv).kv_index
+    old = _worker_set(srv).prefill.workers[0]
     first = prompt_ids(tokenizer, 160, variant=61)  # 10 full blocks
     answer = collect(srv.target, first, GREEDY).token_ids
     hashes = prefix_block_hashes(first, BLOCK)
@@ -139,8 +139,8 @@ def test_the_index_equals_every_worker_after_preemptions_a_migration_restarts_an
                                                                                                 tokenizer):
     import ray
 
-    coordinator = _coordinator(srv)
-    index = coordinator.kv_index
+    worker_set = _worker_set(srv)
+    index = worker_set.kv_index
     lost_ids: list[str] = []
 
     # Preemptions: long answers side by side outgrow the decode pools (24 blocks each; a seat
@@ -169,7 +169,7 @@ def test_the_index_equals_every_worker_after_preemptions_a_migration_restarts_an
         for resp in client.generate(prompt, LONG, timeout_s=120):
             got.extend(resp.token_ids)
             if victim is None and len(got) >= 4:
-                victim = next(w for w in coordinator.decode.workers if w.state.inflight)
+                victim = next(w for w in worker_set.decode.workers if w.state.inflight)
                 _kill(victim)
     assert victim is not None and got == want and _migrations(srv) == migrations + 1
     lost_ids.append(victim.worker_id)
@@ -178,7 +178,7 @@ def test_the_index_equals_every_worker_after_preemptions_a_migration_restarts_an
     # A lost event: the prefill worker spends an event number it never sends (as on an
     # overflow of its buffer); the router resyncs it from a snapshot.
     snapshots = index.num_snapshots
-    prefill = coordinator.prefill.workers[0]
+    prefill = worker_set.prefill.workers[0]
 
     def skip_an_event_number(actor_self: Any) -> None:
         def skip(e: Any) -> None:
@@ -207,7 +207,7 @@ def _reported(worker: Worker) -> EngineLoad:
 
 
 def _preemptions(srv: RunningServer) -> int:
-    return sum(_reported(w).num_preemptions for w in _coordinator(srv).decode.workers if w.state.load)
+    return sum(_reported(w).num_preemptions for w in _worker_set(srv).decode.workers if w.state.load)
 
 
 def _prefill_directly(srv: RunningServer, worker: Worker, prompt: list[int]) -> None:

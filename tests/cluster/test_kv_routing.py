@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from pdserve.cluster.cli import main
-from pdserve.cluster.serving.coordinator import Coordinator
 from pdserve.cluster.serving.pools import Worker
+from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.engine.block_hash import prefix_block_hashes
 from pdserve.engine.kv.events import DEVICE_TIER, HOST_TIER, KVSnapshot
 from pdserve.engine.messages import WorkerRequest
@@ -35,16 +35,16 @@ def srv(start) -> RunningServer:
                  engine={"cache": {"num_blocks": 32}, "kv_tiers": {"host_bytes": 4 << 20}})
 
 
-def _coordinator(srv: RunningServer) -> Coordinator:
-    return srv.server.coordinator
+def _worker_set(srv: RunningServer) -> WorkerSet:
+    return srv.server.worker_set
 
 
 def _workers(srv: RunningServer) -> list[Worker]:
-    return [w for p in _coordinator(srv).pools() for w in p.workers]
+    return [w for p in _worker_set(srv).pools() for w in p.workers]
 
 
 def _prefill_worker(srv: RunningServer, worker_id: str) -> Worker:
-    return next(w for w in _coordinator(srv).prefill.workers if w.worker_id == worker_id)
+    return next(w for w in _worker_set(srv).prefill.workers if w.worker_id == worker_id)
 
 
 def _idle(worker: Worker) -> bool:
@@ -71,7 +71,7 @@ def _snapshots(srv: RunningServer) -> dict[str, KVSnapshot]:
 
 def _index_matches_the_workers(srv: RunningServer) -> bool:
     """Block by block and tier by tier, the index holds what each worker's snapshot says it holds."""
-    index = _coordinator(srv).kv_index
+    index = _worker_set(srv).kv_index
     return all(index.hashes_of(wid).get(tier, set()) == set(hashes)
                for wid, snap in _snapshots(srv).items() for tier, hashes in snap.block_hashes.items())
 
@@ -90,7 +90,7 @@ def test_the_index_equals_what_every_worker_holds(srv, tokenizer, capsys):
         collect(srv.target, p, GREEDY)
     wait_until(lambda: pools_are_full(srv.target), 60, "every block to be free")
     wait_until(lambda: _index_matches_the_workers(srv), 30, "the index to catch up with the workers' events")
-    index = _coordinator(srv).kv_index
+    index = _worker_set(srv).kv_index
     blocks = {w.worker_id: index.blocks_of(w.worker_id).get(DEVICE_TIER, 0) for w in _workers(srv)}
     assert blocks["decode-0"] > 0 and blocks["prefill-0"] + blocks["prefill-1"] > 0
     # The decode worker received every prompt but holds fewer blocks: it evicted some.
@@ -112,12 +112,12 @@ def test_a_prompt_goes_to_the_worker_that_holds_its_prefix(srv, tokenizer):
     _prefill_elsewhere(srv, "prefill-1", prompt)
     full = (len(prompt) - 1) // BLOCK
     hashes = prefix_block_hashes(prompt, BLOCK)
-    wait_until(lambda: _coordinator(srv).kv_index.prefix_blocks(hashes).get("prefill-1") == len(hashes), 30,
+    wait_until(lambda: _worker_set(srv).kv_index.prefix_blocks(hashes).get("prefill-1") == len(hashes), 30,
                "prefill-1's blocks in the index")
     # And both idle in the loads the router reads: a load taken while the outside prefill still
     # held its blocks scores prefill-1 busy (KV use) until the next report, a bounded lag that
     # a loaded machine made this test lose.
-    wait_until(lambda: all(_idle(w) for w in _coordinator(srv).prefill.workers), 30, "idle prefill loads")
+    wait_until(lambda: all(_idle(w) for w in _worker_set(srv).prefill.workers), 30, "idle prefill loads")
     out = collect(srv.target, prompt, GREEDY)
     assert out.num_cached_tokens == full * BLOCK  # every full block but the last token's: prefill-1 served it
 
@@ -125,7 +125,7 @@ def test_a_prompt_goes_to_the_worker_that_holds_its_prefix(srv, tokenizer):
 def test_a_skipped_event_number_is_repaired_from_a_snapshot(srv, tokenizer):
     import ray
 
-    index = _coordinator(srv).kv_index
+    index = _worker_set(srv).kv_index
     snapshots_before = index.num_snapshots
     worker = _prefill_worker(srv, "prefill-0")
 
@@ -147,9 +147,9 @@ def test_a_skipped_event_number_is_repaired_from_a_snapshot(srv, tokenizer):
 def test_a_cleared_cache_leaves_the_index(srv):
     wait_until(lambda: pools_are_full(srv.target), 60, "every block to be free")
     worker = _prefill_worker(srv, "prefill-1")
-    assert _coordinator(srv).kv_index.blocks_of("prefill-1").get(DEVICE_TIER)
+    assert _worker_set(srv).kv_index.blocks_of("prefill-1").get(DEVICE_TIER)
     assert _call(srv, worker.actor.reset_prefix_cache.remote())  # the pool's; the host tier keeps its own
-    wait_until(lambda: not _coordinator(srv).kv_index.blocks_of("prefill-1").get(DEVICE_TIER), 30,
+    wait_until(lambda: not _worker_set(srv).kv_index.blocks_of("prefill-1").get(DEVICE_TIER), 30,
                "prefill-1's pool to leave the index")
     assert _index_matches_the_workers(srv)
 
@@ -157,7 +157,7 @@ def test_a_cleared_cache_leaves_the_index(srv):
 def test_a_prefix_pushed_out_of_a_prefill_pool_is_served_from_its_host_tier(srv, tokenizer):
     prompt = prompt_ids(tokenizer, 200, variant=50)
     hashes = prefix_block_hashes(prompt, BLOCK)
-    index = _coordinator(srv).kv_index
+    index = _worker_set(srv).kv_index
     _prefill_elsewhere(srv, "prefill-0", prompt)
     wait_until(lambda: _index_matches_the_workers(srv), 30, "the index to catch up")
     for variant in range(51, 60):  # other prompts on prefill-0 until the pool holds none of it
@@ -173,6 +173,6 @@ def test_a_prefix_pushed_out_of_a_prefill_pool_is_served_from_its_host_tier(srv,
     # prefill there onboards it instead of computing it. Both idle in the loads the router
     # reads first (as in the test above: a load taken during the outside prefills scores
     # prefill-0 busy until the next report; stop 49's CI lost this test to that lag).
-    wait_until(lambda: all(_idle(w) for w in _coordinator(srv).prefill.workers), 30, "idle prefill loads")
+    wait_until(lambda: all(_idle(w) for w in _worker_set(srv).prefill.workers), 30, "idle prefill loads")
     out = collect(srv.target, prompt, GREEDY)
     assert out.num_cached_tokens == ((len(prompt) - 1) // BLOCK) * BLOCK

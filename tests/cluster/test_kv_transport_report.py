@@ -67,7 +67,7 @@ def test_a_request_that_ends_at_its_first_token_moved_no_kv(srv):
 def test_the_loop_section_reaches_the_workers(srv):
     import ray
 
-    for pool in srv.server.coordinator.pools():
+    for pool in srv.server.worker_set.pools():
         for w in pool.workers:
             assert ray.get(w.actor.__ray_call__.remote(lambda self: self.loop.config.idle_wait_s), timeout=60) == 0.02
 
@@ -82,7 +82,7 @@ def test_a_pair_slower_than_required_fails_with_failed_precondition(strict):
     assert "cuda_ipc" in details and "kv_transport.require" in details, details
     assert any(found in details for found in ("is shm", "is tcp")), details  # the transport it found
     wait_until(lambda: pools_are_full(strict.target), 60, "every block to be free")
-    assert [p.num_replaced for p in strict.server.coordinator.pools()] == [0, 0]  # refused, not lost
+    assert [p.num_replaced for p in strict.server.worker_set.pools()] == [0, 0]  # refused, not lost
 
 
 def test_the_http_api_says_the_same(strict):

@@ -41,14 +41,14 @@ def _count(counter) -> float:
 
 
 def test_a_long_prefill_step_completes_and_no_worker_is_replaced(server, tokenizer):
-    coordinator = server.server.coordinator
-    before = [list(p.workers) for p in coordinator.pools()]
+    worker_set = server.server.worker_set
+    before = [list(p.workers) for p in worker_set.pools()]
     out = collect(server.target, prompt_ids(tokenizer, PROMPT_TOKENS), SamplingParams(temperature=0.0, max_tokens=4,
                                                                                        ignore_eos=True), 600)
     assert len(out.token_ids) == 4
-    assert [p.num_replaced for p in coordinator.pools()] == [0, 0]
-    assert [list(p.workers) for p in coordinator.pools()] == before
-    assert all(w.state.healthy for p in coordinator.pools() for w in p.workers)
+    assert [p.num_replaced for p in worker_set.pools()] == [0, 0]
+    assert [list(p.workers) for p in worker_set.pools()] == before
+    assert all(w.state.healthy for p in worker_set.pools() for w in p.workers)
     assert _lost(server) == 0
     # ...and it ran once: a KV transfer that timed out would have been retried (migrated).
     assert _count(server.server.metrics.migrations) == 0
@@ -58,7 +58,7 @@ def test_a_long_prefill_step_completes_and_no_worker_is_replaced(server, tokeniz
 def test_a_sigkilled_worker_is_detected_and_replaced(server):
     import ray
 
-    prefill = server.server.coordinator.prefill
+    prefill = server.server.worker_set.prefill
     victim = prefill.workers[0]
     pid = ray.get(victim.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
     os.kill(pid, signal.SIGKILL)

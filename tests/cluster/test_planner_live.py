@@ -36,19 +36,19 @@ def srv(start, tmp_path_factory):
 
 
 def test_the_planner_moves_a_decode_worker_to_prefill_under_load(srv, engine, tokenizer):
-    coordinator = srv.server.coordinator
+    worker_set = srv.server.worker_set
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [prompt_ids(tokenizer, 50 + 3 * i, variant=80 + i) for i in range(40)]
     want = [out.token_ids for out in engine.generate(prompts, params)]
-    decode_ids = {w.worker_id for w in coordinator.decode.workers}
+    decode_ids = {w.worker_id for w in worker_set.decode.workers}
     sent: list[tuple[int, Future[Streamed]]] = []
     during = 0  # requests sent while the move was under way
     done = threading.Event()
 
     def moving() -> bool:  # a decode worker draining, or gone while its replacement starts
-        decode = coordinator.decode.workers
+        decode = worker_set.decode.workers
         return any(w.phase is not Phase.SERVING for w in decode) or \
-            (len(decode) == 1 and len(coordinator.prefill.serving()) < 2)
+            (len(decode) == 1 and len(worker_set.prefill.serving()) < 2)
 
     with ThreadPoolExecutor(16) as pool:
         def send_until_moved() -> None:
@@ -63,14 +63,14 @@ def test_the_planner_moves_a_decode_worker_to_prefill_under_load(srv, engine, to
         sender = threading.Thread(target=send_until_moved)
         sender.start()
         try:
-            wait_until(lambda: len(coordinator.prefill.serving()) == 2, 60, "the planner to add a prefill worker")
+            wait_until(lambda: len(worker_set.prefill.serving()) == 2, 60, "the planner to add a prefill worker")
         finally:
             done.set()
             sender.join()
         streamed = [(i, f.result(120)) for i, f in sent]
     assert [s.token_ids for _, s in streamed] == [want[i] for i, _ in streamed]
     assert during >= 1, "no request was sent while the worker changed role"
-    assert len(coordinator.decode.serving()) == 1 and len(coordinator.decode.workers) == 1
-    assert coordinator.decode.gone and coordinator.decode.gone[-1].worker_id in decode_ids
+    assert len(worker_set.decode.serving()) == 1 and len(worker_set.decode.workers) == 1
+    assert worker_set.decode.gone and worker_set.decode.gone[-1].worker_id in decode_ids
     assert srv.server.metrics.planner_decisions.labels("change")._value.get() == 1  # one change, no flapping
     wait_until(lambda: pools_are_full(srv.target), 30, "every block to be free")

@@ -53,7 +53,7 @@ class FakeCoordinator:
 
 def frontend(capacity: int) -> Frontend:
     processor = RequestProcessor(None, "fake", 1000, 64)
-    return Frontend(FakeCoordinator(capacity), processor, Metrics(), 60.0, 2.0)  # type: ignore[arg-type]
+    return Frontend(FakeCoordinator(capacity), None, processor, Metrics(), 60.0, 2.0)  # type: ignore[arg-type]
 
 
 async def run(front: Frontend, priority: int, tenant: Tenant = DEFAULT_TENANT,

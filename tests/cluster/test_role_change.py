@@ -13,10 +13,10 @@ import pytest
 from pdserve.cluster.scaling.elastic import AdminRefused, Elastic
 from pdserve.cluster.scaling.planner import Action, Planner
 from pdserve.cluster.scaling.planner_loop import PlannerLoop
-from pdserve.cluster.serving.kv_index import KVIndex
 from pdserve.cluster.serving.metrics import Metrics
 from pdserve.cluster.serving.pools import Phase, Pool, Worker
 from pdserve.cluster.serving.router import WorkerState
+from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.cluster.settings.pool_config import DrainConfig, PlannerConfig
 from pdserve.cluster.sim.step_costs import Curve, StepCosts
 from pdserve.engine.outputs import EngineLoad
@@ -47,48 +47,32 @@ class _Streams:
         self.moved: list[str] = []
 
     def follow(self, worker: Worker) -> None: ...
-    def forget(self, worker: Worker) -> None: ...
+    def leave(self, worker: Worker, error: Exception) -> None: ...
 
     def move(self, worker: Worker, error: Exception) -> None:
         self.moved.append(worker.worker_id)
         worker.state.inflight = 0
 
 
-class _Seats:
-    num_queued = 0
-
-    def wake(self) -> None: ...
-
-
-class _Coordinator:
-    """The parts of `Coordinator` a role change uses."""
-
-    mode = "disaggregated"
-
-    def __init__(self, num_prefill: int, num_decode: int) -> None:
-        self.prefill, self.decode = _Pool("prefill", num_prefill), _Pool("decode", num_decode)
-        self.streams, self.seats, self.kv_index = _Streams(), _Seats(), KVIndex()
-
-    def pools(self) -> list[Pool]:
-        return [self.prefill, self.decode]
-
-
-def _elastic(num_prefill: int, num_decode: int) -> tuple[Elastic, _Coordinator]:
-    coordinator = _Coordinator(num_prefill, num_decode)
-    return Elastic(coordinator, DrainConfig(check_s=0.01, stop_timeout_s=5), Metrics()), coordinator  # type: ignore[arg-type]
+def _elastic(num_prefill: int, num_decode: int) -> tuple[Elastic, WorkerSet]:
+    """A worker set over the stand-in pools, not started, its streams `_Streams`."""
+    worker_set = WorkerSet(_Pool("prefill", num_prefill), _Pool("decode", num_decode), "least_load", 16, Metrics(),
+                           4, 2)
+    worker_set.streams = _Streams()  # type: ignore[assignment]
+    return Elastic(worker_set, DrainConfig(check_s=0.01, stop_timeout_s=5)), worker_set
 
 
 def test_a_role_change_drains_stops_and_starts_the_other_role():
     async def run() -> None:
-        elastic, coordinator = _elastic(1, 2)
-        busy, idle = coordinator.decode.workers
+        elastic, worker_set = _elastic(1, 2)
+        busy, idle = worker_set.decode.workers
         busy.state.inflight = 1
         drained, started = await asyncio.wait_for(elastic.change_role("", "prefill", None), 5)
         assert drained.worker_id == idle.worker_id and drained.phase is Phase.GONE  # the least loaded decode worker
         assert started.role == "prefill" and started.phase is Phase.SERVING
-        assert coordinator.decode.events == [f"stop {idle.worker_id}"] and coordinator.prefill.events == [
+        assert worker_set.decode.events == [f"stop {idle.worker_id}"] and worker_set.prefill.events == [
             f"start {started.worker_id}"]  # stopped before the other starts: its resources are free
-        assert [w.worker_id for w in coordinator.prefill.serving()] == ["prefill-0", started.worker_id]
+        assert [w.worker_id for w in worker_set.prefill.serving()] == ["prefill-0", started.worker_id]
         with pytest.raises(AdminRefused, match="last serving decode worker"):
             await elastic.change_role(busy.worker_id, "prefill", None)  # its request needs it
         with pytest.raises(AdminRefused, match="a prefill worker already"):
@@ -103,11 +87,11 @@ def test_a_role_change_drains_stops_and_starts_the_other_role():
 
 def test_the_planner_loop_observes_the_interval_and_acts_through_elastic():
     async def run() -> None:
-        elastic, coordinator = _elastic(1, 2)
+        elastic, worker_set = _elastic(1, 2)
         metrics = Metrics()
         config = PlannerConfig(ttft_target_ms=500, itl_target_ms=50)
         costs = StepCosts(Curve.of([(0, 0.01), (1000, 0.11)]), Curve.of([(1, 0.02), (64, 0.05)]))
-        loop = PlannerLoop(Planner(config, costs, 3), config, coordinator, elastic, metrics)  # type: ignore[arg-type]
+        loop = PlannerLoop(Planner(config, costs, 3), config, worker_set, elastic, metrics)  # type: ignore[arg-type]
         for _ in range(10):
             metrics.arrived.inc()
             metrics.prompt_tokens.inc(300)
@@ -115,8 +99,8 @@ def test_the_planner_loop_observes_the_interval_and_acts_through_elastic():
         metrics.ttft.observe(3.0)
         metrics.e2e.observe(1.0)
         metrics.tokens.inc(40)
-        coordinator.prefill.workers[0].state.load = EngineLoad(0, 3, 0, 0, 1200, 10, 100, 10, 0, 0, 0)
-        for w in coordinator.decode.workers:
+        worker_set.prefill.workers[0].state.load = EngineLoad(0, 3, 0, 0, 1200, 10, 100, 10, 0, 0, 0)
+        for w in worker_set.decode.workers:
             w.state.load = EngineLoad(2, 0, 0, 0, 0, 25, 100, 20, 0, 0, 0)
         obs = loop.observe(7.0)
         assert (obs.now, obs.num_prefill, obs.num_decode) == (7.0, 1, 2)
@@ -126,12 +110,12 @@ def test_the_planner_loop_observes_the_interval_and_acts_through_elastic():
         assert obs.ttft_ms == pytest.approx(100 + 150 * 9.9 / 10) and obs.itl_ms is None
         assert loop.observe(8.0).num_arrived == 0  # the next interval starts from here
         assert await loop._act(Action("move", "prefill"))
-        assert len(coordinator.prefill.serving()) == 2 and len(coordinator.decode.serving()) == 1
-        coordinator.decode.serving()[0].state.inflight = 1
+        assert len(worker_set.prefill.serving()) == 2 and len(worker_set.decode.serving()) == 1
+        worker_set.decode.serving()[0].state.inflight = 1
         assert not await loop._act(Action("remove", "decode"))  # refused (the last one), logged, not raised
-        coordinator.decode.serving()[0].state.inflight = 0
+        worker_set.decode.serving()[0].state.inflight = 0
         assert await loop._act(Action("add", "decode"))
-        assert len(coordinator.decode.serving()) == 2
+        assert len(worker_set.decode.serving()) == 2
         await elastic.stop()
 
     asyncio.run(run())
@@ -142,15 +126,15 @@ def test_the_planners_moves_drain_within_its_own_bound():
     `drain_deadline_s` (not the admin API's default of minutes) they move on and the change goes
     through."""
     async def run() -> None:
-        elastic, coordinator = _elastic(1, 2)
+        elastic, worker_set = _elastic(1, 2)
         assert elastic.config.deadline_s >= 60
-        for w in coordinator.decode.workers:
+        for w in worker_set.decode.workers:
             w.state.inflight = 1  # neither ends by itself
         config = PlannerConfig(drain_deadline_s=0.05)
         costs = StepCosts(Curve.of([(0, 0.01), (1000, 0.11)]), Curve.of([(1, 0.02), (64, 0.05)]))
-        loop = PlannerLoop(Planner(config, costs, 3), config, coordinator, elastic, Metrics())  # type: ignore[arg-type]
+        loop = PlannerLoop(Planner(config, costs, 3), config, worker_set, elastic, Metrics())  # type: ignore[arg-type]
         assert await asyncio.wait_for(loop._act(Action("move", "prefill")), 10)
-        assert len(coordinator.streams.moved) == 1 and len(coordinator.prefill.serving()) == 2
+        assert len(worker_set.streams.moved) == 1 and len(worker_set.prefill.serving()) == 2
         await elastic.stop()
 
     asyncio.run(run())

@@ -166,9 +166,9 @@ def test_admission_queues_for_seats_and_kv_and_refuses_beyond_the_queue_at_once(
 
     srv = start(pools={"mode": "disaggregated"}, engine={"scheduler": {"max_num_seqs": 2}, "cache": {"num_blocks": 40}},
                 admission={"max_waiting_per_worker": 1, "retry_after_s": 2.5})
-    coordinator = srv.server.coordinator
-    decode = coordinator.decode.workers[0]
-    assert coordinator.seats.capacity() == 3 and coordinator.seats.max_queued() == 1
+    worker_set = srv.server.worker_set
+    decode = worker_set.decode.workers[0]
+    assert worker_set.seats.capacity() == 3 and worker_set.seats.max_queued() == 1
     queued: list = []
     with Client(srv.target) as holder, Client(srv.target) as other:
         running = holder.generate(prompt_ids(tokenizer, 400, variant=29),
@@ -178,9 +178,9 @@ def test_admission_queues_for_seats_and_kv_and_refuses_beyond_the_queue_at_once(
             collect(srv.target, prompt_ids(tokenizer, 300, variant=31),
                     SamplingParams(temperature=0.0, max_tokens=4), 120)))
         waiter.start()
-        wait_until(lambda: coordinator.seats.num_queued == 1 and _num_admitted(srv) == 2, 30,
+        wait_until(lambda: worker_set.seats.num_queued == 1 and _num_admitted(srv) == 2, 30,
                    "the second request to be admitted and queued for KV blocks")
-        assert decode.state.inflight == 1 < coordinator.seats.seats_per_worker  # a seat is free: it waits for KV
+        assert decode.state.inflight == 1 < worker_set.seats.seats_per_worker  # a seat is free: it waits for KV
         with pytest.raises(grpc.RpcError) as err:
             list(other.generate("A third", SamplingParams(max_tokens=4), timeout_s=30))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -189,7 +189,7 @@ def test_admission_queues_for_seats_and_kv_and_refuses_beyond_the_queue_at_once(
         # Refused without waiting for work: the first still streams, the second still waits,
         # and the third left nothing behind (the queue holds the second alone).
         assert not next(running).finish_reason
-        assert waiter.is_alive() and not queued and coordinator.seats.num_queued == 1 and _num_admitted(srv) == 2
+        assert waiter.is_alive() and not queued and worker_set.seats.num_queued == 1 and _num_admitted(srv) == 2
         running.cancel()
         waiter.join(120)
     assert len(queued) == 1 and len(queued[0].token_ids) == 4

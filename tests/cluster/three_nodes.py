@@ -33,8 +33,8 @@ async def main() -> dict:
     })
     server = await start_server(config)
     try:
-        coord = server.coordinator
-        placed = {w.worker_id: await w.actor.node_id.remote() for p in coord.pools() for w in p.workers}
+        worker_set = server.worker_set
+        placed = {w.worker_id: await w.actor.node_id.remote() for p in worker_set.pools() for w in p.workers}
 
         def call() -> list[int]:
             with Client(f"127.0.0.1:{server.port}") as client:

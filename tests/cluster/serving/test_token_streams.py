@@ -93,9 +93,9 @@ def test_a_lost_worker_ends_its_requests_streams_and_is_replaced():
         await _settle()
         assert replaced == [a]
         lost = RuntimeError("decode worker decode-a was lost")
-        streams.fail(a, lost)
+        streams.leave(a, lost)
         assert on_a.get_nowait() is lost and on_b.empty()
-        streams.follow(a)  # forgotten by fail(): a worker back to health is polled again
+        streams.follow(a)  # forgotten by leave(): a worker back to health is polled again
         await _settle()
         assert a.actor.poll.calls == 2
         streams.stop()
