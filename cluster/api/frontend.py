@@ -63,6 +63,11 @@ def failed(status: Status, error: BaseException) -> RequestFailed:
     return RequestFailed(status, message)
 
 
+def priority_class(priority: int) -> str:
+    """A priority as the metrics label it: "high" (< 0), "default" (0) or "low" (> 0)."""
+    return "high" if priority < 0 else "low" if priority > 0 else "default"
+
+
 class Frontend:
     """The request path both APIs share, on the coordinator, router and pools of one server.
     The worker set is read for the server's state only (its workers, roles without one)."""
@@ -122,6 +127,7 @@ class Frontend:
         deadline = asyncio.get_running_loop().time() + timeout
         self.inflight += 1
         queued = self.admission.add(request.params.priority, tenant)
+        self.metrics.admitted.labels(tenant.name, priority_class(request.params.priority)).inc()
         self.metrics.arrived.inc()
         self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         status = Status.OK
@@ -146,6 +152,7 @@ class Frontend:
                 status = Status.CANCELLED
                 raise
             asyncio.current_task().uncancel()  # our own cancel, not the client's
+            self.metrics.displaced.labels(tenant.name, priority_class(request.params.priority)).inc()
             status = Status.RESOURCE_EXHAUSTED
             raise RequestFailed(status, f"server is at its capacity and a request of higher priority (or of a "
                                         f"tenant under its fair share) took this one's place; retry in "

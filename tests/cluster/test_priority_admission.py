@@ -97,6 +97,8 @@ def test_a_higher_priority_arrival_takes_the_lowest_priority_queued_ones_place()
         assert [await t for t in (arrival, tasks[5], tasks[6])] == [[1, 2]] * 3
         assert front.inflight == 0
         assert front.metrics.requests.labels("RESOURCE_EXHAUSTED")._value.get() == 3
+        assert front.metrics.displaced.labels("default", "low")._value.get() == 1
+        assert front.metrics.admitted.labels("default", "low")._value.get() == 4  # 5, 7, 6, 1
 
     asyncio.run(scenario())
 
