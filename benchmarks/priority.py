@@ -118,6 +118,9 @@ async def main_async(args: argparse.Namespace) -> None:
               f"| {sum(bool(x.error) for x in loaded)} of {len(loaded)} "
               f"| {_ms(r['flood'], 50):.0f} / {_ms(r['flood'], 99):.0f} | {refused['a']} / {refused['b']} "
               f"| {tokens['a']} / {tokens['b']} ({share:.0%}) |")
+    for policy, r in rows:
+        errors = sorted({str(x.error)[:100] for x in r["loaded"] if x.error})
+        print(f"interactive refusals, {'priority + tenants' if policy else 'fcfs'}: {errors or '-'}")
 
 
 def main() -> None:

@@ -104,7 +104,9 @@ class SeatLine:
                         worker = next(w for w in free if w.state is state)
                         self.seat(worker, request_id, need)
                         return worker
-                if not waited and len(self._line) - 1 >= self.max_queued():
+                # Refused when `max_queued()` others are ahead: one of higher priority goes ahead of
+                # the lower ones instead (the frontend refuses those: cluster/api/admission.py).
+                if not waited and self._line.index(me) >= self.max_queued():
                     raise Overloaded(f"server is at its capacity: {self.max_queued()} requests are queued for a "
                                      f"decode seat or the KV blocks of one")
                 waited = True

@@ -163,6 +163,20 @@ def test_requests_wait_in_priority_order_then_arrival():
             c.free(worker, order[-1] if order else "a")
             await _settle()
         assert order == ["chat", "chat2", "normal", "retried-batch", "batch"]
+        full = _line(num_blocks=100, seats=1, max_waiting=1)
+        worker = await _seat(full, "running", 2)
+        low = asyncio.create_task(_seat(full, "low", 2, priority=1))
+        await _settle()
+        with pytest.raises(Overloaded):  # one is ahead of it: the queue is full
+            await _seat(full, "same", 2, priority=1)
+        high = asyncio.create_task(_seat(full, "high", 2, priority=0))  # nobody ahead of it: it waits
+        await _settle()
+        assert not high.done() and full.num_queued == 2
+        full.free(worker, "running")
+        await _settle()
+        assert high.done() and not low.done()
+        low.cancel()
+        await _settle()
 
     asyncio.run(scenario())
 
