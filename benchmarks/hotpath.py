@@ -13,13 +13,15 @@ default) and `--quantizations` entry (weights as stored, or FP8 quantized at loa
 random token ids throughout:
 - decode: one stream, 1k-token prompt, greedy, 512 tokens; tokens/s after the first token.
 - prefill: one fresh 4k-token prompt alone, time to its first token (best and median of 3).
-- step: 256 sequences at ~1.5k context, all decoding: a step's wall time back to back
+- step: 256 sequences at ~1.5k context, all decoding (refused where the KV pool cannot
+  hold them: Qwen3-30B-A3B in bf16 on an 80 GB card), a step's wall time back to back
   (engine.step()), one call from an idle GPU (overlapped: the host's own work), and the
   decode graph's replay alone on the GPU's clock.
 - mixed: the same 256 decodes plus a fresh 512-token prompt in one step, against the
   decode step plus that chunk alone.
 - offline: N requests of 1k random ids, 1k output tokens each (ignore_eos, temperature 1),
-  `Engine.generate`: output tokens/s.
+  `Engine.generate`, at most 256 running (fewer where the pool holds fewer to the end):
+  output tokens/s.
 Limits printed beside them: the weight-read bound for decode (bytes / the device's measured
 copy bandwidth: 4.3 TB/s on an H200, 3.0 on an H100; a Mixture of
 Experts counts the experts a token uses, top-k of them), the compute bound for prefill (~700
@@ -42,6 +44,7 @@ from pathlib import Path
 
 COPY_BW = {"H200": 4.3e12, "H100": 3.0e12}  # bytes/s, measured device copy (read + write), KINDS.md
 PEAK_FLOPS = 700e12  # bf16 dense matmul, attainable
+STEP_SEQS, STEP_TOKENS = 256, 1536 + 128  # the batch step's sequences; each one's prompt and the tokens it decodes
 
 
 def _prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
@@ -113,42 +116,55 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
              for _ in range(5)]
     out["chunk_512_ms"] = min(chunk) * 1e3
 
-    # 256 sequences at ~1.5k context, decoding.
-    params = SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True)
-    ids = [engine.add_request(_prompt(rng, vocab, 1536), params) for _ in range(256)]
-    while any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-    # One call after the GPU went idle: an overlapped engine returns once the step is queued
-    # (its host work alone), a synchronous one once it has run.
-    calls = []
-    for _ in range(30):
-        _sync()
+    # 256 sequences at ~1.5k context, decoding: only where the pool holds them all (an 80 GB
+    # card holding Qwen3-30B-A3B's 61 GB of weights has room for ~100k tokens, not 400k:
+    # the scheduler would keep a smaller batch running, and that batch's graph is not this one).
+    blocks = engine.block_manager.num_blocks
+    block_size = engine.block_manager.block_size
+    need = STEP_SEQS * -(-STEP_TOKENS // block_size)
+    out["kv_pool_blocks"] = float(blocks)
+    if blocks < need:
+        print(f"hotpath: the KV pool holds {blocks} blocks; {STEP_SEQS} sequences at ~1.5k context need {need}: "
+              f"the batch-{STEP_SEQS} and mixed figures are refused", flush=True)
+    else:
+        params = SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True)
+        ids = [engine.add_request(_prompt(rng, vocab, 1536), params) for _ in range(STEP_SEQS)]
+        sched = engine.scheduler
+        while any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.running) or sched.waiting:
+            engine.step()
+        # One call after the GPU went idle: an overlapped engine returns once the step is queued
+        # (its host work alone), a synchronous one once it has run.
+        calls = []
+        for _ in range(30):
+            _sync()
+            t = time.perf_counter()
+            engine.step()
+            calls.append(time.perf_counter() - t)
+        # Back to back, as a serving loop runs them (the step's sync on its tokens included).
         t = time.perf_counter()
-        engine.step()
-        calls.append(time.perf_counter() - t)
-    # Back to back, as a serving loop runs them (the step's sync on its tokens included).
-    t = time.perf_counter()
-    for _ in range(30):
-        engine.step()
-    _sync()
-    out["step_256_wall_ms"] = (time.perf_counter() - t) / 30 * 1e3
-    out["step_256_call_ms"] = statistics.median(calls) * 1e3
-    out.update(_graph_ms(engine, 256, "step_256_graph_ms", profile))
-    mixed = []
-    for _ in range(5):
-        engine.add_request(_prompt(rng, vocab, 512), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        for _ in range(30):
+            engine.step()
         _sync()
-        t = time.perf_counter()
-        engine.step()
-        _sync()
-        mixed.append(time.perf_counter() - t)
-        engine.step()
-    out["mixed_256_512_ms"] = min(mixed) * 1e3
-    for rid in ids:
-        engine.abort(rid)
+        out["step_256_wall_ms"] = (time.perf_counter() - t) / 30 * 1e3
+        out["step_256_call_ms"] = statistics.median(calls) * 1e3
+        out.update(_graph_ms(engine, STEP_SEQS, "step_256_graph_ms", profile))
+        mixed = []
+        for _ in range(5):
+            engine.add_request(_prompt(rng, vocab, 512), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+            _sync()
+            t = time.perf_counter()
+            engine.step()
+            _sync()
+            mixed.append(time.perf_counter() - t)
+            engine.step()
+        out["mixed_256_512_ms"] = min(mixed) * 1e3
+        for rid in ids:
+            engine.abort(rid)
 
-    # Offline 1k/1k at 256 running (all of it fits the KV pool: no preemption).
-    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_num_seqs=256)
+    # Offline 1k/1k at up to 256 running, as many as the KV pool holds to the end (no preemption).
+    running = max(1, min(256, blocks // -(-2048 // block_size)))
+    out["offline_max_running"] = float(running)
+    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_num_seqs=running)
     prompts = [_prompt(rng, vocab, 1024) for _ in range(offline_requests)]
     _sync()
     t = time.perf_counter()
@@ -162,14 +178,23 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
 
 
 def _graph_ms(engine, bucket: int, key: str, profile: bool) -> dict[str, float]:
-    """The decode graph of `bucket` replayed alone (on the inputs of the last step), on the
-    GPU's clock; with `profile`, its kernels by total time too."""
+    """The decode graph of `bucket` replayed alone (on the inputs of the last step, which must
+    have been that graph's), on the GPU's clock; with `profile`, its kernels by total time too."""
     import torch
 
     graphs = engine.runner.graphs
     if graphs is None:
         return {}
-    if hasattr(graphs, "tiers"):  # graphs per context tier: the one the last step used
+    layout = getattr(engine.runner.inputs, "graph_layout", ())  # (bucket, width, q) the inputs hold
+    if layout != () and (layout is None or layout[0] != bucket or layout[2] != 1):
+        # Another graph's inputs (or an eager step's) lie where this one reads: its ids would
+        # be their slots (issue 53: a device-side assert past the vocabulary).
+        print(f"hotpath: the last step left the inputs of {layout or 'an eager step'}, not of a decode graph of "
+              f"{bucket}: {key} refused", flush=True)
+        return {}
+    if layout:
+        graph = graphs._graphs[(bucket, 1, layout[1])].graph
+    elif hasattr(graphs, "tiers"):  # a tree before graph_layout: the tier the last step used
         blocks = max((len(seq.block_ids) for seq in engine.scheduler.running), default=1024 // 16 + 1)
         width = next(w for w in graphs.tiers[bucket] if w >= blocks)
         # Keyed (bucket, tokens per sequence, width) since verification steps have graphs too.
@@ -283,7 +308,9 @@ def main() -> None:
     for n in names:
         if not results[n]:
             continue
-        print(f"{n}: offline {results[n]['offline_s']:.1f} s, {results[n]['num_preemptions']:.0f} preemptions")
+        print(f"{n}: offline {results[n]['offline_s']:.1f} s, {results[n]['num_preemptions']:.0f} preemptions, "
+              f"at most {results[n].get('offline_max_running', 256):.0f} running; "
+              f"KV pool {results[n].get('kv_pool_blocks', 0):.0f} blocks")
 
 
 if __name__ == "__main__":

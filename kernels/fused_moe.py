@@ -17,9 +17,12 @@ Two paths, picked by the number of (token, slot) pairs:
   `_down_kernel` multiplies that by the expert's down projection and the pair's routing
   weight; the k slots of a token are summed last.
 
-Tile sizes and the path come from `_config`: a table swept on the H200
+Tile sizes and the path come from `plan_for`: a table swept on the H200
 (`benchmarks/moe_sweep.py`, results in benchmarks/RESULTS.md) for the shapes it timed,
-rules elsewhere.
+rules elsewhere; then `fit_plan` shrinks the tiles to the device's shared memory at x's
+dtype (the table is for 2-byte x: float32 needs twice its bytes, more than a Hopper
+program's 227 KB at the sweep's deepest pipelines). A plan the caller names is refused
+before any launch if it does not fit.
 
 Experts outside this rank's (expert parallelism: ids first_expert .. first_expert + E - 1
 are here) contribute nothing; blocks past the padded runs exit at once.
@@ -36,6 +39,7 @@ partial product (grouped kernels: a K tile lies in one block, BLOCK_K <= 128).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -298,6 +302,58 @@ def plan_for(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: 
     return PAIRS if num_tokens * top_k <= 64 else GROUPED
 
 
+def _tile_bytes(tile: Tile, grouped: bool, weight_tiles: int, element_size: int) -> int:
+    """The shared memory one kernel's launch needs (see `shared_memory_bytes`)."""
+    rows = tile.block_m if grouped else 1
+    loop = max(tile.num_stages - 1, 1) * (rows + weight_tiles * tile.block_n) * tile.block_k * element_size
+    return max(loop, rows * tile.block_n * 4)
+
+
+def shared_memory_bytes(plan: Plan, element_size: int) -> int:
+    """The shared memory the larger of the plan's two kernels needs, x and the weights both
+    of `element_size` bytes (FP8 weights take less: an upper bound for them). Triton's
+    software pipeline keeps num_stages - 1 copies of each tile a loop iteration loads (x's
+    BLOCK_M x BLOCK_K, a row of it per pair on the per-pair path, and BLOCK_K x BLOCK_N of
+    each weight: gate and up, or down); the output's BLOCK_M x BLOCK_N float32 passes
+    through it after the loop. (On an H100 the grouped gate/up kernel at BLOCK_M 16,
+    BLOCK_N 128, BLOCK_K 128, 4 stages, float32 asked Triton for 417,792 bytes: this count.)"""
+    return max(_tile_bytes(plan.gate_up, plan.grouped, 2, element_size),
+               _tile_bytes(plan.down, plan.grouped, 1, element_size))
+
+
+@functools.cache  # a few plans and dtypes per device: each fitted once
+def fit_plan(plan: Plan, element_size: int, limit: int) -> Plan:
+    """`plan` with each kernel's tile shrunk until it needs at most `limit` bytes of shared
+    memory: a shallower pipeline first (down to 2 stages), then BLOCK_K, BLOCK_N and
+    BLOCK_M halved, in that order. The plan itself where it fits."""
+    low = 16 if plan.grouped else 1
+
+    def fit(tile: Tile, weight_tiles: int) -> Tile:
+        while _tile_bytes(tile, plan.grouped, weight_tiles, element_size) > limit:
+            if tile.num_stages > 2:
+                tile = dataclasses.replace(tile, num_stages=tile.num_stages - 1)
+            elif tile.block_k > low:
+                tile = dataclasses.replace(tile, block_k=tile.block_k // 2)
+            elif tile.block_n > low:
+                tile = dataclasses.replace(tile, block_n=tile.block_n // 2)
+            elif plan.grouped and tile.block_m > low:
+                tile = dataclasses.replace(tile, block_m=tile.block_m // 2)
+            else:
+                raise ValueError(f"fused_moe: no tile fits {limit:,} bytes of shared memory at "
+                                 f"{element_size}-byte elements")
+        return tile
+
+    return Plan(plan.grouped, fit(plan.gate_up, 2), fit(plan.down, 1))
+
+
+def shared_memory_limit(device: torch.device) -> int | None:
+    """The most shared memory one program may use on `device` (what Triton checks a launch
+    against: 232,448 bytes on an H100 or H200), None off CUDA (the interpreter has no limit)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               first_expert: int = 0, plan: Plan | None = None, *, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, blocked: bool = False) -> torch.Tensor:
@@ -340,7 +396,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros((num_tokens, hidden), dtype=x.dtype, device=x.device)
-    plan = plan or plan_for(num_tokens, num_experts, hidden, inter, top_k)
+    plan = _fitted(plan, x, num_experts, inter, top_k)
     if blocked and plan.grouped and max(plan.gate_up.block_k, plan.down.block_k) > SCALE_BLOCK:
         raise ValueError(f"fused_moe: block scales need grouped tiles of block_k <= {SCALE_BLOCK}, got {plan}")
     weights = weights.reshape(-1).to(torch.float32)
@@ -350,6 +406,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     if not plan.grouped:
         return _per_pair(x, w13, w2, weights, ids, act, first_expert, top_k, plan, scales)
     return _grouped(x, w13, w2, weights, ids, act, first_expert, top_k, plan, scales)
+
+
+def _fitted(plan: Plan | None, x: torch.Tensor, num_experts: int, inter: int, top_k: int) -> Plan:
+    """The call's plan: `plan_for`'s, fitted to x's device and dtype, or the caller's, refused
+    before any launch if it needs more shared memory than the device has."""
+    limit = shared_memory_limit(x.device)
+    if plan is None:
+        plan = plan_for(x.shape[0], num_experts, x.shape[1], inter, top_k)
+        return plan if limit is None else fit_plan(plan, x.element_size(), limit)
+    if limit is not None and (need := shared_memory_bytes(plan, x.element_size())) > limit:
+        raise ValueError(f"fused_moe: plan {plan} needs ~{need:,} bytes of shared memory at {x.dtype}, more than "
+                         f"the device's {limit:,}: smaller tiles or fewer stages")
+    return plan
 
 
 def _check_weight_dtypes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,

@@ -123,8 +123,10 @@ class StepGraphs:
 
     def replay(self, key: GraphKey) -> torch.Tensor:
         """Run the graph of `key` (from `key_for`) on the inputs built for its bucket; float32
-        logits [bucket * q, vocab], valid until the next replay."""
+        logits [bucket * q, vocab], valid until the next replay. Raises (before any launch)
+        if the inputs were last built for another layout."""
         g = self._graphs[key]
+        self.inputs.check_graph_layout(key[0], key[2], key[1])
         g.graph.replay()
         self.num_replays[key[1]] = self.num_replays.get(key[1], 0) + 1
         return g.logits

@@ -103,6 +103,10 @@ class StepInputBuilder:
         else:  # the CPU reads the staging directly
             self._dev64, self._dev32 = self._staging[0]
         self._graph_views: dict[tuple[int, int, int], StepInputs] = {}
+        # The graph layout (bucket, width, q) the buffers hold whole, None after an eager step:
+        # a graph replayed over another layout reads that one's slots as its token ids (issue
+        # 53: past the vocabulary, a device-side assert that ends the process).
+        self.graph_layout: tuple[int, int, int] | None = None
 
     # Graphs -------------------------------------------------------------
 
@@ -120,7 +124,16 @@ class StepInputBuilder:
         self._dev32[:bucket].zero_()
         if q > 1:
             views.meta.prefill_cu_seqlens_q.copy_(torch.arange(0, (bucket + 1) * q, q, dtype=torch.int32))
+        self.graph_layout = (bucket, width, q)
         return views
+
+    def check_graph_layout(self, bucket: int, width: int, tokens_per_seq: int) -> None:
+        """Raises unless the buffers hold the layout of that graph whole (the last build was
+        `build(..., graph=(bucket, width))` of that q, or its `graph_inputs`): what a replay
+        of the graph may read."""
+        if self.graph_layout != (bucket, width, tokens_per_seq):
+            raise ValueError(f"the step inputs hold {self.graph_layout or 'an eager step'}, not the layout of the "
+                             f"graph (bucket, width, q) = {(bucket, width, tokens_per_seq)}: build its inputs first")
 
     # Building -----------------------------------------------------------
 
@@ -144,6 +157,7 @@ class StepInputBuilder:
         g = self._gather(seqs, num_new_tokens, in_flight)
         if graph is not None:
             return self._build_graph(g, n, num_new_tokens[0], *graph, in_flight)
+        self.graph_layout = None
         seq_lens = g.starts + g.counts
         # Token j of sequence i sits at position starts[i] + j.
         token_seq = np.repeat(np.arange(n), g.counts)
@@ -214,6 +228,7 @@ class StepInputBuilder:
             table_at = 2 * bucket + 1
         self._finish_staging(g, staging, 3 * padded, table_at, width, padded, in_flight)
         views = self._views(bucket, width, q)
+        self.graph_layout = (bucket, width, q)
         # A graph's logits cover every token: a span starts at its first token's row.
         # (A draft's catch-up of q known tokens has logits after the last one only.)
         spans = [(seq, q * i + q - count, count) for i, (seq, _, count) in enumerate(g.spans)]

@@ -9,11 +9,22 @@ import pytest
 import torch
 
 from pdserve.engine.models.moe import experts_reference, route
-from pdserve.kernels.fused_moe import Plan, Tile, fused_moe, plan_for
+from pdserve.kernels import fused_moe as module
+from pdserve.kernels.fused_moe import (
+    Plan,
+    Tile,
+    fit_plan,
+    fused_moe,
+    plan_for,
+    shared_memory_bytes,
+    shared_memory_limit,
+)
 from pdserve.kernels.moe_routing import align_by_expert, topk_route
 from tests.kernels.reference import ref_fused_moe, rel_error, tolerance
 
-COVERS = ("fused_moe", "plan_for", "topk_route", "align_by_expert")
+COVERS = ("fused_moe", "plan_for", "fit_plan", "shared_memory_bytes", "shared_memory_limit", "topk_route",
+          "align_by_expert")
+HOPPER_SHARED = 232_448  # bytes a program may use on an H100 or H200 (Triton's limit there)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -215,6 +226,32 @@ def test_a_bad_tile_is_refused_by_name():
         Plan(False, Tile(8, 16), Tile(6, 16))
 
 
+def test_every_plan_is_fitted_to_hoppers_shared_memory_at_every_dtype():
+    """The swept plans are for 2-byte x: they stand as they are there; in float32 the
+    256-token plan needs the 417,792 bytes an H100 refused (issue 53) and is shrunk to fit."""
+    plans = [plan for table in module._TUNED.values() for _, plan in table] + [module.PAIRS, module.GROUPED]
+    for plan in plans:
+        assert fit_plan(plan, 2, HOPPER_SHARED) == plan
+        for size in (1, 2, 4):
+            fitted = fit_plan(plan, size, HOPPER_SHARED)
+            assert shared_memory_bytes(fitted, size) <= HOPPER_SHARED
+            assert fitted.grouped == plan.grouped
+    qwen3_256 = plan_for(256, 128, 2048, 768, 8)
+    assert shared_memory_bytes(qwen3_256, 4) == 417_792
+    assert fit_plan(qwen3_256, 4, HOPPER_SHARED).gate_up == Tile(128, 128, 4, 16, 2)  # one stage less: 139,264
+
+
+def test_fitting_shrinks_the_pipeline_then_the_tiles_and_refuses_what_cannot_fit():
+    plan = Plan(True, Tile(128, 128, 4, 64, 4), Tile(64, 64, 4, 64, 3))
+    need = shared_memory_bytes(plan, 4)
+    fitted = fit_plan(plan, 4, need // 4)
+    assert fitted.gate_up.num_stages == 2 and fitted.gate_up.block_k < 128
+    assert shared_memory_bytes(fitted, 4) <= need // 4
+    with pytest.raises(ValueError, match="no tile fits 1,000 bytes of shared memory at 4-byte elements"):
+        fit_plan(plan, 4, 1000)
+    assert shared_memory_limit(torch.device("cpu")) is None  # the interpreter: nothing to fit
+
+
 def test_few_pairs_run_per_pair_and_many_grouped_where_no_sweep_says():
     assert not plan_for(1, 64, 32, 16, 8).grouped and plan_for(512, 64, 32, 16, 8).grouped
 
@@ -256,6 +293,25 @@ def test_fused_moe_gpu_real_sizes(num_tokens, hidden, inter, num_experts, top_k,
     x, w13, w2, weights, ids = _inputs(num_tokens, hidden, inter, num_experts, top_k, dtype)
     out = fused_moe(x, w13, w2, weights, ids, plan=PLANS.get(path))
     assert rel_error(out, ref_fused_moe(x, w13, w2, weights, ids)) < tolerance(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 256, 2048])
+def test_fused_moe_gpu_float32_at_qwen3_30b_a3b_shape(num_tokens):
+    """float32 x at Qwen3-30B-A3B's expert shape on the device's plans, fitted to its shared
+    memory (issue 53: the 256-token plan asked for 417,792 bytes, an H100 has 232,448)."""
+    x, w13, w2, weights, ids = _inputs(num_tokens, 2048, 768, 128, 8, torch.float32, seed=5)
+    out = fused_moe(x, w13, w2, weights, ids)
+    assert rel_error(out, ref_fused_moe(x, w13, w2, weights, ids)) < tolerance(torch.float32)
+
+
+@pytest.mark.gpu
+def test_a_named_plan_past_the_devices_shared_memory_is_refused_before_launch():
+    x, w13, w2, weights, ids = _inputs(256, 2048, 768, 128, 8, torch.float32)
+    plan = Plan(True, Tile(128, 128, 4, 16, 4), Tile(128, 128, 4, 16, 3))
+    assert shared_memory_bytes(plan, 4) > shared_memory_limit(x.device)
+    with pytest.raises(ValueError, match="bytes of shared memory at torch.float32, more than the device's"):
+        fused_moe(x, w13, w2, weights, ids, plan=plan)
 
 
 @pytest.mark.gpu

@@ -201,3 +201,34 @@ def test_step_logits_hand_rows_on_as_views_where_they_are_evenly_spaced():
     spans = StepLogits(values, {seqs[0]: (0, 3), seqs[1]: (3, 1)})
     assert torch.equal(spans[seqs[0]], values[:3]) and seqs[0] in spans
     assert torch.equal(spans.pop(seqs[0]), values[:3]) and seqs[0] not in spans and list(spans) == [seqs[1]]
+
+
+def test_a_graph_replayed_over_another_layout_is_refused():
+    """Issue 53: the benchmark replayed the batch-256 graph after steps of a smaller bucket
+    (the card's pool held fewer sequences); the larger graph's token ids then lay over the
+    smaller one's slots, past the vocabulary, and the embedding's gather asserted on the
+    device. Here: a pool of 100 blocks, a 2-sequence graph step whose slots reach ~380 (past a vocabulary of 100); the
+    8-sequence graph's ids now hold them. The replay checks the layout first."""
+    rng = random.Random(5)
+    bm = BlockManager(100, BS, enable_prefix_caching=False)
+    builder = StepInputBuilder(BS, 8, 32, 8, torch.device("cpu"))
+    wide = builder.graph_inputs(8, 8)
+    builder.graph_inputs(2, 8)
+    seqs = [_seq(f"p{i}", 9, rng) for i in range(2)]
+    for _ in range(90):  # blocks taken, so these two sequences get the last of the pool
+        assert bm.allocate(_seq("filler", 1, rng), 1)
+    for seq in seqs:
+        assert bm.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1
+    small = builder.build(seqs, [1, 1], graph=(2, 8))
+    builder.check_graph_layout(2, 8, 1)
+    slots = small.meta.slot_mapping.tolist()
+    assert min(slots) >= 90 * BS and wide.input_ids[4:6].tolist() == slots  # ids a vocabulary of 100 has not
+    for other in ((8, 8, 1), (2, 4, 1), (2, 8, 2)):
+        with pytest.raises(ValueError, match=r"the step inputs hold \(2, 8, 1\), not the layout of the graph"):
+            builder.check_graph_layout(*other)
+    builder.build(seqs, [1, 1], graph=(8, 8))
+    builder.check_graph_layout(8, 8, 1)
+    builder.build(seqs, [1, 1])  # an eager step: no graph's layout
+    with pytest.raises(ValueError, match="the step inputs hold an eager step"):
+        builder.check_graph_layout(8, 8, 1)
