@@ -32,6 +32,7 @@ from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.cluster.settings.config import ServeConfig
 from pdserve.cluster.settings.pool_config import fit_pools_to_gpus
 from pdserve.cluster.settings.secrets import client_auth, cluster_secret, read_chat_template
+from pdserve.cluster.settings.tenants import Tenants
 from pdserve.cluster.sim.step_costs import StepCosts
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine.models.parallel import check_splits
@@ -105,6 +106,12 @@ def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool
 
 async def start_server(config: ServeConfig) -> Server:
     auth = client_auth(config.server)  # bad paths fail before anything starts
+    tenants = Tenants.load(config.server.tenants_file)
+    if auth.admin_token is not None and auth.admin_token in tenants.keys:
+        raise ValueError("the admin token (server.admin_token_file) must differ from every tenant's key "
+                         "(server.tenants_file): a client could run the admin API")
+    # The clients' tokens: the API key and every tenant's keys (None: no token asked).
+    client_tokens = (*((auth.api_key,) if auth.api_key else ()), *tenants.keys) or None
     chat_template = read_chat_template(config.server)
     files = resolve_model(config.engine.model)  # converts a GGUF once, before the workers need it
     for role in ("decode",) if config.pools.mode == "colocated" else ("prefill", "decode"):
@@ -128,14 +135,15 @@ async def start_server(config: ServeConfig) -> Server:
     await worker_set.start(config.health.interval_s)
     coordinator = Coordinator(worker_set, config.engine.cache.block_size, metrics, config.coordinator)
     processor = RequestProcessor(tokenizer, files.name, files.arch.vocab_size, await worker_set.max_model_len(),
-                                 tool_format(config.server.tool_call_parser))
+                                 tool_format(config.server.tool_call_parser),
+                                 config.server.tool_format_fallback == "generic")
 
     frontend = Frontend(coordinator, worker_set, processor, metrics, config.server.default_timeout_s,
-                        config.admission.retry_after_s)
+                        config.admission.retry_after_s, tenants)
     # The tokens are checked before a request is parsed; a request that does not parse is
     # INVALID_ARGUMENT. The admin service answers to its own token only (AdminTokenInterceptor).
-    interceptors = [AdminTokenInterceptor(auth.admin_token, auth.api_key)]
-    interceptors += [BearerTokenInterceptor(auth.api_key)] if auth.api_key else []
+    interceptors = [AdminTokenInterceptor(auth.admin_token, client_tokens)]
+    interceptors += [BearerTokenInterceptor(client_tokens)] if client_tokens else []
     server = grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()])
     service = GenerationService(frontend)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
@@ -157,7 +165,7 @@ async def start_server(config: ServeConfig) -> Server:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     http = None
     if config.server.http:
-        http = HttpServer(frontend, HttpTls.of(config.server), auth.api_key, config.server.shutdown_grace_s)
+        http = HttpServer(frontend, HttpTls.of(config.server), client_tokens, config.server.shutdown_grace_s)
         try:
             await http.start(config.server.host, config.server.http_port)
         except BaseException:
@@ -170,7 +178,7 @@ async def start_server(config: ServeConfig) -> Server:
     logger.info("pdserve serving %s on %s:%d, HTTP %s (%s, %s; TLS %s, bearer token %s, admin API %s)", files.name,
                 config.server.host, port, http.port if http else "off", coordinator.mode,
                 "GPU" if torch.cuda.is_available() else "CPU", tls,
-                "asked" if auth.api_key else "not asked", "on" if auth.admin_token else "off")
+                "asked" if client_tokens else "not asked", "on" if auth.admin_token else "off")
     loop = None
     if planner is not None and coordinator.mode == "disaggregated":
         loop = asyncio.create_task(PlannerLoop(planner, config.pools.planner, worker_set, elastic, metrics).run())

@@ -202,14 +202,21 @@ class SchedulerConfig:
     async_scheduling: overlap steps: step N+1 is scheduled and queued on the device before
         step N's tokens are read back (they feed N+1 on the device). A speculative step (K > 0)
         waits for the step before it; steps at K = 0 overlap.
+    policy: "fcfs" or "priority" (vLLM's --scheduling-policy). Either way waiting sequences
+        go in priority order (`SamplingParams.priority`, lower first), then arrival; "priority"
+        also preempts lower-priority running sequences for a higher one that cannot be
+        admitted, and takes the lowest-priority one first when blocks run out (`engine/scheduler.py`).
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"SchedulerConfig.policy must be fcfs or priority, got {self.policy!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"SchedulerConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:

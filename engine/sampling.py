@@ -86,6 +86,9 @@ class SamplingParams:
     cache_salt: seeds the hash of the request's first KV block (vLLM's `cache_salt`), so
         that only requests with the same salt share cached prefixes (tenants who must not
         learn of each other's prompts through cache timing); None shares with unsalted ones.
+    priority: who goes first where requests wait (vLLM's; lower first, any integer): the
+        frontend's admission and the engines' schedulers (`SchedulerConfig.policy`). It changes
+        no token.
     The penalties and the bias change what is sampled, not the log-probabilities returned
     (the model's own, as vLLM's default); `engine/penalties.py` applies them on the device.
     """
@@ -108,8 +111,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     cache_salt: str | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if self.cache_salt is not None and not 0 < len(self.cache_salt) <= 1024:
             raise ValueError(f"cache_salt must be 1 to 1024 characters, got {len(self.cache_salt)}")
         if not self.temperature >= 0.0:

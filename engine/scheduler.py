@@ -7,6 +7,13 @@ prompt), then waiting ones are admitted while budget, blocks and seat count
 allow. When blocks run out, the youngest running sequence is preempted: its
 blocks are freed and it is recomputed later.
 
+Requests have a priority (`SamplingParams.priority`, lower first, vLLM's): sequences wait
+in priority order, arrival order within one priority. With `SchedulerConfig.policy`
+"priority" (vLLM's `--scheduling-policy priority`) a preemption takes the lowest-priority
+running sequence (the youngest among them) instead of the youngest, and a waiting sequence
+that cannot be admitted (no seat, or too few blocks for its first chunk) preempts running
+ones of lower priority until it can be.
+
 The scheduler owns every sequence of the node through its whole life, disaggregated
 ones included (as vLLM's WAITING_FOR_REMOTE_KVS): waiting, running, receiving (a
 decode worker's seat and blocks reserved for KV another worker sends; landing once its
@@ -137,7 +144,18 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence, first: bool = False) -> None:
+        """Into the waiting queue, kept in priority order: after the sequences of its priority
+        or a higher one, or (`first`: a preempted one, which goes on before later arrivals)
+        before those of its own. With one priority, an append (appendleft)."""
+        priority, waiting = seq.params.priority, self.waiting
+        if first:
+            i = next((i for i, w in enumerate(waiting) if w.params.priority >= priority), len(waiting))
+        else:
+            i = next((i for i in range(len(waiting), 0, -1) if waiting[i - 1].params.priority <= priority), 0)
+        waiting.insert(i, seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Admit a sequence whose prompt KV is already in its blocks (received from a prefill worker)."""
@@ -147,10 +165,35 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        if self.config.policy == "priority":
+            self._preempt_for_waiting(batch, budget)
+        num_for_priority = len(batch.preempted)
         budget = self._schedule_running(batch, budget)
-        if not batch.preempted:  # out of blocks: admitting more would only thrash
+        if len(batch.preempted) == num_for_priority:  # out of blocks: admitting more would only thrash
             self._schedule_waiting(batch, budget)
         return batch
+
+    def _victim(self) -> Sequence:
+        """The running sequence a preemption takes: the youngest, or under the priority policy
+        the youngest of the lowest priority."""
+        if self.config.policy == "priority":
+            return max(reversed(self.running), key=lambda s: s.params.priority)
+        return self.running[-1]
+
+    def _preempt_for_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Preempt lower-priority running sequences while the first waiting one cannot be admitted."""
+        bm = self.block_manager
+        while self.waiting and self.running:
+            head, victim = self.waiting[0], self._victim()
+            if victim.params.priority <= head.params.priority:
+                return
+            first_chunk = min(head.num_tokens, budget)
+            if (len(self.running) < self.config.max_num_seqs
+                    and bm.num_blocks_needed(head, first_chunk) <= self.num_reservable_blocks):
+                return
+            self.running.remove(victim)
+            self._preempt(victim)
+            batch.preempted.append(victim)
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         i = 0
@@ -165,7 +208,15 @@ class Scheduler:
                     seq.spec_token_ids.clear()
                     num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                     continue
-                victim = self.running.pop()  # the youngest
+                victim = self._victim()
+                j = self.running.index(victim)
+                del self.running[j]
+                if j < i:  # passed earlier in this step (the priority policy): unscheduled
+                    i -= 1
+                    if victim in batch.seqs:
+                        k = batch.seqs.index(victim)
+                        budget += batch.num_new_tokens[k]
+                        del batch.seqs[k], batch.num_new_tokens[k]
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
@@ -212,7 +263,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, first=True)
         self.num_preemptions += 1
 
     # A step's results ---------------------------------------------------

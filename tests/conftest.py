@@ -113,13 +113,13 @@ def make_engine() -> MakeEngine:
 
     def make(num_blocks: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
              enable_prefix_caching: bool = True, seed: int = 0, async_scheduling: bool = True,
-             kv_cache_dtype: str = "auto") -> Engine:
+             kv_cache_dtype: str = "auto", policy: str = "fcfs") -> Engine:
         return Engine(EngineConfig(
             model=ModelConfig(device="cpu", dtype="float32", seed=seed),
             cache=CacheConfig(num_blocks=num_blocks, cpu_kv_cache_gib=0.25,
                               enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                      async_scheduling=async_scheduling),
+                                      async_scheduling=async_scheduling, policy=policy),
         ))
 
     return make

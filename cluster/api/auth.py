@@ -59,19 +59,22 @@ class HttpTls:
         return options
 
 
-def bearer_matches(header: str | bytes | None, token: str) -> bool:
+def bearer_matches(header: str | bytes | None, token: str | tuple[str, ...]) -> bool:
+    """Whether `header` is `Bearer <token>` (one of several: the tenants' keys, every one compared)."""
     if isinstance(header, bytes):
         header = header.decode(errors="replace")
     if not header or not header.startswith("Bearer "):
         return False
-    return hmac.compare_digest(header[len("Bearer "):].strip().encode(), token.encode())
+    presented = header[len("Bearer "):].strip().encode()
+    tokens = (token,) if isinstance(token, str) else token
+    return any([hmac.compare_digest(presented, t.encode()) for t in tokens])
 
 
 class BearerTokenMiddleware:
     """ASGI: 401 in OpenAI's error shape (the openai clients raise AuthenticationError) for a
     request without `Authorization: Bearer <token>`; /health passes."""
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    def __init__(self, app: ASGIApp, token: str | tuple[str, ...]) -> None:
         self.app = app
         self._token = token
 

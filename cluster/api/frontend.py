@@ -1,6 +1,7 @@
 """What every API frontend shares (gRPC `GenerationService`, the OpenAI HTTP API): admission
-under the concurrency limit, the request's run through the coordinator with its deadline,
-text through the request processor's `OutputStream`, latency metrics and the request's status.
+under the concurrency limit (by priority when full: `admission.py`), the request's run through
+the coordinator with its deadline, text through the request processor's `OutputStream`, latency
+metrics and the request's status.
 
 A frontend parses its wire format into a `ProcessedRequest` (through `RequestProcessor`),
 iterates `Frontend.generate` and maps a `RequestFailed`'s `Status` to its own codes.
@@ -15,10 +16,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from pdserve.cluster.api.admission import AdmissionQueue
 from pdserve.cluster.serving.coordinator import Coordinator, RequestReport
 from pdserve.cluster.serving.errors import Overloaded, TransportRefused, WorkerUnavailable, cause
 from pdserve.cluster.serving.metrics import Metrics
 from pdserve.cluster.serving.worker_set import WorkerSet
+from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant, Tenants
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import TextDelta
 from pdserve.engine.sequence import FinishReason
@@ -60,58 +63,77 @@ def failed(status: Status, error: BaseException) -> RequestFailed:
     return RequestFailed(status, message)
 
 
+def priority_class(priority: int) -> str:
+    """A priority as the metrics label it: "high" (< 0), "default" (0) or "low" (> 0)."""
+    return "high" if priority < 0 else "low" if priority > 0 else "default"
+
+
 class Frontend:
     """The request path both APIs share, on the coordinator, router and pools of one server.
     The worker set is read for the server's state only (its workers, roles without one)."""
 
     def __init__(self, coordinator: Coordinator, worker_set: WorkerSet, processor: RequestProcessor,
-                 metrics: Metrics, default_timeout_s: float, retry_after_s: float) -> None:
+                 metrics: Metrics, default_timeout_s: float, retry_after_s: float,
+                 tenants: Tenants | None = None) -> None:
         self.coordinator = coordinator
         self.worker_set = worker_set
         self.processor = processor
         self.metrics = metrics
         self.default_timeout_s = default_timeout_s
         self.retry_after_s = retry_after_s
-        self.inflight = 0
+        self.inflight = 0  # admitted and neither finished nor displaced
+        self.admission = AdmissionQueue()
+        self.tenants = tenants or Tenants()  # the APIs name a request's tenant from its key (`Tenants.of`)
 
     def count(self, status: Status) -> None:
         """Count a request a frontend refused before it ran (bad input)."""
         self.metrics.requests.labels(status.value).inc()
 
-    def check_capacity(self, num_requests: int = 1) -> None:
+    def check_capacity(self, num_requests: int = 1, priority: int = 0, tenant: Tenant = DEFAULT_TENANT) -> None:
         """Raise RequestFailed(RESOURCE_EXHAUSTED, with a retry hint) unless `num_requests` more
-        fit the pools' capacity (`Coordinator.capacity()`: the healthy decode workers' running
-        seats plus their bounded waiting queues). A request admitted here may still be refused
-        (Overloaded) by the coordinator's queue for a decode seat, where requests also wait
-        for KV blocks: at most `SeatLine.max_queued()` wait there."""
+        of `priority` for `tenant` fit the pools' capacity (`Coordinator.capacity()`: the healthy decode
+        workers' running seats plus their bounded waiting queues), if need be in the places
+        of queued requests they outrank (lower priority, or a tenant over its fair share), which
+        are refused (`AdmissionQueue.displace`).
+        A request admitted here may still be refused (Overloaded) by the coordinator's queue
+        for a decode seat, where requests also wait for KV blocks: at most
+        `SeatLine.max_queued()` wait there."""
         capacity = self.coordinator.capacity()
+        over = self.inflight + num_requests - capacity
         # No healthy decode worker is not a full server: the coordinator answers UNAVAILABLE.
-        if capacity and self.inflight + num_requests > capacity:
+        if capacity and over > 0 and self.admission.displace(priority, over, tenant, capacity) is not None:
+            self.inflight -= over
+        elif capacity and over > 0:
             self.count(Status.RESOURCE_EXHAUSTED)
             raise RequestFailed(Status.RESOURCE_EXHAUSTED,
                                 f"server is at its capacity of {capacity} concurrent requests (running and "
                                 f"queued); retry in {self.retry_after_s:g} s", self.retry_after_s)
 
     async def generate(self, request: ProcessedRequest, timeout_s: float | None = None,
-                       report: RequestReport | None = None) -> AsyncIterator[TextDelta]:
+                       report: RequestReport | None = None, tenant: Tenant = DEFAULT_TENANT
+                       ) -> AsyncIterator[TextDelta]:
         """Run one request; yields its text deltas, the last with a finish reason (STOP or LENGTH).
 
         timeout_s: the client's deadline (None: `default_timeout_s`). report: filled in as
-        the request runs (its KV transfers, its first token's hops), complete once the last delta is out. Raises
+        the request runs (its KV transfers, its first token's hops), complete once the last delta is out.
+        tenant: whose request it is (the admission's fair share). Raises
         RequestFailed; closing the iterator early cancels the request and frees its blocks everywhere.
         """
-        self.check_capacity()
+        self.check_capacity(1, request.params.priority, tenant)
         start = time.perf_counter()
         report = report if report is not None else RequestReport()
         worker_req = request.for_worker(uuid.uuid4().hex)
         timeout = self.default_timeout_s if timeout_s is None else max(0.0, timeout_s)
         deadline = asyncio.get_running_loop().time() + timeout
         self.inflight += 1
+        queued = self.admission.add(request.params.priority, tenant)
+        self.metrics.admitted.labels(tenant.name, priority_class(request.params.priority)).inc()
         self.metrics.arrived.inc()
         self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         status = Status.OK
         try:
             async for delta in self._stream(worker_req, request, start, deadline, report):
+                self.admission.started(queued)
                 yield delta
         except TimeoutError as e:
             status = Status.DEADLINE_EXCEEDED
@@ -125,7 +147,17 @@ class Frontend:
         except WorkerUnavailable as e:
             status = Status.UNAVAILABLE
             raise failed(status, e) from e
-        except (asyncio.CancelledError, GeneratorExit):
+        except asyncio.CancelledError as e:
+            if not queued.displaced:
+                status = Status.CANCELLED
+                raise
+            asyncio.current_task().uncancel()  # our own cancel, not the client's
+            self.metrics.displaced.labels(tenant.name, priority_class(request.params.priority)).inc()
+            status = Status.RESOURCE_EXHAUSTED
+            raise RequestFailed(status, f"server is at its capacity and a request of higher priority (or of a "
+                                        f"tenant under its fair share) took this one's place; retry in "
+                                        f"{self.retry_after_s:g} s", self.retry_after_s) from e
+        except GeneratorExit:
             status = Status.CANCELLED
             raise
         except Exception as e:  # a bug, not the client's fault: log it, tell the client no more than that
@@ -133,7 +165,9 @@ class Frontend:
             logger.exception("request %s failed", worker_req.request_id)
             raise RequestFailed(status, f"internal error in request {worker_req.request_id}") from e
         finally:
-            self.inflight -= 1
+            if not queued.displaced:
+                self.inflight -= 1
+            self.admission.ended(queued)
             self.count(status)
 
     async def _stream(self, req: WorkerRequest, request: ProcessedRequest, start: float, deadline: float,

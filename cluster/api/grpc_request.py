@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -55,7 +56,7 @@ def parse_request(request: pb.GenerateRequest, processor: RequestProcessor) -> P
             sampling = pb.SamplingParams()
             sampling.CopyFrom(request.sampling)
             sampling.max_tokens = 1
-        params = sampling_from_proto(sampling)
+        params = dataclasses.replace(sampling_from_proto(sampling), priority=request.priority)
         params.check_min_tokens()
         processor.check_params(params)
     except ValueError as e:

@@ -45,7 +45,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         client_id = request.request_id or uuid.uuid4().hex
         report = RequestReport()
         try:
-            async for delta in self.frontend.generate(parsed, context.time_remaining(), report):
+            tenant = self.frontend.tenants.of(dict(context.invocation_metadata() or ()).get("authorization"))
+            async for delta in self.frontend.generate(parsed, context.time_remaining(), report, tenant):
                 num_generated += len(delta.token_ids)
                 yield self._response(client_id, delta, num_prompt, num_generated, report)
         except RequestFailed as e:

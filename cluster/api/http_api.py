@@ -40,8 +40,10 @@ from pdserve.cluster.api.openai_protocol import (
     chat_choices,
     completion_choices,
 )
+from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant
 from pdserve.engine.outputs import TextDelta
 from pdserve.engine.text.request_processor import RequestProcessor
+from pdserve.engine.text.tool_parsers import GENERIC_FORMAT
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +105,11 @@ class OpenAIApi:
                     make_renderer: Callable[[RequestProcessor, str, int, str], Renderer], prefix: str) -> Response:
         try:
             body = await self._body(request, model)
-            choices = self._choices(body, lambda: make_choices(body, self.processor))
+            tenant = self.frontend.tenants.of(request.headers.get("authorization"))
+            choices = self._choices(body, lambda: make_choices(body, self.processor), tenant)
             renderer = make_renderer(self.processor, f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
                                      self.processor.model_name)
-            return await self._respond(request, body, choices, renderer)
+            return await self._respond(request, body, choices, renderer, tenant)
         except ApiError as e:
             return e.response()
         except _ClientGone:
@@ -143,7 +146,7 @@ class OpenAIApi:
             raise ApiError(Status.INVALID_ARGUMENT, f"{where}{err['msg']}", param) from e
 
     def _choices(self, body: m.CompletionRequest | m.ChatCompletionRequest,
-                 make: Callable[[], list[Choice]]) -> list[Choice]:
+                 make: Callable[[], list[Choice]], tenant: Tenant = DEFAULT_TENANT) -> list[Choice]:
         name = self.processor.model_name
         try:
             if body.model is not None and body.model != name:
@@ -160,18 +163,20 @@ class OpenAIApi:
             self.frontend.count(e.status)
             raise
         try:
-            self.frontend.check_capacity(len(choices))
+            self.frontend.check_capacity(len(choices), choices[0].request.params.priority, tenant)
         except RequestFailed as e:
             raise ApiError(e.status, str(e), retry_after_s=e.retry_after_s) from e
         return choices
 
     async def _respond(self, request: Request, body: m.CompletionRequest | m.ChatCompletionRequest,
-                       choices: list[Choice], renderer: Renderer) -> Response:
-        run = _Run(self.frontend, choices)
+                       choices: list[Choice], renderer: Renderer, tenant: Tenant = DEFAULT_TENANT) -> Response:
+        run = _Run(self.frontend, choices, tenant)
+        # Said to the client: its tools went in pdserve's generic format (the template renders none).
+        headers = {"x-pdserve-tool-format": "generic"} if choices[0].request.tool_format is GENERIC_FORMAT else {}
         try:
             if not body.stream:
                 await _unless_disconnected(request, run.wait_all())
-                return _json(renderer.response(choices))
+                return _json(renderer.response(choices), headers)
             first = await _unless_disconnected(request, run.next())  # errors before the first token keep status
         except RequestFailed as e:
             run.cancel()
@@ -181,22 +186,22 @@ class OpenAIApi:
             raise
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return _EventStream(_events(run, first, renderer, include_usage), media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache"})
+                            headers={"Cache-Control": "no-cache", **headers})
 
 
 class _Run:
     """The choices of one call, run at once through the frontend; their deltas in arrival order."""
 
-    def __init__(self, frontend: Frontend, choices: list[Choice]) -> None:
+    def __init__(self, frontend: Frontend, choices: list[Choice], tenant: Tenant = DEFAULT_TENANT) -> None:
         self.choices = choices
         self.num_running = len(choices)
         self.queue: asyncio.Queue[tuple[Choice, TextDelta] | RequestFailed] = asyncio.Queue()
-        self.tasks = {id(c): asyncio.create_task(self._one(frontend, c)) for c in choices}
+        self.tasks = {id(c): asyncio.create_task(self._one(frontend, c, tenant)) for c in choices}
         self._finished: set[int] = set()  # choices whose last delta is out
 
-    async def _one(self, frontend: Frontend, choice: Choice) -> None:
+    async def _one(self, frontend: Frontend, choice: Choice, tenant: Tenant) -> None:
         try:
-            async for delta in frontend.generate(choice.request):
+            async for delta in frontend.generate(choice.request, tenant=tenant):
                 self.queue.put_nowait((choice, delta))
         except RequestFailed as e:
             self.queue.put_nowait(e)
@@ -291,8 +296,8 @@ def _param(message: str, body: BaseModel) -> str | None:
     return word.group(0) if name in type(body).model_fields else None
 
 
-def _json(body: BaseModel) -> Response:
-    return Response(body.model_dump_json(), media_type="application/json")
+def _json(body: BaseModel, headers: dict[str, str] | None = None) -> Response:
+    return Response(body.model_dump_json(), headers=headers, media_type="application/json")
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -316,7 +321,7 @@ class _Uvicorn(uvicorn.Server):
 class HttpServer:
     """uvicorn serving the API on the running event loop; `start` binds, `stop` drains."""
 
-    def __init__(self, frontend: Frontend, tls: HttpTls | None = None, api_key: str | None = None,
+    def __init__(self, frontend: Frontend, tls: HttpTls | None = None, api_key: str | tuple[str, ...] | None = None,
                  shutdown_grace_s: float = 2.0) -> None:
         self.api = OpenAIApi(frontend)
         self._shutdown_grace_s = shutdown_grace_s  # ServerConfig.shutdown_grace_s

@@ -92,7 +92,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for a call without `authorization: Bearer <token>` metadata."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str | tuple[str, ...]) -> None:
         self._token = token
 
     async def intercept_service(
@@ -113,7 +113,7 @@ class AdminTokenInterceptor(grpc.aio.ServerInterceptor):
     not an admin); with no admin token configured (None) every admin call is refused,
     saying how to turn the API on. Other calls pass untouched."""
 
-    def __init__(self, admin_token: str | None, client_token: str | None) -> None:
+    def __init__(self, admin_token: str | None, client_token: str | tuple[str, ...] | None) -> None:
         self._admin_token = admin_token
         self._client_token = client_token
 
@@ -133,7 +133,7 @@ class AdminTokenInterceptor(grpc.aio.ServerInterceptor):
         return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, _ADMIN_MESSAGE)
 
 
-def _presents(details: grpc.HandlerCallDetails, token: str) -> bool:
+def _presents(details: grpc.HandlerCallDetails, token: str | tuple[str, ...]) -> bool:
     """Whether the call's metadata carries `authorization: Bearer <token>`."""
     metadata: Sequence[tuple[str, Any]] = details.invocation_metadata or ()
     return any(k == "authorization" and bearer_matches(v, token) for k, v in metadata)

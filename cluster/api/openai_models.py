@@ -81,6 +81,9 @@ class _GenerationRequest(_Body):
     # vLLM's: each prompt token's log-probability, rank and this many top alternatives (completions).
     prompt_logprobs: int | None = None
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prefixes
+    # vLLM's: who goes first where requests wait, lower first (SamplingParams.priority). Strict:
+    # "1" or 1.0 is no priority, a 400 naming the field.
+    priority: int = Field(0, strict=True, ge=-_INT64, lt=_INT64)
 
     # Each field that is accepted only at one of its neutral values (what the engine does
     # anyway), and those values: any other value is refused by name (`unsupported`), never

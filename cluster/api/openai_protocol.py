@@ -126,7 +126,7 @@ def _history_call(i: int, j: int, call: m.ToolCallIn) -> dict[str, Any]:
 
 # The request fields that are SamplingParams' own, taken as they are when set.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "logit_bias", "min_tokens", "cache_salt")
+                    "repetition_penalty", "logit_bias", "min_tokens", "cache_salt", "priority")
 
 
 def _sampling(req: m.CompletionRequest | m.ChatCompletionRequest, max_tokens: int,

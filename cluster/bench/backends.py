@@ -65,16 +65,18 @@ class Backend(Protocol):
 
 class GrpcBackend:
     """pdserve.v1.Generation over one asyncio channel. Requests sample at `temperature` and
-    ignore EOS, so every answer has the length it asked for."""
+    ignore EOS, so every answer has the length it asked for; each has `priority` (lower first)."""
 
     name = "grpc"
 
-    def __init__(self, target: str, temperature: float = 1.0, credentials: ClientCredentials | None = None) -> None:
+    def __init__(self, target: str, temperature: float = 1.0, credentials: ClientCredentials | None = None,
+                 priority: int = 0) -> None:
         credentials = credentials or ClientCredentials()
         self._channel = credentials.grpc_aio_channel(target)
         self._metadata = credentials.grpc_metadata()
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._temperature = temperature
+        self._priority = priority
 
     async def vocab_size(self) -> int | None:
         models = await self._stub.ListModels(pb.ListModelsRequest(), timeout=30, metadata=self._metadata)
@@ -82,7 +84,7 @@ class GrpcBackend:
 
     async def send(self, request: BenchRequest, timeout_s: float) -> RequestResult:
         msg = pb.GenerateRequest(sampling=pb.SamplingParams(
-            temperature=self._temperature, max_tokens=request.output_len, ignore_eos=True))
+            temperature=self._temperature, max_tokens=request.output_len, ignore_eos=True), priority=self._priority)
         if request.prompt_ids is not None:
             msg.prompt_token_ids.ids.extend(request.prompt_ids)
         elif request.prompt is not None:

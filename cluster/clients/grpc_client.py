@@ -53,7 +53,8 @@ class Client:
     def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
                  messages: list[dict[str, str]] | None = None, timeout_s: float | None = None
                  ) -> Iterator[pb.GenerateResponse]:
-        req = pb.GenerateRequest(sampling=sampling_to_proto(params or SamplingParams()))
+        params = params or SamplingParams()
+        req = pb.GenerateRequest(sampling=sampling_to_proto(params), priority=params.priority)
         if messages is not None:
             req.messages.messages.extend(pb.ChatMessage(**m) for m in messages)
         elif isinstance(prompt, str):

@@ -206,7 +206,8 @@ class _Attempt:
             seat = await self._workers.place(req.request_id, prompt, self._migrated, give_up, prefill=False)
         else:
             seat = await self._workers.take_decode_seat(req.request_id, len(req.prompt_token_ids), self._retried,
-                                                        self._migrated, give_up, prompt)
+                                                        self._migrated, give_up, prompt,
+                                                        req.params.priority)
         self._seat = seat
         self._hops["seat"] = time.perf_counter() - started
         queue = self._workers.open_stream(seat)

@@ -36,6 +36,12 @@ class Metrics:
                               ["hop"], buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter("pdserve_requests", "Finished requests by gRPC status", ["status"], registry=r)
         self.tokens = Counter("pdserve_generated_tokens", "Generated tokens", registry=r)
+        # The frontend's admission (cluster/api/admission.py), by tenant and priority class ("high":
+        # priority < 0, "default": 0, "low": > 0; classes, not values: a client picks the value).
+        self.admitted = Counter("pdserve_admitted_requests", "Requests admitted", ["tenant", "priority_class"],
+                                registry=r)
+        self.displaced = Counter("pdserve_displaced_requests", "Queued requests refused to make room for one that "
+                                 "outranks them", ["tenant", "priority_class"], registry=r)
         self.running = Gauge("pdserve_running_sequences", "Running sequences", ["role", "worker"], registry=r)
         self.waiting = Gauge("pdserve_waiting_sequences", "Waiting sequences", ["role", "worker"], registry=r)
         self.kv_usage = Gauge("pdserve_kv_block_usage_ratio", "Used fraction of KV blocks", ["role", "worker"],

@@ -42,6 +42,7 @@ class SeatLine:
         self.config = config
         # Requests waiting for a decode seat, in order: the head takes the next one that fits.
         self._line: collections.deque[asyncio.Event] = collections.deque()
+        self._priority: dict[asyncio.Event, int] = {}  # each waiting request's (lower first)
 
     def capacity(self) -> int:
         """Requests the pools take at once: per serving decode worker (healthy, not draining),
@@ -71,21 +72,25 @@ class SeatLine:
         return worker.state.inflight < self.seats_per_worker and (headroom is None or need <= headroom)
 
     async def take(self, request_id: str, need: int, front: bool, migrated: bool, give_up: float,
-                   prompt: PromptBlocks) -> Worker:
+                   prompt: PromptBlocks, priority: int = 0) -> Worker:
         """A decode worker with a free running seat and `need` KV blocks to reserve (`fits`),
         seated there with its claim on the blocks; of those that fit, the policy picks for
         `prompt` (prefix-aware: the one holding its prefix wins a close call). Requests wait
-        for one in arrival order (`front`: ahead of all, a retried one); one that would wait
+        for one in priority order (lower first), arrival order within one priority (`front`:
+        ahead of all of its priority, a retried one); one that would wait
         behind `max_queued()` others is refused at once (Overloaded). The head re-checks
         whenever a seat or blocks are freed, the load is read, or `config.seat_recheck_s`
         passed (a replaced worker's seats). A draining worker takes no one. With no serving
         decode worker, waits while
         `may_wait`, then WorkerUnavailable."""
         me = asyncio.Event()
+        self._priority[me] = priority
+        line, rank = self._line, self._priority
         if front:
-            self._line.appendleft(me)
+            at = next((i for i, e in enumerate(line) if rank[e] >= priority), len(line))
         else:
-            self._line.append(me)
+            at = next((i for i in range(len(line), 0, -1) if rank[line[i - 1]] <= priority), 0)
+        line.insert(at, me)
         waited = front  # a retried request is never refused
         try:
             while True:
@@ -99,7 +104,9 @@ class SeatLine:
                         worker = next(w for w in free if w.state is state)
                         self.seat(worker, request_id, need)
                         return worker
-                if not waited and len(self._line) - 1 >= self.max_queued():
+                # Refused when `max_queued()` others are ahead: one of higher priority goes ahead of
+                # the lower ones instead (the frontend refuses those: cluster/api/admission.py).
+                if not waited and self._line.index(me) >= self.max_queued():
                     raise Overloaded(f"server is at its capacity: {self.max_queued()} requests are queued for a "
                                      f"decode seat or the KV blocks of one")
                 waited = True
@@ -108,6 +115,7 @@ class SeatLine:
                     await asyncio.wait_for(me.wait(), self.config.seat_recheck_s)
         finally:
             self._line.remove(me)
+            del self._priority[me]
             self.wake()
 
     def seat(self, worker: Worker, request_id: str, need: int | None = None) -> None:

@@ -142,10 +142,11 @@ class WorkerSet:
         return Seat(worker, request_id, self.seats)
 
     async def take_decode_seat(self, request_id: str, num_prompt_tokens: int, front: bool, migrated: bool,
-                               give_up: float, prompt: PromptBlocks) -> Seat:
-        """A decode seat with a claim on the blocks of the prompt's KV (`SeatLine.take`)."""
+                               give_up: float, prompt: PromptBlocks, priority: int = 0) -> Seat:
+        """A decode seat with a claim on the blocks of the prompt's KV (`SeatLine.take`), in
+        `priority` order."""
         need = self.seats.kv_need(num_prompt_tokens)
-        worker = await self.seats.take(request_id, need, front, migrated, give_up, prompt)
+        worker = await self.seats.take(request_id, need, front, migrated, give_up, prompt, priority)
         return Seat(worker, request_id, self.seats)
 
     def open_stream(self, seat: Seat) -> StreamQueue:

@@ -58,7 +58,15 @@ class ServerConfig:
         renders tools, for a model whose template does not); "" keeps the model's.
     tool_call_parser: the model's tool-call format, which chat requests with tool_choice auto
         are parsed in: "hermes" (Qwen, Hermes: <tool_call> JSON) or "llama3_json" (Llama 3.1+);
-        "" refuses auto (forced tool choices still work).
+        "" refuses auto (forced tool choices still work). Both for a template that renders tools.
+    tool_format_fallback: what a chat with tools gets when the template renders none (the
+        default model's): "generic" (pdserve's generic format, engine/text/generic_tools.py:
+        the tools in a system message, the answer constrained to a call or a reply; responses
+        say `x-pdserve-tool-format: generic`) or "refuse" (400, naming --chat-template).
+    tenants_file: a YAML file mapping API keys to tenants and their weights
+        (`cluster/settings/tenants.py`): each tenant's keys are client tokens too, and a full
+        server's admission keeps each tenant to its weighted share while another waits. ""
+        is one tenant. Never logged.
     """
 
     host: str = "127.0.0.1"
@@ -75,8 +83,13 @@ class ServerConfig:
     admin_token_file: str = ""
     chat_template: str = ""
     tool_call_parser: str = ""
+    tool_format_fallback: str = "generic"
+    tenants_file: str = ""
 
     def __post_init__(self) -> None:
+        if self.tool_format_fallback not in ("generic", "refuse"):
+            raise ValueError(f"ServerConfig.tool_format_fallback must be generic or refuse, "
+                             f"got {self.tool_format_fallback!r}")
         if self.tool_call_parser and self.tool_call_parser not in TOOL_FORMATS:
             raise ValueError(f"ServerConfig.tool_call_parser must be one of {sorted(TOOL_FORMATS)} or \"\", "
                              f"got {self.tool_call_parser!r}")

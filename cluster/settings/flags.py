@@ -50,6 +50,8 @@ ALIASES: dict[str, str] = {
     "server.admin_token_file": "--admin-token-file",
     "server.chat_template": "--chat-template",
     "server.tool_call_parser": "--tool-call-parser",
+    "server.tool_format_fallback": "--tool-format-fallback",
+    "server.tenants_file": "--tenants-file",
     "pools.mode": "--mode",
     "pools.num_prefill": "--num-prefill",
     "pools.num_decode": "--num-decode",

@@ -10,6 +10,7 @@ and hands back token ids only; workers never detokenize.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,11 +19,14 @@ from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import TextDelta, TokenDelta
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import FinishReason
+from pdserve.engine.text import generic_tools
 from pdserve.engine.text.answer import AnswerParser
 from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 from pdserve.engine.text.reasoning import ReasoningSplitter, opens_thinking, thinks
-from pdserve.engine.text.tool_parsers import TOOL_FORMATS, ToolCallStream, ToolFormat
+from pdserve.engine.text.tool_parsers import GENERIC_FORMAT, TOOL_FORMATS, ToolCallStream, ToolFormat
 from pdserve.engine.text.tools import ToolRequest
+
+logger = logging.getLogger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # apply_chat_template's own arguments: chat_template_kwargs may set the template's variables only.
@@ -67,17 +71,22 @@ class RequestProcessor:
     max_model_len: the context; a prompt must leave room in it for one new token.
     tool_format: the model's tool-call format (the server's --tool-call-parser): what `auto`
         tool choice parses; None: `auto` is refused, and forced calls are written in the
-        Hermes format.
+        Hermes format. Both for a template that renders tools only:
+    generic_tools: a chat with tools (or a history of calls) on a template that renders none is
+        served in the generic format (`generic_tools.py`, for any tool choice); False: refused
+        (the server's --tool-format-fallback refuse).
     Every bad request raises ValueError with a message that names what is wrong.
     """
 
     def __init__(self, tokenizer: Any | None, model_name: str, vocab_size: int, max_model_len: int,
-                 tool_format: ToolFormat | None = None) -> None:
+                 tool_format: ToolFormat | None = None, generic_tools: bool = True) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.tool_format = tool_format
+        self.generic_tools = generic_tools
+        self._told_generic = False  # the log says once that the generic format serves tools
         self.thinks = thinks(tokenizer)  # a reasoning model: its answers split (engine/text/reasoning.py)
 
     def process(self, prompt: str | Sequence[int] | None = None, messages: list[dict[str, Any]] | None = None,
@@ -97,12 +106,16 @@ class RequestProcessor:
         if (prompt is None) == (messages is None):
             raise ValueError("give one of prompt or messages")
         fmt = None
+        generic = messages is not None and self._serves_generic(messages, tools)
         if tools is not None:
-            fmt, forced = self._tools(tools, params)
+            fmt, forced = self._generic(tools, params) if generic else self._tools(tools, params)
             params_checked = params_checked and forced is params  # a forced choice's grammar is new
             params = forced
         if messages is not None:
-            kwargs = {**(chat_template_kwargs or {}), **(tools.template_kwargs() if tools is not None else {})}
+            kwargs = {**(chat_template_kwargs or {}),
+                      **(tools.template_kwargs() if tools is not None and not generic else {})}
+            if generic:
+                messages = generic_tools.generic_messages(messages, tools)
             field, token_ids = "messages", self.apply_chat_template(messages, kwargs)
         elif isinstance(prompt, str):
             field, token_ids = "prompt", self.encode(prompt)
@@ -136,6 +149,29 @@ class RequestProcessor:
                              "the answer")
         fmt = self.tool_format or TOOL_FORMATS["hermes"]
         return fmt, dataclasses.replace(params, structured=tools.structured(fmt))
+
+    def _serves_generic(self, messages: list[dict[str, Any]], tools: ToolRequest | None) -> bool:
+        """Whether this chat's tools (or its history's calls) go in the generic format: the
+        template renders no tools, and the operator did not turn the fallback off."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not self.generic_tools or not template or _reads_variable(template, "tools"):
+            return False
+        if tools is None and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            return False
+        if not self._told_generic:
+            self._told_generic = True
+            logger.info("the chat template of model %r renders no tools: chats with tools are served in the "
+                        "generic tool format (--tool-format-fallback refuse turns it off)", self.model_name)
+        return True
+
+    def _generic(self, tools: ToolRequest, params: SamplingParams) -> tuple[ToolFormat | None, SamplingParams]:
+        """The generic format and its grammar, a call or (auto) a reply (`generic_tools.py`)."""
+        if tools.choice == "none" or not tools.functions:
+            return None, params
+        if params.structured is not None:
+            raise ValueError("response_format cannot be combined with tools on a model whose chat template "
+                             "renders none: the generic tool format constrains the answer")
+        return GENERIC_FORMAT, dataclasses.replace(params, structured=generic_tools.structured(tools))
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: stop token ids, logit_bias ids, stop strings and grammars,

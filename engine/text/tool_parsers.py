@@ -16,6 +16,9 @@ answer's length) is returned as the content it was, never dropped. vLLM's and SG
 also stream each call's arguments as they are written; here a call comes out whole once its
 text is complete, which is simpler and what clients assemble anyway.
 
+`GENERIC_FORMAT` is pdserve's own, for templates that know no tools (`generic_tools.py`): the
+answer is one JSON object, calls or a reply; `ToolCallStream` reads it with `GenericAnswerStream`.
+
 `ToolFormat.structural_tag` is the format as an xgrammar structural tag, for `tool_choice`
 `required` or a named function: the answer is then only calls (one, or several with
 parallel_tool_calls), each naming an allowed function with arguments that follow its JSON
@@ -26,6 +29,7 @@ grammar here refuses tokens with control bytes, `grammar._fill`); the parsers ac
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 from dataclasses import dataclass, field
@@ -123,6 +127,10 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
                               call_begin='{"name": "', call_separator="; ", call_end="}"),
 }
 
+# The generic format's answer is an object, not marked text: `GenericAnswerStream` reads it.
+GENERIC_FORMAT = ToolFormat("generic", begin=(), end="", arguments_key="arguments", call_begin="",
+                            call_separator="", call_end="")
+
 
 @dataclass(slots=True)
 class ToolCallDelta:
@@ -142,8 +150,13 @@ class ToolCallStream:
         self._plain = False  # the answer is text only (a format whose calls must come first saw text)
         self._texted = False  # the text since the last region holds more than blanks
         self.num_calls = 0
+        self._generic = GenericAnswerStream() if fmt is GENERIC_FORMAT else None
 
     def add(self, text: str, final: bool = False) -> ToolCallDelta:
+        if self._generic is not None:
+            out = self._generic.add(text, final)
+            self.num_calls = self._generic.num_calls
+            return out
         self._pending += text
         out = ToolCallDelta()
         while self._pending or final and self._in_region is not None:
@@ -217,6 +230,85 @@ class ToolCallStream:
             return
         self._texted = self._texted or bool(text.strip())
         out.content += text
+
+
+_REPLY_START = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+
+
+class GenericAnswerStream:
+    """One generic-format answer (`generic_tools.py`) -> content and calls: a reply's text is
+    content as it is written (its JSON string decoded piece by piece); calls come once the
+    object is complete; an answer that is neither (cut by its length) is the text it was."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._reply_at: int | None = None  # where the reply's decoded text has reached in `_text`
+        self._reply_done = False
+        self.num_calls = 0
+
+    def add(self, text: str, final: bool = False) -> ToolCallDelta:
+        self._text += text
+        out = ToolCallDelta()
+        if self._reply_at is None and (start := _REPLY_START.match(self._text)) is not None:
+            self._reply_at = start.end()
+        if self._reply_at is not None:
+            out.content = self._reply()
+        elif final:
+            calls = _generic_calls(self._text)
+            if calls:
+                out.calls, self.num_calls = calls, len(calls)
+            else:
+                out.content = self._text
+        return out
+
+    def _reply(self) -> str:
+        """The reply's text decoded since the last call: up to its closing quote, or to the last
+        complete escape (a surrogate pair's first half waits for its second)."""
+        assert self._reply_at is not None
+        s, start = self._text, self._reply_at
+        i = safe = start
+        while i < len(s) and not self._reply_done:
+            if s[i] == '"':
+                self._reply_done = True
+                break
+            if s[i] == "\\":
+                if s[i + 1:i + 2] == "u":
+                    width = 12 if 0xD8 <= _hex_byte(s[i + 2:i + 4]) < 0xDC else 6
+                    if i + width > len(s):
+                        break
+                    i += width
+                elif i + 2 > len(s):
+                    break
+                else:
+                    i += 2
+            else:
+                i += 1
+            safe = i
+        self._reply_at = safe
+        try:
+            return json.loads(f'"{s[start:safe]}"')
+        except json.JSONDecodeError:  # not the grammar's JSON: the text as written
+            return s[start:safe]
+
+
+def _hex_byte(text: str) -> int:
+    try:
+        return int(text, 16)
+    except ValueError:
+        return 0
+
+
+def _generic_calls(text: str) -> list[ToolCall]:
+    """The calls of a complete generic answer ([]: not calls, or one that does not parse)."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return []
+    if not isinstance(obj, dict):
+        return []
+    objects = obj.get("tool_calls") if "tool_calls" in obj else [obj.get("tool_call")]
+    calls = [_call(o) for o in objects] if isinstance(objects, list) else [None]
+    return [c for c in calls if c is not None] if calls and None not in calls else []
 
 
 def _partial_suffix(text: str, marker: str) -> int:

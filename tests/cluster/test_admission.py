@@ -1,6 +1,6 @@
 """The line for decode seats (cluster/serving/seats.py), without Ray: a request
-waits for a running seat and the free KV blocks to reserve its prompt, first come first
-served; one that would wait behind a full queue is refused without waiting for anything."""
+waits for a running seat and the free KV blocks to reserve its prompt, in priority order and
+first come first served within one; one that would wait behind a full queue is refused without waiting for anything."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ def _line(num_blocks: int = 10, seats: int = 4, max_waiting: int = 2) -> SeatLin
     return SeatLine(decode, LeastLoad(), BLOCK, seats, max_waiting, CoordinatorConfig())
 
 
-async def _seat(c: SeatLine, rid: str, need: int, front: bool = False) -> Worker:
+async def _seat(c: SeatLine, rid: str, need: int, front: bool = False, priority: int = 0) -> Worker:
     """A seat for `rid` and its claim on `need` blocks, as a disaggregated request takes them."""
-    return await c.take(rid, need, front, False, asyncio.get_running_loop().time() + 60, _prompt(need))
+    return await c.take(rid, need, front, False, asyncio.get_running_loop().time() + 60, _prompt(need), priority)
 
 
 def _prompt(num_blocks: int) -> PromptBlocks:
@@ -140,6 +140,43 @@ def test_seats_bound_the_batch_and_a_retried_request_goes_first():
         waiting.cancel()
         await _settle()
         assert c.num_queued == 0
+
+    asyncio.run(scenario())
+
+
+def test_requests_wait_in_priority_order_then_arrival():
+    async def scenario() -> None:
+        c = _line(num_blocks=100, seats=1, max_waiting=4)
+        worker = await _seat(c, "a", 2)
+        order: list[str] = []
+
+        async def seat(rid: str, priority: int, front: bool = False) -> None:
+            await _seat(c, rid, 2, front, priority)
+            order.append(rid)
+
+        tasks = []
+        for rid, priority, front in (("batch", 5, False), ("chat", -1, False), ("normal", 0, False),
+                                     ("chat2", -1, False), ("retried-batch", 5, True)):
+            tasks.append(asyncio.create_task(seat(rid, priority, front)))
+            await _settle()
+        for _ in tasks:
+            c.free(worker, order[-1] if order else "a")
+            await _settle()
+        assert order == ["chat", "chat2", "normal", "retried-batch", "batch"]
+        full = _line(num_blocks=100, seats=1, max_waiting=1)
+        worker = await _seat(full, "running", 2)
+        low = asyncio.create_task(_seat(full, "low", 2, priority=1))
+        await _settle()
+        with pytest.raises(Overloaded):  # one is ahead of it: the queue is full
+            await _seat(full, "same", 2, priority=1)
+        high = asyncio.create_task(_seat(full, "high", 2, priority=0))  # nobody ahead of it: it waits
+        await _settle()
+        assert not high.done() and full.num_queued == 2
+        full.free(worker, "running")
+        await _settle()
+        assert high.done() and not low.done()
+        low.cancel()
+        await _settle()
 
     asyncio.run(scenario())
 

@@ -195,6 +195,10 @@ def post(srv, path: str, content: bytes | str, content_type: str = "application/
      "application/json", 400, "functions", "not supported"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": '
      '{"tokenize": true}}', "application/json", 400, "chat_template_kwargs", "may not set"),
+    ("/v1/completions", '{"prompt": "hi", "priority": "1"}', "application/json", 400, "priority",
+     "valid integer"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "priority": 1.5}',
+     "application/json", 400, "priority", "valid integer"),
     ("/v1/embeddings", '{"input": "hi"}', "application/json", 404, None, "Not Found"),
 ])
 def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(srv, client, model, path, body,
@@ -224,6 +228,17 @@ def test_penalties_bias_and_min_tokens_reach_the_workers_over_http_and_grpc(srv,
                                     extra_body={"repetition_penalty": 1.5, "min_tokens": 3})
     assert out.choices[0].text == want.text and out.usage.completion_tokens == len(want.token_ids)
     assert out.choices[0].finish_reason == "stop"
+
+
+def test_priority_is_accepted_and_changes_no_token(srv, client, model):
+    """vLLM's priority field over HTTP, and GenerateRequest.priority over gRPC: who goes first,
+    never what is generated."""
+    want = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+    for priority in (-5, 7):
+        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                        extra_body={"priority": priority})
+        assert out.choices[0].text == want
+    assert collect(srv.target, PROMPT, SamplingParams(temperature=0.0, max_tokens=6, priority=3)).text == want
 
 
 def test_unknown_model_through_the_client_is_not_found(client):

@@ -73,3 +73,17 @@ def test_the_bodies_and_their_protocol_import_no_torch():
     code = ("import sys, pdserve.cluster.api.openai_protocol; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("body, client_params, required", BODIES)
+def test_priority_is_an_integer_carried_to_the_sampling_params(body, client_params, required):
+    from pydantic import ValidationError
+
+    from pdserve.cluster.api.openai_protocol import _sampling
+
+    assert _sampling(body.model_validate(required), 16, None).priority == 0  # vLLM's default
+    assert _sampling(body.model_validate({**required, "priority": -3}), 16, None).priority == -3
+    for bad in ("1", 1.5, 2.0, True, None):
+        with pytest.raises(ValidationError) as e:
+            body.model_validate({**required, "priority": bad})
+        assert e.value.errors()[0]["loc"] == ("priority",), bad

@@ -179,3 +179,66 @@ def test_langchain_bind_tools(srv, model):
         (call,) = message.tool_calls[:1]
         assert call["name"] == "GetWeather" and call["id"].startswith("call_")
         GetWeather.model_validate(call["args"])
+
+
+# The generic format: a server without --chat-template or --tool-call-parser, on a template that
+# renders no tools (the default model's), serves every tool choice (engine/text/generic_tools.py).
+@pytest.fixture(scope="module")
+def plain(colocated_server):
+    with openai.OpenAI(base_url=colocated_server.http_url + "/v1", api_key="unused", max_retries=0,
+                       timeout=120) as c:
+        yield colocated_server, c
+
+
+def test_the_generic_format_serves_every_choice_and_a_round_trip(plain):
+    _, client = plain
+    model = client.models.list().data[0].id
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=1.0,
+        seed=3, max_tokens=MAX_TOKENS)
+    assert raw.headers["x-pdserve-tool-format"] == "generic"
+    first = raw.parse().choices[0]
+    assert first.finish_reason == "tool_calls" and first.message.content is None
+    (call,) = first.message.tool_calls
+    check_call(call)
+    history = ASK + [first.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees."}]
+    for seed in (1, 2, 3):  # auto: a call that follows its schema, or a reply, never a broken call
+        out = client.chat.completions.create(model=model, messages=history, tools=TOOLS, temperature=1.0, seed=seed,
+                                             max_tokens=MAX_TOKENS).choices[0]
+        if out.message.tool_calls:
+            assert out.finish_reason == "tool_calls" and out.message.content is None
+            for c in out.message.tool_calls:
+                check_call(c)
+        else:
+            assert out.finish_reason in ("stop", "length") and not (out.message.content or "").startswith('{"')
+    body = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            "temperature": 1.0, "seed": 8, "max_tokens": MAX_TOKENS}
+    content, calls, finish = streamed(client, model, **body)
+    assert "".join(content) == "" and finish == "tool_calls" and [c["name"] for c in calls] == ["get_time"]
+    assert validates(calls[0]["arguments"], TIME_ARGS)
+    plain_chat = client.chat.completions.with_raw_response.create(model=model, messages=ASK, max_tokens=2)
+    assert "x-pdserve-tool-format" not in plain_chat.headers
+
+
+def test_langchain_bind_tools_on_the_default_template(plain):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        """Weather in a city."""
+
+        city: str = Field(max_length=10)
+
+    srv, client = plain
+    llm = langchain_openai.ChatOpenAI(model=client.models.list().data[0].id, base_url=srv.http_url + "/v1",
+                                      api_key="unused", temperature=1.0, max_tokens=MAX_TOKENS, max_retries=0, seed=6)
+    for tool_choice in ("GetWeather", "any", "required"):
+        message = llm.bind_tools([GetWeather], tool_choice=tool_choice).invoke(ASK[0]["content"])
+        (call,) = message.tool_calls[:1]
+        assert call["name"] == "GetWeather" and call["id"].startswith("call_")
+        GetWeather.model_validate(call["args"])
+    answer = llm.bind_tools([GetWeather], tool_choice="auto").invoke(ASK[0]["content"])
+    assert not answer.invalid_tool_calls
+    for call in answer.tool_calls:
+        GetWeather.model_validate(call["args"])

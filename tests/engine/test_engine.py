@@ -122,6 +122,33 @@ def test_abort_frees_blocks_and_others_continue(engine):
     assert all_blocks_free(engine)
 
 
+def test_a_higher_priority_request_preempts_and_the_preempted_one_resumes_unchanged(make_engine):
+    """The priority policy (vLLM's): with one seat, a higher-priority arrival preempts the
+    running request, which is recomputed after it and greedily writes what it would have
+    undisturbed (fcfs, which lets the arrival wait: tests/engine/test_scheduler.py)."""
+    story = "Tell me a long story about dragons"
+    low = SamplingParams(temperature=0.0, max_tokens=12, priority=1)
+    high = SamplingParams(temperature=0.0, max_tokens=4)
+    engine = make_engine(max_num_seqs=1, policy="priority")
+    want = [o.token_ids for o in engine.generate([story, PROMPT], [low, high])]  # one after the other
+    first = engine.add_request(story, low)
+    tokens, order = {first: []}, []
+    for _ in range(3):
+        for d in engine.step():
+            tokens[d.request_id] += d.token_ids
+    second = engine.add_request(PROMPT, high)
+    tokens[second] = []
+    while engine.has_unfinished:
+        for d in engine.step():
+            tokens[d.request_id] += d.token_ids
+            if d.finished:
+                order.append(d.request_id)
+    assert [tokens[first], tokens[second]] == want
+    assert order == [second, first] and engine.scheduler.num_preemptions == 1
+    assert all_blocks_free(engine)
+    engine.close()
+
+
 def test_chat_template_prompt(engine):
     ids = engine.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
     out = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=16))[0]

@@ -1,4 +1,5 @@
-"""Scheduler: token budget, chunked prefill, iteration-level joins and leaves, preemption."""
+"""Scheduler: token budget, chunked prefill, iteration-level joins and leaves, preemption,
+priorities (waiting order, and the priority policy's preemptions)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence
 BS = 4
 
 
-def make(num_blocks: int = 64, budget: int = 16, max_seqs: int = 8, chunked: bool = True) -> Scheduler:
+def make(num_blocks: int = 64, budget: int = 16, max_seqs: int = 8, chunked: bool = True,
+         policy: str = "fcfs") -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                     enable_chunked_prefill=chunked), BlockManager(num_blocks, BS), 4096)
+                                     enable_chunked_prefill=chunked, policy=policy), BlockManager(num_blocks, BS), 4096)
 
 
-def seq(n: int, rid: str, first: int = 0) -> Sequence:
-    return Sequence(rid, tuple(range(first, first + n)), SamplingParams(), BS)
+def seq(n: int, rid: str, first: int = 0, priority: int = 0) -> Sequence:
+    return Sequence(rid, tuple(range(first, first + n)), SamplingParams(priority=priority), BS)
 
 
 def complete(sched: Scheduler, batch, token: int = 99) -> None:
@@ -90,6 +92,84 @@ def test_preempted_sequence_restarts_from_zero_and_goes_first():
     sched.finish(a, FinishReason.STOP)
     batch = sched.schedule()  # b comes back and recomputes all 5 tokens (its full block from the cache)
     assert batch.seqs == [b] and b.num_computed_tokens + batch.num_new_tokens[0] == 5
+
+
+def test_waiting_sequences_go_in_priority_order_then_arrival():
+    sched = make(budget=100, max_seqs=1)
+    order = [seq(2, "late-batch", priority=5), seq(2, "chat", priority=-1), seq(2, "normal"),
+             seq(2, "chat2", priority=-1), seq(2, "normal2")]
+    for s in order:
+        sched.add(s)
+    assert [s.request_id for s in sched.waiting] == ["chat", "chat2", "normal", "normal2", "late-batch"]
+    assert sched.schedule().seqs[0].request_id == "chat"
+
+
+def test_fcfs_preempts_the_youngest_whatever_its_priority():
+    sched = make(num_blocks=3, budget=64)
+    a, b = seq(4, "a", priority=3), seq(4, "b", first=50, priority=-3)
+    sched.add(a)
+    sched.add(b)  # b waits ahead of a, so b runs first and is the older
+    complete(sched, sched.schedule())
+    assert sched.running == [b, a]
+    assert sched.schedule().preempted == [a]
+    sched2 = make(num_blocks=3, budget=64, max_seqs=1)
+    sched2.add(seq(4, "low", priority=3))
+    complete(sched2, sched2.schedule())
+    sched2.add(seq(4, "high", first=50, priority=-3))  # no seat: fcfs lets it wait
+    assert sched2.schedule().preempted == []
+
+
+def test_priority_policy_preempts_the_lowest_priority_when_blocks_run_out():
+    sched = make(num_blocks=3, budget=64, policy="priority")
+    low, high = seq(4, "low", priority=1), seq(4, "high", first=50)
+    sched.add(low)
+    complete(sched, sched.schedule())
+    sched.add(high)
+    complete(sched, sched.schedule())
+    assert sched.running == [low, high]  # both need a 2nd block, one is free
+    batch = sched.schedule()  # fcfs would take high, the youngest; this policy takes low
+    assert batch.preempted == [low] and batch.seqs == [high] and low.num_computed_tokens == 0
+    assert sched.waiting[0] is low and len(high.block_ids) == 2
+
+
+def test_a_victim_already_scheduled_this_step_is_unscheduled():
+    sched = make(num_blocks=4, budget=64, policy="priority")
+    low, high = seq(4, "low", priority=1), seq(8, "high", first=50)
+    sched.add(low)
+    complete(sched, sched.schedule())  # low: 1 block, 5 tokens
+    sched.add(high)
+    complete(sched, sched.schedule())  # high: 2 blocks, 9 tokens; low now holds 2 blocks
+    assert sched.block_manager.num_free_blocks == 0 and sched.running == [low, high]
+    batch = sched.schedule()  # low (first) has its block; high needs a 3rd: low is taken back
+    assert batch.preempted == [low] and batch.seqs == [high] and batch.num_new_tokens == [1]
+    assert low.block_ids == [] and sched.waiting[0] is low
+
+
+def test_priority_policy_preempts_for_a_higher_priority_arrival():
+    sched = make(num_blocks=64, budget=64, max_seqs=2, policy="priority")
+    lows = [seq(4, f"low{i}", first=10 * i, priority=2) for i in range(2)]
+    for s in lows:
+        sched.add(s)
+    complete(sched, sched.schedule())  # both seats taken
+    same = seq(4, "same", first=100, priority=2)
+    sched.add(same)  # the same priority waits
+    assert sched.schedule().preempted == []
+    high = seq(4, "high", first=200, priority=0)
+    sched.add(high)
+    batch = sched.schedule()
+    assert batch.preempted == [lows[1]] and high in batch.seqs and lows[0] in batch.seqs
+    assert [s.request_id for s in sched.waiting] == ["low1", "same"]  # the preempted one first of its priority
+
+
+def test_priority_policy_preempts_for_blocks_too():
+    sched = make(num_blocks=4, budget=64, max_seqs=8, policy="priority")
+    low = seq(12, "low", priority=1)
+    sched.add(low)
+    complete(sched, sched.schedule())  # 3 blocks and a 13th token; 1 free
+    high = seq(8, "high", first=100)
+    sched.add(high)  # needs 2 blocks
+    batch = sched.schedule()
+    assert batch.preempted == [low] and batch.seqs == [high]
 
 
 class Copy:

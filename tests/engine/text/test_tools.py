@@ -1,7 +1,7 @@
 """Tools through the request processor (both APIs' bodies): what reaches the chat template,
 the forced-call grammar, the history of a tool-using chat, and every bad input refused with a
 message naming its field; the default model's template, which cannot render tools, refused
-by name with the way out (--chat-template)."""
+by name with the way out (--chat-template) when the generic format is off."""
 
 from __future__ import annotations
 
@@ -102,15 +102,17 @@ def test_bad_tool_requests_name_the_field(tool_tokenizer, body, message):
     assert message in str(e.value)
 
 
-def test_auto_needs_a_parser_and_the_default_template_cannot_render_tools(tokenizer, tool_tokenizer):
+def test_auto_needs_a_parser_and_without_the_generic_format_the_default_template_cannot_render_tools(
+        tokenizer, tool_tokenizer):
     with pytest.raises(ValueError, match="tool_choice auto .* needs the server's tool-call parser: start it with "
                                          "--tool-call-parser"):
         chat(processor(tool_tokenizer, ""), messages=[ASK], tools=[WEATHER])
+    refusing = RequestProcessor(tokenizer, "smol", len(tokenizer), 2048, generic_tools=False)  # test_generic_tools
     with pytest.raises(ValueError, match="tools: the chat template of model 'smol' does not render tools; start the "
                                          "server with --chat-template PATH"):
-        chat(processor(tokenizer), messages=[ASK], tools=[WEATHER], tool_choice="required")
+        chat(refusing, messages=[ASK], tools=[WEATHER], tool_choice="required")
     with pytest.raises(ValueError, match=r"messages\[1\].tool_calls: the chat template .* does not render tool calls"):
-        chat(processor(tokenizer), messages=HISTORY)
+        chat(refusing, messages=HISTORY)
 
 
 def test_grpc_carries_the_same(tool_tokenizer):
