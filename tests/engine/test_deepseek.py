@@ -26,6 +26,7 @@ import torch
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling import SamplingParams
+from tests.engine.families import cpu_engine, family_prompts
 from tests.engine.hf_reference import assert_matches_reference, hf_greedy
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -90,7 +91,7 @@ Reference = tuple[Path, dict[tuple[int, ...], tuple[list[int], torch.Tensor]]]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Callable[[Callable], Reference]:
-    """make_config -> (its saved folder, HF's greedy answers to `_prompts()`), each made
+    """make_config -> (its saved folder, HF's greedy answers to `family_prompts()`), each made
     once for the module: the HF runs are most of its time."""
     made: dict[Callable, Reference] = {}
 
@@ -99,20 +100,10 @@ def reference(tmp_path_factory) -> Callable[[Callable], Reference]:
             hf = _hf_model(make_config())
             folder = tmp_path_factory.mktemp(make_config.__name__)
             hf.save_pretrained(str(folder))
-            made[make_config] = folder, {tuple(p): hf_greedy(hf, p, NEW_TOKENS) for p in _prompts()}
+            made[make_config] = folder, {tuple(p): hf_greedy(hf, p, NEW_TOKENS) for p in family_prompts()}
         return made[make_config]
 
     return get
-
-
-def _engine(source: str | Path, **overrides) -> Engine:
-    return Engine(EngineConfig(model=ModelConfig(source=str(source), device="cpu", dtype="float32"), **overrides))
-
-
-def _prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(1)
-    prefix = torch.randint(0, 250, (40,), generator=gen).tolist()  # shared: the later prompts hit its blocks
-    return [prefix + torch.randint(0, 250, (n,), generator=gen).tolist() for n in (3, 25, 90)] + [[7, 8, 9]]
 
 
 def _run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
@@ -128,7 +119,7 @@ def _run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], lis
 
 
 def _assert_matches_hf(answers: dict, tokens: list[list[int]], logprobs: list[list[float]], what: str) -> None:
-    for prompt, got, got_logprobs in zip(_prompts(), tokens, logprobs):
+    for prompt, got, got_logprobs in zip(family_prompts(), tokens, logprobs):
         want, logits = answers[tuple(prompt)]
         where = f"{what}, prompt of {len(prompt)}"
         assert_matches_reference(got, want, logits, where)
@@ -141,10 +132,10 @@ def test_greedy_and_logprobs_match_hf_with_chunks_prefix_hits_and_preemption(mak
     folder, answers = reference(make_config)
     # 12 blocks of 16 slots: the two longest requests (146 and 81 tokens with their
     # answers) do not fit beside each other; chunks of 32 tokens.
-    engine = _engine(folder, cache=CacheConfig(num_blocks=12), scheduler=SchedulerConfig(max_num_batched_tokens=32))
+    engine = cpu_engine(folder, cache=CacheConfig(num_blocks=12), scheduler=SchedulerConfig(max_num_batched_tokens=32))
     layout = engine.pool.layout
     assert (layout.kind, layout.num_entries, layout.num_kv_heads, layout.head_dim) == ("mla", 1, 1, 32 + 8)
-    tokens, logprobs = _run(engine, _prompts())
+    tokens, logprobs = _run(engine, family_prompts())
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small: nothing was preempted"
     assert engine.block_manager.num_prefix_hits >= 2 * 32, "the shared 40-token prefix was not reused"
     _assert_matches_hf(answers, tokens, logprobs, make_config.__name__)
@@ -160,9 +151,9 @@ def test_a_block_scaled_fp8_checkpoint_equals_hf_on_its_dequantized_weights(tmp_
     hf = _hf_model(v3(intermediate_size=128, moe_intermediate_size=128))
     layers = (*fp8c.LAYERS, "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
     fp8c.save_fp8_checkpoint(hf, tmp_path, "block", fp8c.FP8_BLOCK_CONFIG, "weight_scale_inv", layers=layers)
-    engine = _engine(tmp_path)
+    engine = cpu_engine(tmp_path)
     assert engine.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.float8_e4m3fn
-    prompts = _prompts()[1:3]
+    prompts = family_prompts()[1:3]
     tokens, logprobs = _run(engine, prompts)
     for prompt, got, got_logprobs in zip(prompts, tokens, logprobs):
         want, logits = hf_greedy(hf, prompt, NEW_TOKENS)
@@ -178,12 +169,12 @@ def test_tensor_and_expert_parallel_give_one_ranks_tokens(reference):
     folder, answers = reference(v3)
     for expert_parallel in (False, True):
         parallel = ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
-        engine = _engine(folder, parallel=parallel)
+        engine = cpu_engine(folder, parallel=parallel)
         try:
             # every rank holds the whole latent: the wire's layout, sent once
             assert dataclasses.replace(engine.pool.layout, tp_size=1) == engine.kv_wire_layout
             assert [(kv.shape, start) for kv, start in engine.kv_shards] == [(engine.pool.kv.shape, 0)] * 2
-            tokens, logprobs = _run(engine, _prompts())
+            tokens, logprobs = _run(engine, family_prompts())
         finally:
             engine.close()
         _assert_matches_hf(answers, tokens, logprobs, f"expert_parallel={expert_parallel}")
@@ -195,10 +186,10 @@ def test_speculation_on_a_deepseek_target_keeps_greedy_output(reference):
     from pdserve.engine.config import SpecConfig
 
     folder, answers = reference(v3)
-    prompts = _prompts()
+    prompts = family_prompts()
     for spec in (SpecConfig(method="self_draft", num_draft_layers=1, num_speculative_tokens=3),
                  SpecConfig(method="ngram", num_speculative_tokens=3)):
-        engine = _engine(folder, spec=spec)
+        engine = cpu_engine(folder, spec=spec)
         tokens, logprobs = _run(engine, prompts)
         assert engine.speculator is not None and engine.speculator.metrics.num_proposed > 0, spec.method
         _assert_matches_hf(answers, tokens, logprobs, spec.method)
@@ -211,10 +202,10 @@ def test_an_fp8_latent_cache_holds_the_latents_rounded(reference):
     from pdserve.kernels import fp8
 
     folder, _ = reference(v3_halves)
-    prompt = _prompts()[1]
+    prompt = family_prompts()[1]
     pools = {}
     for dtype in ("auto", "fp8"):
-        engine = _engine(folder, cache=CacheConfig(num_blocks=16, kv_cache_dtype=dtype))
+        engine = cpu_engine(folder, cache=CacheConfig(num_blocks=16, kv_cache_dtype=dtype))
         engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         pools[dtype] = engine.pool
     assert pools["fp8"].kv.dtype == fp8.KV_FP8
@@ -236,9 +227,9 @@ def test_a_checkpoints_mtp_layers_are_skipped(tmp_path, reference):
     tensors["model.layers.2.eh_proj.weight"] = torch.randn(64, 128)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
-    prompt = _prompts()[3]
+    prompt = family_prompts()[3]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    assert _engine(tmp_path).generate([prompt], params)[0].token_ids == answers[tuple(prompt)][0]
+    assert cpu_engine(tmp_path).generate([prompt], params)[0].token_ids == answers[tuple(prompt)][0]
 
 
 @pytest.mark.parametrize(("make_config", "overrides", "match"), [
@@ -269,7 +260,8 @@ def test_the_cuda_backends_mla_step_matches_hf_through_the_triton_interpreter(tm
 
     hf = _hf_model(v3(qk_rope_head_dim=16, v_head_dim=16))
     hf.save_pretrained(str(tmp_path))
-    engine = _engine(tmp_path, cache=CacheConfig(num_blocks=16), scheduler=SchedulerConfig(max_num_batched_tokens=16))
+    engine = cpu_engine(tmp_path, cache=CacheConfig(num_blocks=16),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=16))
     engine.runner.executor.backend = TritonAttention(torch.float32)
     prefix = list(range(10, 30))
     prompts = [prefix + [3, 4], prefix + list(range(40, 55))]
@@ -309,7 +301,7 @@ def test_on_cuda_the_mla_kernels_match_hf(make_config, tmp_path):
     engine = Engine(EngineConfig(model=ModelConfig(source=str(tmp_path), device="cuda", dtype="float32"),
                                  cache=CacheConfig(num_blocks=64),
                                  scheduler=SchedulerConfig(max_num_batched_tokens=32)))
-    prompts = _prompts() + [list(range(1, 200))]
+    prompts = family_prompts() + [list(range(1, 200))]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for prompt, out in zip(prompts, engine.generate(prompts, params)):
         want, logits = hf_greedy(hf, prompt, NEW_TOKENS)

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from pdserve.engine.engine import Engine
+from pdserve.engine.config import CacheConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.models.registry import param_counts
 from pdserve.engine.sampling import SamplingParams
+from tests.engine.families import cpu_engine, family_prompts
 from tests.engine.hf_reference import assert_matches_reference, fp8_pool_steps, hf_greedy
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -69,24 +69,14 @@ def _saved(make_config, folder: Path):
     return hf
 
 
-def _engine(source: str | Path, **overrides) -> Engine:
-    return Engine(EngineConfig(model=ModelConfig(source=str(source), device="cpu", dtype="float32"), **overrides))
-
-
-def _prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(1)
-    prefix = torch.randint(0, 250, (40,), generator=gen).tolist()  # shared: the later prompts hit its blocks
-    return [prefix + torch.randint(0, 250, (n,), generator=gen).tolist() for n in (3, 25, 90)] + [[7, 8, 9]]
-
-
 @pytest.mark.parametrize("make_config", FAMILIES)
 def test_greedy_and_logprobs_match_hf_with_chunks_prefix_hits_and_preemption(make_config, tmp_path):
     hf = _saved(make_config, tmp_path)
     # 12 blocks of 16 slots: the two longest requests (146 and 81 tokens with their
     # answers) do not fit beside each other; chunks of 32 tokens.
-    engine = _engine(tmp_path, cache=CacheConfig(num_blocks=12),
+    engine = cpu_engine(tmp_path, cache=CacheConfig(num_blocks=12),
                      scheduler=SchedulerConfig(max_num_batched_tokens=32))
-    prompts = _prompts()
+    prompts = family_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     ids = [engine.add_request(p, params) for p in prompts]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
@@ -115,10 +105,10 @@ def test_an_fp8_kv_cache_holds_what_hf_computes_with_its_kv_rounded(make_config,
     e4m3 step."""
     hf = _saved(make_config, tmp_path)
     chunk = 32
-    engine = _engine(tmp_path, cache=CacheConfig(num_blocks=16, enable_prefix_caching=False, kv_cache_dtype="fp8"),
+    engine = cpu_engine(tmp_path, cache=CacheConfig(num_blocks=16, enable_prefix_caching=False, kv_cache_dtype="fp8"),
                      scheduler=SchedulerConfig(max_num_batched_tokens=chunk, async_scheduling=False))
     assert engine.pool.kv.dtype == torch.float8_e4m3fn
-    engine.add_request(_prompts()[2], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    engine.add_request(family_prompts()[2], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     while not engine.scheduler.running or engine.scheduler.running[0].num_output_tokens < NEW_TOKENS // 2:
         engine.step()
     seq = engine.scheduler.running[0]
@@ -152,13 +142,13 @@ def test_a_fused_expert_checkpoint_loads_the_same_model(tmp_path):
         out[p + "down_proj"] = torch.stack([tensors[f"{p}{e}.down_proj.weight"] for e in range(8)])
     save_file(out, str(fused / "model.safetensors"))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    prompts = _prompts()
-    want = [o.token_ids for o in _engine(per_expert).generate(prompts, params)]
-    assert [o.token_ids for o in _engine(fused).generate(prompts, params)] == want
+    prompts = family_prompts()
+    want = [o.token_ids for o in cpu_engine(per_expert).generate(prompts, params)]
+    assert [o.token_ids for o in cpu_engine(fused).generate(prompts, params)] == want
 
 
 def test_dummy_moe_weights_run_and_count_active_parameters():
-    engine = _engine("dummy:tiny-moe")
+    engine = cpu_engine("dummy:tiny-moe")
     out = engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
     counts = param_counts(engine.arch)
@@ -183,7 +173,7 @@ def test_what_is_not_implemented_is_refused_by_name(tmp_path, field, value, matc
         config["sliding_window"] = 64
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=match):
-        _engine(tmp_path)
+        cpu_engine(tmp_path)
 
 
 @pytest.mark.slow
@@ -191,10 +181,10 @@ def test_what_is_not_implemented_is_refused_by_name(tmp_path, field, value, matc
 def test_tensor_and_expert_parallel_give_one_ranks_tokens(make_config, tmp_path):
     _saved(make_config, tmp_path)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    prompts = _prompts()
-    want = [o.token_ids for o in _engine(tmp_path).generate(prompts, params)]
+    prompts = family_prompts()
+    want = [o.token_ids for o in cpu_engine(tmp_path).generate(prompts, params)]
     for expert_parallel in (False, True):
-        engine = _engine(tmp_path, parallel=ParallelConfig(tensor_parallel_size=2,
+        engine = cpu_engine(tmp_path, parallel=ParallelConfig(tensor_parallel_size=2,
                                                            enable_expert_parallel=expert_parallel))
         try:
             got = [o.token_ids for o in engine.generate(prompts, params)]
@@ -217,11 +207,11 @@ def test_speculation_on_an_moe_target_keeps_greedy_output(tmp_path):
     small = dict(TINY, num_hidden_layers=1, intermediate_size=16)
     AutoModelForCausalLM.from_config(Qwen3Config(**small, head_dim=16), dtype=torch.float32).save_pretrained(str(draft))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    prompts = _prompts()
-    want = [o.token_ids for o in _engine(target).generate(prompts, params)]
+    prompts = family_prompts()
+    want = [o.token_ids for o in cpu_engine(target).generate(prompts, params)]
     for spec in (SpecConfig(method="self_draft", num_draft_layers=1, num_speculative_tokens=3),
                  SpecConfig(method="draft_model", draft_model=str(draft), num_speculative_tokens=3)):
-        got = [o.token_ids for o in _engine(target, spec=spec).generate(prompts, params)]
+        got = [o.token_ids for o in cpu_engine(target, spec=spec).generate(prompts, params)]
         assert got == want, spec.method
 
 
@@ -241,7 +231,7 @@ def test_structured_outputs_hold_on_an_moe_model(tmp_path, tokenizer):
                             norm_topk_prob=True)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(tmp_path))
     tokenizer.save_pretrained(str(tmp_path))
-    engine = _engine(tmp_path)
+    engine = cpu_engine(tmp_path)
     prompt = tokenizer.encode("Describe a person as a JSON object.")
     cases = [(name, kwargs) for name in SCHEMAS for kwargs in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 7})]
     outs = engine.generate([prompt] * len(cases), [
