@@ -20,22 +20,29 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdserve.engine.sampling import StructuredOutput
-from pdserve.engine.text.tools import ToolRequest
+from pdserve.engine.text.tools import Function, ToolRequest
 
 REPLY_KEY = "response"
 CALL_KEY = "tool_call"
 CALLS_KEY = "tool_calls"
 
 
+def _allowed(tools: ToolRequest) -> list[Function]:
+    """The functions the answer may call: all, or the one a named choice names."""
+    return [f for f in tools.functions if tools.choice != "function" or f.name == tools.function_name]
+
+
+def _parallel(tools: ToolRequest) -> bool:
+    return tools.parallel and tools.choice != "function"
+
+
 def answer_schema(tools: ToolRequest) -> dict[str, Any]:
     """The JSON schema of the answer: calls to the allowed functions, or (auto) a reply."""
-    allowed = [f for f in tools.functions if tools.choice != "function" or f.name == tools.function_name]
     call = {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name},
                                                          "arguments": json.loads(f.parameters)},
-                       "required": ["name", "arguments"]} for f in allowed]}
-    parallel = tools.parallel and tools.choice != "function"
+                       "required": ["name", "arguments"]} for f in _allowed(tools)]}
     calls = ({"type": "object", "properties": {CALLS_KEY: {"type": "array", "items": call, "minItems": 1}},
-              "required": [CALLS_KEY]} if parallel else
+              "required": [CALLS_KEY]} if _parallel(tools) else
              {"type": "object", "properties": {CALL_KEY: call}, "required": [CALL_KEY]})
     if tools.forced:
         return calls
@@ -49,10 +56,8 @@ def structured(tools: ToolRequest) -> StructuredOutput:
 
 def system_prompt(tools: ToolRequest) -> str:
     """What the model is told of the tools and of the answer's shape."""
-    described = [f.template_tool()["function"] for f in tools.functions
-                 if tools.choice != "function" or f.name == tools.function_name]
-    parallel = tools.parallel and tools.choice != "function"
-    call = ('{"tool_calls": [{"name": <tool name>, "arguments": <its arguments>}, ...]}' if parallel else
+    described = [f.template_tool()["function"] for f in _allowed(tools)]
+    call = ('{"tool_calls": [{"name": <tool name>, "arguments": <its arguments>}, ...]}' if _parallel(tools) else
             '{"tool_call": {"name": <tool name>, "arguments": <its arguments>}}')
     if tools.choice == "function":
         how = f"Call the tool {tools.function_name} with one JSON object: {call}"
