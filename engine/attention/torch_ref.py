@@ -67,7 +67,7 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
     return _Plan(decode_slots, decode_mask, context_slots)
 
 
-def _write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x [tokens, heads, D] into rows `slots` of cache [slots, heads, D], in the cache's
     dtype (`kernels.fp8.quantize` for an FP8 cache, whose rows go in as bytes: torch has
     no index_copy_ for float8 on the CPU). Returns x as written."""
@@ -125,8 +125,8 @@ class _TorchStep:
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         # Attention reads the new k, v as the pool holds them (its dtype may differ from the
         # model's: an FP8 pool's values are rounded, then widened back to q's dtype).
-        k = _write(k_flat, self.meta.slot_mapping, k).to(q.dtype)
-        v = _write(v_flat, self.meta.slot_mapping, v).to(q.dtype)
+        k = write_slots(k_flat, self.meta.slot_mapping, k).to(q.dtype)
+        v = write_slots(v_flat, self.meta.slot_mapping, v).to(q.dtype)
 
         outs = []  # [tokens, H, D] per part of the step, in token order
         nd = self.meta.num_decodes
@@ -163,7 +163,7 @@ class _TorchStep:
         cache = self.pool.latent(layer_idx)
         flat = cache.view(-1, 1, cache.shape[-1])
         # Attention reads the new entries as the pool holds them (an FP8 pool's rounded).
-        entries = _write(flat, self.meta.slot_mapping, torch.cat((kv_c.unsqueeze(1), k_pe), dim=-1))
+        entries = write_slots(flat, self.meta.slot_mapping, torch.cat((kv_c.unsqueeze(1), k_pe), dim=-1))
         entries = entries[:, 0].to(q.dtype)
         outs = []
         nd = self.meta.num_decodes

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.attention.base import AttentionMetadata
+from pdserve.engine.attention.torch_ref import write_slots
 from pdserve.engine.kv.pool import KVPool
 from pdserve.engine.models.rope import Rope
-from pdserve.kernels import fp8
 from pdserve.kernels.mla_decode import mla_decode
 from pdserve.kernels.mla_prefill import mla_prefill
 
@@ -55,11 +55,7 @@ class TritonMLAStep:
         q_pe, k_pe = rope(q[..., nope:], k_pe.unsqueeze(1))
         cache = self.pool.latent(layer_idx)  # [num_blocks, block_size, latent_dim]
         flat = cache.view(-1, cache.shape[-1])
-        entries = torch.cat((kv_c, k_pe[:, 0]), dim=-1)
-        if cache.dtype == fp8.KV_FP8:
-            flat.view(torch.uint8).index_copy_(0, meta.slot_mapping, fp8.quantize(entries).view(torch.uint8))
-        else:
-            flat.index_copy_(0, meta.slot_mapping, entries.to(cache.dtype))
+        write_slots(flat, meta.slot_mapping, torch.cat((kv_c, k_pe[:, 0]), dim=-1))
         out = q.new_empty(q.shape[0], q.shape[1], projection.v_head_dim)
         nd = meta.num_decodes
         if nd:
