@@ -11,7 +11,7 @@ tokens), gate/up with a default down, then down with the best gate/up. "main" is
 main had before the per-pair path (grouped, BLOCK_M 16, BLOCK_N 64, BLOCK_K 32). The torch
 reference is moe.experts_reference (eager: its loop reads the routing back). Limit: the larger
 of the bytes the call must read (each expert it touches once) at 4.3 TB/s and its FLOPs at
-700 TFLOP/s. Prints the table, then the `_TUNED` entries for kernels/fused_moe.py.
+700 TFLOP/s. Prints the table, then the `_TUNED` entries for kernels/moe_plan.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import triton
 
 from benchmarks.gemv_sweep import graph_us
 from pdserve.engine.models.moe import experts_reference
-from pdserve.kernels.fused_moe import Plan, Tile, fused_moe, plan_for
+from pdserve.kernels.fused_moe import fused_moe
+from pdserve.kernels.moe_plan import Plan, Tile, plan_for
 from pdserve.kernels.moe_routing import topk_route
 
 COPY_BW = 4.3e12

@@ -9,16 +9,9 @@ import pytest
 import torch
 
 from pdserve.engine.models.moe import experts_reference, route
-from pdserve.kernels import fused_moe as module
-from pdserve.kernels.fused_moe import (
-    Plan,
-    Tile,
-    fit_plan,
-    fused_moe,
-    plan_for,
-    shared_memory_bytes,
-    shared_memory_limit,
-)
+from pdserve.kernels import moe_plan as module
+from pdserve.kernels.fused_moe import fused_moe
+from pdserve.kernels.moe_plan import Plan, Tile, fit_plan, plan_for, shared_memory_bytes, shared_memory_limit
 from pdserve.kernels.moe_routing import align_by_expert, topk_route
 from tests.kernels.reference import ref_fused_moe, rel_error, tolerance
 
