@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from pdserve.engine.models.mla import MLAProjection
+    from pdserve.engine.models.layers import MLAProjection
 
 
 def mla_expanded(q: torch.Tensor, latents: torch.Tensor, projection: MLAProjection, context: int,

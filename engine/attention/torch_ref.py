@@ -24,8 +24,7 @@ from pdserve.engine.models.rope import Rope
 from pdserve.kernels import fp8
 
 if TYPE_CHECKING:
-    from pdserve.engine.models.layers import HeadNorm
-    from pdserve.engine.models.mla import MLAProjection
+    from pdserve.engine.models.layers import HeadNorm, MLAProjection
 
 # torch's CPU flash-attention kernel, which also returns the log-sum-exp of each query's
 # scores (natural log, scaled) and broadcasts grouped KV heads as `enable_gqa` does.

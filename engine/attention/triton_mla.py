@@ -23,8 +23,7 @@ from pdserve.kernels.mla_decode import mla_decode
 from pdserve.kernels.mla_prefill import mla_prefill
 
 if TYPE_CHECKING:
-    from pdserve.engine.models.layers import HeadNorm
-    from pdserve.engine.models.mla import MLAProjection
+    from pdserve.engine.models.layers import HeadNorm, MLAProjection
 
 
 def _prefill_slots(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

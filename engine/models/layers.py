@@ -19,7 +19,7 @@ for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -33,9 +33,6 @@ from pdserve.kernels.fp8_gemm import FP8, SCALE_BLOCK
 from pdserve.kernels.gemv import gemv
 from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.skinny_gemm import skinny_gemm, skinny_gemm_supported
-
-if TYPE_CHECKING:
-    from pdserve.engine.models.mla import MLAProjection
 
 
 class AttentionStep(Protocol):
@@ -54,6 +51,30 @@ class AttentionStep(Protocol):
         k_pe by `rope`, writes [kv_c | k_pe] into the layer's latent cache and attends, the
         latents expanded or absorbed through `projection` (engine.models.mla)."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class MLAProjection:
+    """`kv_b_proj` of this rank's heads: a latent's expansion to per-head keys and values."""
+
+    kv_b: Linear  # [heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
+    num_heads: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+
+    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [N, kv_lora_rank] -> (k_nope [N, heads, qk_nope_head_dim], v [N, heads, v_head_dim])."""
+        kv = self.kv_b(latent).view(latent.shape[0], self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        return kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+
+    def absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [heads, qk_nope_head_dim, kv_lora_rank], W_UV [heads, v_head_dim, kv_lora_rank])
+        in `dtype`: q_nope @ W_UK is the query in latent space, o_latent @ W_UV.T the output."""
+        w = self.kv_b.weight
+        if self.kv_b.weight_scale is not None:
+            w = fp8.dequantize(w, self.kv_b.weight_scale, self.kv_b.fp8_blocked)
+        w = w.to(dtype).view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
 
 
 class RMSNorm(nn.Module):

@@ -14,42 +14,15 @@ o_proj row-parallel); the latent projections are whole on every rank, and so is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from pdserve.engine.models import fp8
 from pdserve.engine.models.arch import MLAArch, ModelArch
-from pdserve.engine.models.layers import AttentionStep, Linear, RMSNorm, RowParallelLinear
+from pdserve.engine.models.layers import AttentionStep, Linear, MLAProjection, RMSNorm, RowParallelLinear
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.models.rope import Rope
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's: transformers builds them with its default
-
-
-@dataclass(frozen=True, slots=True)
-class MLAProjection:
-    """`kv_b_proj` of this rank's heads: a latent's expansion to per-head keys and values."""
-
-    kv_b: Linear  # [heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
-    num_heads: int
-    qk_nope_head_dim: int
-    v_head_dim: int
-
-    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent [N, kv_lora_rank] -> (k_nope [N, heads, qk_nope_head_dim], v [N, heads, v_head_dim])."""
-        kv = self.kv_b(latent).view(latent.shape[0], self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
-        return kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-
-    def absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [heads, qk_nope_head_dim, kv_lora_rank], W_UV [heads, v_head_dim, kv_lora_rank])
-        in `dtype`: q_nope @ W_UK is the query in latent space, o_latent @ W_UV.T the output."""
-        w = self.kv_b.weight
-        if self.kv_b.weight_scale is not None:
-            w = fp8.dequantize(w, self.kv_b.weight_scale, self.kv_b.fp8_blocked)
-        w = w.to(dtype).view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
-        return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
