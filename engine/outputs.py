@@ -5,6 +5,8 @@ Light on purpose (no torch at import): frontends import it, and Ray ships its cl
 
 from __future__ import annotations
 
+import secrets
+import string
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,7 +17,22 @@ if TYPE_CHECKING:
     from pdserve.engine.kv.tiers import KVTierStats
     from pdserve.engine.sampler import TokenLogprobs
     from pdserve.engine.speculator import SpecMetrics
-    from pdserve.engine.text.tool_parsers import ToolCall
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def new_call_id() -> str:
+    """An OpenAI-style call id: `call_` and 24 random letters and digits."""
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One call the model made: a function's name and its arguments as JSON object text."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=new_call_id)
 
 
 @dataclass(frozen=True, slots=True)

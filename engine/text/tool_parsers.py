@@ -30,26 +30,10 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
-import string
 from dataclasses import dataclass, field
 from typing import Any
 
-_ID_ALPHABET = string.ascii_letters + string.digits
-
-
-def new_call_id() -> str:
-    """An OpenAI-style call id: `call_` and 24 random letters and digits."""
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    """One call the model made: a function's name and its arguments as JSON object text."""
-
-    name: str
-    arguments: str
-    id: str = field(default_factory=new_call_id)
+from pdserve.engine.outputs import ToolCall
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from pdserve.engine.text.tool_parsers import TOOL_FORMATS, ToolCallStream, new_call_id
+from pdserve.engine.outputs import new_call_id
+from pdserve.engine.text.tool_parsers import TOOL_FORMATS, ToolCallStream
 
 HERMES, LLAMA = TOOL_FORMATS["hermes"], TOOL_FORMATS["llama3_json"]
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
