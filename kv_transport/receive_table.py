@@ -25,7 +25,7 @@ from pdserve.kv_transport.api import (
     TransferTimeout,
 )
 from pdserve.kv_transport.shards import PoolShards
-from pdserve.kv_transport.staging import check_block_ids, staging_num_blocks
+from pdserve.kv_transport.staging import check_block_ids, mark_end, staging_num_blocks
 
 # Tells the sender how its payload ended: None when it landed, else the error.
 Ack = Callable[[TransferError | None], None]
@@ -251,20 +251,23 @@ class ReceiveTable:
             ready.record(stream)
         return ready
 
-    async def staging(self, num_blocks: int) -> torch.Tensor:
-        """A buffer for a payload that UCX writes outside torch's stream order. On a GPU it
-        comes from the table's stream, once that stream is idle: memory freed there may
-        still be read by a queued scatter (and memory freed on the engine's stream by a
-        queued step, so never from that one)."""
+    async def staging(self, num_blocks: int) -> tuple[torch.Tensor, bytes]:
+        """A buffer for a payload that UCX writes outside torch's stream order, and the mark at
+        its end (`staging.mark_end`: check it with `end_unwritten` once the payload is in). On a
+        GPU it comes from the table's stream, once that stream is idle: memory freed there may
+        still be read by a queued scatter (and memory freed on the engine's stream by a queued
+        step, so never from that one)."""
         if not self._pool.is_cuda:
-            return self._pool.empty_staging(num_blocks)
+            staging = self._pool.empty_staging(num_blocks)
+            return staging, mark_end(staging)
         stream = self._gpu_stream()
         with torch.cuda.stream(stream):
             staging = self._pool.empty_staging(num_blocks)
+            mark = mark_end(staging)
             idle = torch.cuda.Event()
             idle.record(stream)
         await asyncio.to_thread(idle.synchronize)
-        return staging
+        return staging, mark
 
     def _gpu_stream(self) -> torch.cuda.Stream:
         if self._stream is None:

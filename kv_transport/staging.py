@@ -7,6 +7,7 @@ dominates below tens of MiB (measured 0.56 GB/s at 1 MiB vs 105 GB/s at 512 MiB)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -89,6 +90,35 @@ def empty_staging(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 def staging_num_blocks(staging: torch.Tensor) -> int:
     return staging.shape[1]
+
+
+# Bytes at the end of a receive's staging buffer that the receiver fills with a fresh random
+# value before UCX writes into it: a tagged receive of a message shorter than its buffer
+# completes as a success with no word of its length (ucxx 0.52 reports none), so a payload
+# cut short would land stale memory as KV. A message that is whole overwrites the mark; one
+# short by at least this many bytes (a block is far larger) leaves it.
+MARK_BYTES = 16
+
+
+def mark_end(staging: torch.Tensor) -> bytes:
+    """Write a fresh random mark into the last MARK_BYTES of `staging`; returns it (b"" when the
+    buffer is too small to be told from a payload's own bytes). On a GPU the write is queued on the
+    current stream: the caller synchronizes before UCX writes into the buffer."""
+    tail = staging.reshape(-1).view(torch.uint8)
+    if tail.numel() < 4 * MARK_BYTES:
+        return b""
+    mark = os.urandom(MARK_BYTES)
+    tail[-MARK_BYTES:].copy_(torch.frombuffer(bytearray(mark), dtype=torch.uint8), non_blocking=True)
+    return mark
+
+
+def end_unwritten(staging: torch.Tensor, mark: bytes) -> bool:
+    """Whether the payload received into `staging` stopped short of its end: `mark_end`'s mark
+    is still there (one chance in 2**128 that a whole payload ends with those very bytes)."""
+    if not mark:
+        return False
+    tail = staging.reshape(-1).view(torch.uint8)[-MARK_BYTES:]
+    return bytes(tail.cpu().numpy().tobytes()) == mark
 
 
 def as_bytes(t: torch.Tensor) -> object:

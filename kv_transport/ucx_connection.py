@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pdserve.kv_transport.api import PeerAddress, PeerLost, TransferError, TransferRejected
+from pdserve.kv_transport.faults import TransferFault
 from pdserve.kv_transport.handshake import data_tag
 from pdserve.kv_transport.pool_writer import PoolWriter
 from pdserve.kv_transport.staging import as_bytes, has_repeats, staging_num_blocks
@@ -65,18 +66,28 @@ class Connection:
     def closed(self) -> bool:
         return self.error is not None
 
-    async def transfer(self, request_id: str, staging: torch.Tensor) -> TransferError | None:
-        """Send one request's staging buffer; return the receiver's verdict."""
+    async def transfer(self, request_id: str, staging: torch.Tensor,
+                       fault: TransferFault | None = None) -> TransferError | None:
+        """Send one request's staging buffer; return the receiver's verdict. `fault`: a
+        test's way to break it (faults.py)."""
         if self.error is not None:
             return self.error
         ack: asyncio.Future[TransferError | None] = asyncio.get_running_loop().create_future()
         self._acks[request_id] = ack
-        header = {"t": "xfer", "id": request_id, "n": staging_num_blocks(staging), "transport": self.transport}
+        num_blocks = staging_num_blocks(staging)
+        header = {"t": "xfer", "id": request_id, "n": num_blocks, "transport": self.transport}
         try:
             await self.control.send(header)
-            task = asyncio.create_task(self._send_data(request_id, staging))
-            self._data[request_id] = task
-            task.add_done_callback(lambda _: self._data.pop(request_id, None))
+            payload = as_bytes(staging)
+            if fault is not None and fault.action == "close":
+                self.close(PeerLost(f"{self.peer}: link closed mid-transfer (an injected fault)"))
+                return self.error
+            if fault is not None and fault.action == "truncate":
+                payload = payload[:len(payload) * min(fault.after_blocks, num_blocks - 1) // num_blocks]
+            if fault is None or fault.action != "stall":
+                task = asyncio.create_task(self._send_data(request_id, payload))
+                self._data[request_id] = task
+                task.add_done_callback(lambda _: self._data.pop(request_id, None))
             return await ack
         except asyncio.CancelledError:
             # The caller gave up (cancel or timeout): let the receiver resolve its expect() now.
@@ -194,9 +205,10 @@ class Connection:
         for task in (self._reader, *self._data.values(), *self._tasks):
             task.cancel()
 
-    async def _send_data(self, request_id: str, staging: torch.Tensor) -> None:
+    async def _send_data(self, request_id: str, payload: Any) -> None:
+        """`payload`: the staging buffer's bytes (`as_bytes`), which it keeps alive until UCX is done."""
         try:
-            await ucx_io(self._data_ep.send(as_bytes(staging), tag=data_tag(self._key, request_id), force_tag=True))
+            await ucx_io(self._data_ep.send(payload, tag=data_tag(self._key, request_id), force_tag=True))
         except Exception as e:  # noqa: BLE001 - any UCX failure means the link is gone
             self.close(PeerLost(f"{self.peer}: data send failed: {e}"))
 
@@ -214,6 +226,9 @@ class Connection:
                         ack.set_result(error)
                     if error is not None:
                         self._resolve_grant(str(msg["id"]), error)
+                elif msg["t"] == "refuse":  # we broke the protocol (a bug, or an injected fault)
+                    self.close(TransferRejected(f"{self.peer} refused the connection: {msg.get('reason', '?')}"))
+                    return
                 elif msg["t"] == "closed":
                     self.close(PeerLost(f"{self.peer} closed the connection"))
                     return

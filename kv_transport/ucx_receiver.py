@@ -19,13 +19,21 @@ import torch
 import ucxx
 
 from pdserve.engine.kv.pool import KVLayout
-from pdserve.kv_transport.api import HandshakeRefused, PeerAddress, PeerLost, TransferError, TransferResult
+from pdserve.kv_transport.api import (
+    HandshakeRefused,
+    PeerAddress,
+    PeerLost,
+    TransferError,
+    TransferRejected,
+    TransferResult,
+    TransferTimeout,
+)
 from pdserve.kv_transport.config import TransportConfig
 from pdserve.kv_transport.cuda_ipc import export_pool
 from pdserve.kv_transport.handshake import HELLO_TAG, data_tag, layout_fields, prove_address
 from pdserve.kv_transport.receive_table import ReceiveTable
 from pdserve.kv_transport.shards import PoolShards
-from pdserve.kv_transport.staging import as_bytes
+from pdserve.kv_transport.staging import as_bytes, end_unwritten
 from pdserve.kv_transport.ucx_link import (
     PROBE_BYTES,
     PROBE_ID,
@@ -51,9 +59,10 @@ class _Connection:
 
     def __init__(
         self, ctl: Control, link: Link, session: Session, kv: PoolShards, table: ReceiveTable,
-        on_close: Callable[[_Connection, bool, bool], None],
+        on_close: Callable[[_Connection, bool, bool], None], timeout_s: float,
     ) -> None:
         self.control = ctl
+        self._timeout_s = timeout_s  # the transfer timeout: a payload announced and not sent within it ends us
         self.link = link
         self.connection_id = ctl.connection_id
         self._on_close = on_close
@@ -65,6 +74,7 @@ class _Connection:
         self._copied: list[torch.cuda.Event] = []  # the writer's copy events (CUDA IPC), if opened
         self._copied_handles = ""
         self._tasks: set[asyncio.Task[None]] = set()
+        self._farewell: set[asyncio.Task[None]] = set()  # the refusal of a sender that broke the protocol
         self.closed = False
         self._reader = asyncio.create_task(self._read())
 
@@ -85,32 +95,12 @@ class _Connection:
     async def _read(self) -> None:
         try:
             while True:
-                msg = await self.control.recv()
-                if msg["t"] == "xfer" and msg.get("mode") == "write":
-                    self._open_copy_events(str(msg.get("events", "")))
-                    self._start_write(str(msg["id"]))
-                elif msg["t"] == "xfer":
-                    self._start_receive(str(msg["id"]), int(msg["n"]), str(msg.get("transport", "unknown")))
-                elif msg["t"] == "written":
-                    request_id = str(msg["id"])
-                    if request_id in self._writing:
-                        ready = self._copy_event(msg.get("event"))  # a bad index closes us, failing it too
-                        self._writing.discard(request_id)
-                        self._table.written(request_id, "cuda_ipc", ready)
-                elif msg["t"] == "alive":  # the sender still computes these requests' KV
-                    ids = msg.get("ids")
-                    if isinstance(ids, list):
-                        self._table.touch([str(i) for i in ids])
-                elif msg["t"] == "cancel":
-                    request_id = str(msg["id"])
-                    self._writing.discard(request_id)  # a writer that cancels has no copy in flight
-                    self._table.cancel(request_id, "cancelled by the sender", writer_done=True)
-                elif msg["t"] == "closed":  # the sender closed its link
-                    self.close(tell=False)
-                    return
-                elif msg["t"] == "refuse":
-                    logger.warning("KV sender gave up the connection: %s", msg.get("reason"))
-                    self.close(close_link=False)
+                try:
+                    msg = await self.control.recv()
+                    if not self._on_frame(msg):
+                        return
+                except (KeyError, TypeError, ValueError) as e:  # a frame that breaks the protocol
+                    self._refuse(f"malformed control frame: {e!r}")
                     return
         except asyncio.CancelledError:
             raise
@@ -118,12 +108,60 @@ class _Connection:
             logger.info("KV sender connection closed: %s", e)
         self.close()
 
+    def _on_frame(self, msg: dict[str, Any]) -> bool:
+        """Act on one of the sender's frames; False once the connection has ended. Raises
+        KeyError, TypeError or ValueError on a malformed one."""
+        if msg["t"] == "xfer" and msg.get("mode") == "write":
+            self._open_copy_events(str(msg.get("events", "")))
+            self._start_write(_request_id(msg))
+        elif msg["t"] == "xfer":
+            num_blocks = msg["n"]
+            if type(num_blocks) is not int:
+                raise TypeError(f"xfer of {msg['id']!r}: block count {num_blocks!r} is not an integer")
+            self._start_receive(_request_id(msg), num_blocks, str(msg.get("transport", "unknown")))
+        elif msg["t"] == "written":
+            request_id = _request_id(msg)
+            if request_id in self._writing:
+                ready = self._copy_event(msg.get("event"))  # a bad index closes us, failing it too
+                self._writing.discard(request_id)
+                self._table.written(request_id, "cuda_ipc", ready)
+        elif msg["t"] == "alive":  # the sender still computes these requests' KV
+            ids = msg.get("ids")
+            if isinstance(ids, list):
+                # Not those whose data it announced: their KV exists, and the wait for it is
+                # bounded from the header on, whatever the sender says after.
+                self._table.touch([str(i) for i in ids if str(i) not in self._receiving])
+        elif msg["t"] == "cancel":
+            request_id = _request_id(msg)
+            self._writing.discard(request_id)  # a writer that cancels has no copy in flight
+            self._table.cancel(request_id, "cancelled by the sender", writer_done=True)
+        elif msg["t"] == "closed":  # the sender closed its link
+            self.close(tell=False)
+            return False
+        elif msg["t"] == "refuse":
+            logger.warning("KV sender gave up the connection: %s", msg.get("reason"))
+            self.close(close_link=False)
+            return False
+        return True
+
+    def _refuse(self, reason: str, request_id: str | None = None) -> None:
+        """The sender broke the protocol: say why (in our log and to it), fail the request it
+        named, if any, and end the connection. The receiver serves on."""
+        logger.warning("KV sender broke the protocol, connection closed: %s", reason)
+        if request_id is not None and request_id not in self._receiving and request_id not in self._writing:
+            self._table.failed(request_id, TransferRejected(f"request {request_id!r}: {reason}"))
+        # Not among the tasks close() cancels: posted before the link's "closed", it arrives first.
+        spawn(self.control.send({"t": "refuse", "reason": reason}), self._farewell)
+        self.close()
+
     def _check_header(self, request_id: str, num_blocks: int | None) -> bool:
-        bad_count = num_blocks is not None and not 0 < num_blocks <= self._kv.num_blocks
-        if bad_count or request_id in self._receiving or request_id in self._writing:
-            # The sender checks both before sending; a violation means a broken peer.
-            logger.warning("KV sender broke the protocol (request %r, %d blocks)", request_id, num_blocks)
-            self.close()
+        # The sender checks both before sending; a violation means a broken peer.
+        if num_blocks is not None and not 0 < num_blocks <= self._kv.num_blocks:
+            self._refuse(f"xfer of {request_id!r} names {num_blocks} blocks, the pool has {self._kv.num_blocks}",
+                         request_id)
+            return False
+        if request_id in self._receiving or request_id in self._writing:
+            self._refuse(f"xfer of {request_id!r} while its transfer is under way")
             return False
         return True
 
@@ -176,22 +214,43 @@ class _Connection:
         task.add_done_callback(self._tasks.discard)
 
     async def _receive(self, request_id: str, num_blocks: int, transport: str) -> None:
-        staging = await self._table.staging(num_blocks)
+        staging, mark = await self._table.staging(num_blocks)
         try:
             # Posted on the link's endpoint so that closing it (or its error) cancels the receive.
-            await ucx_io(self.link.ctl_ep.recv(as_bytes(staging), tag=data_tag(self._key, request_id), force_tag=True))
+            # Bounded from the header on: a sender that announces data and never sends it is
+            # broken, and the receive it leaves posted (and its buffer) goes with the link.
+            receive = self.link.ctl_ep.recv(as_bytes(staging), tag=data_tag(self._key, request_id), force_tag=True)
+            await asyncio.wait_for(ucx_io(receive), self._timeout_s)
         except Exception as e:  # noqa: BLE001
+            why = f"not sent within {self._timeout_s:g}s of its header" if isinstance(e, TimeoutError) else \
+                f"data receive failed: {e}"
             self._receiving.discard(request_id)
-            self._table.failed(request_id, PeerLost(f"request {request_id!r}: data receive failed: {e}"))
+            self._table.failed(request_id, (TransferTimeout if isinstance(e, TimeoutError) else PeerLost)(
+                f"request {request_id!r}: {why}"))
             self.close()
             return
         self._receiving.discard(request_id)
+        if end_unwritten(staging, mark):
+            # UCX completes a shorter message as a success: never land what it left unwritten.
+            error = TransferRejected(f"request {request_id!r}: the sender's data ended short of the "
+                                     f"{num_blocks} blocks its header announced")
+            logger.warning("KV sender broke the protocol: %s", error)
+            self._table.failed(request_id, error)
+            self._ack(request_id, error)
+            return
         self._table.landed(request_id, staging, transport, lambda error: self._ack(request_id, error))
 
     def _ack(self, request_id: str, error: TransferError | None) -> None:
         if self.closed:
             return
         spawn(self.control.send({"t": "done", "id": request_id, "error": error_to_wire(error)}), self._tasks)
+
+
+def _request_id(msg: dict[str, Any]) -> str:
+    request_id = msg["id"]
+    if not isinstance(request_id, str) or not request_id:
+        raise TypeError(f"{msg['t']!r} frame: request id {request_id!r} is not a string")
+    return request_id
 
 
 MAX_HANDSHAKES = 64  # hellos answered at once; more are dropped (their senders time out and retry)
@@ -339,7 +398,8 @@ class UcxKVReceiver:
             self._connection_ids.discard(hello.connection_id)
             return
         session, ctl, link = accepted
-        self._conns.add(_Connection(ctl, link, session, self._kv, self._table, self._connection_closed))
+        self._conns.add(_Connection(ctl, link, session, self._kv, self._table, self._connection_closed,
+                                    self._config.transfer_timeout_s))
 
     async def _link_for(self, hello: Hello) -> Link:
         """Our link back for the sender's link that the hello names (see Link): the one we

@@ -29,6 +29,7 @@ from pdserve.kv_transport.api import (
 )
 from pdserve.kv_transport.config import TransportConfig
 from pdserve.kv_transport.cuda_ipc import open_pool
+from pdserve.kv_transport.faults import TransferFault
 from pdserve.kv_transport.handshake import data_tag, layout_fields, new_connection_id, prove_address
 from pdserve.kv_transport.keepalive import KeepAlive
 from pdserve.kv_transport.shards import PoolShards
@@ -78,6 +79,22 @@ class UcxKVSender:
         self._stream: torch.cuda.Stream | None = None  # message-path gathers (GPU pools)
         # Prepared requests, named to their receivers until sent, so their waits outlast the prefill.
         self._alive = KeepAlive(config.keepalive_interval_s, self._keep_alive)
+        self._fault: TransferFault | None = None  # a test's (faults.py), for its next transfers
+        self._faults_left = 0
+        self.faults_hit = 0  # transfers the injected faults broke so far
+
+    def inject(self, fault: TransferFault | None) -> None:
+        """Test seam (faults.py): break the next `fault.times` transfers over UCX messages
+        as `fault` says; None withdraws what is left of an earlier one."""
+        self._fault = fault
+        self._faults_left = 0 if fault is None else fault.times
+
+    def _take_fault(self) -> TransferFault | None:
+        if self._faults_left < 1:
+            return None
+        self._faults_left -= 1
+        self.faults_hit += 1
+        return self._fault
 
     @property
     def num_connections(self) -> int:
@@ -163,7 +180,7 @@ class UcxKVSender:
             return TransferRejected(f"request {request_id!r}: {ids.numel()} blocks, {peer} has {conn.peer_num_blocks}")
         if conn.peer_kv is not None:
             return await conn.write(request_id, ids, after)
-        return await conn.transfer(request_id, await self._gather(ids, after))
+        return await conn.transfer(request_id, await self._gather(ids, after), self._take_fault())
 
     async def _gather(self, ids: torch.Tensor, after: torch.cuda.Event | None) -> torch.Tensor:
         """The blocks packed for one UCX message. On a GPU on a stream of our own behind

@@ -22,6 +22,7 @@ import ucxx
 
 from pdserve.engine.kv.pool import KVLayout, KVPool
 from pdserve.kv_transport import PeerAddress, TransferResult, TransportConfig, release_on_failure
+from pdserve.kv_transport.faults import TransferFault
 from pdserve.kv_transport.handshake import HELLO_TAG
 from pdserve.kv_transport.ucx_link import MAX_FRAME_BYTES, stop_ucx
 from pdserve.kv_transport.ucx_receiver import UcxKVReceiver
@@ -137,6 +138,10 @@ class _Peer:
                     connection.close()
             if cmd["op"] == "stall":
                 self._stall_handshakes(cmd["where"], cmd["count"])
+            if cmd["op"] == "fault":  # the sender breaks its next transfers (kv_transport/faults.py)
+                self.peer.inject(TransferFault(**cmd["fault"]))
+            if cmd["op"] == "malformed":
+                self.conn.send({"op": "malformed", "errors": await self._send_malformed(cmd["peer"], cmd["frames"])})
         await self.peer.close()
         stop_ucx()  # or the process waits at its exit for ucxx's notifier thread
 
@@ -160,6 +165,24 @@ class _Peer:
         ep = await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=True)
         for data in frames:
             await ep.send(np.frombuffer(data, np.uint8), tag=HELLO_TAG, force_tag=True)
+
+    async def _send_malformed(self, peer: PeerAddress, frames: list[dict[str, Any] | bytes]) -> list[str]:
+        """Each of `frames` over an authenticated connection of its own (a dict: a well-formed
+        frame of bad content; bytes: a frame as they are, e.g. cut short): how the connection
+        ended, as "ErrorClass: message" (or "open" if the receiver let it be)."""
+        errors = []
+        for frame in frames:
+            conn = await self.peer._connection(peer)
+            if isinstance(frame, dict):
+                await conn.control.send(frame)
+            else:
+                await conn.control.ep.send(np.frombuffer(frame, np.uint8), tag=conn.control._send_tag, force_tag=True)
+            for _ in range(100):
+                if conn.closed:
+                    break
+                await asyncio.sleep(0.05)
+            errors.append(f"{type(conn.error).__name__}: {conn.error}" if conn.closed else "open")
+        return errors
 
     def _stall_handshakes(self, where: str, count: int) -> None:
         """The receiver's next `count` handshakes hang past the connect timeout, as in a
