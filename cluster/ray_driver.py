@@ -7,6 +7,8 @@ import contextlib
 import ipaddress
 import logging
 import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,55 @@ def _start_local(node_ip_address: str, options: dict[str, Any]) -> None:
             logger.warning("Ray's local node did not start (attempt %d of %d), starting it again: %s",
                            attempt, LOCAL_START_ATTEMPTS, e)
             ray.shutdown()
+
+
+def shutdown_ray(grace_s: float = 5.0) -> None:
+    """End this driver's Ray, and then every process under the driver that outlived it.
+
+    `ray.shutdown()` ends a local cluster's GCS and raylet, but a worker process does not always
+    go with its raylet: one that was loading its model when Ctrl-C stopped `pdserve serve`'s start
+    lived on, orphaned (a `ray::DecodeWorker`, found 2026-12-06). So the driver's descendants
+    are listed first (Ray's processes, their workers and whatever those started) and whichever is
+    still there `grace_s` after the shutdown is killed. A driver that joined a cluster has no
+    Ray process under it: the cluster's own are not touched. Linux only (/proc); elsewhere it
+    is `ray.shutdown()`."""
+    started = _descendants(os.getpid())
+    ray.shutdown()
+    deadline = time.monotonic() + grace_s
+    while (alive := [p for p in started if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid, _ in alive:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+        logger.warning("killed process %d, left running after Ray's shutdown", pid)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command (state, ppid, ...), or None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every process below `root`; the start time tells a pid reused later."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if name.isdigit() and (fields := _stat(int(name))) is not None:
+            children.setdefault(int(fields[1]), []).append((int(name), fields[19]))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child[0])
+    return found
+
+
+def _alive(process: tuple[int, str]) -> bool:
+    fields = _stat(process[0])
+    return fields is not None and fields[19] == process[1] and fields[0] != "Z"
 
 
 def neutral_directory() -> Path:

@@ -122,7 +122,19 @@ class Pool:
         return next((w for w in (*self.workers, *self.gone) if w.worker_id == worker_id), None)
 
     async def start(self) -> None:
-        self.workers = list(await asyncio.gather(*(self._spawn() for _ in range(self.size))))
+        """Start the pool's first workers; if one fails (or the start is cancelled), the others
+        are stopped, those started included, before the error is raised."""
+        spawning = [asyncio.ensure_future(self._spawn()) for _ in range(self.size)]
+        try:
+            self.workers = list(await asyncio.gather(*spawning))
+        except BaseException:
+            for task in spawning:
+                task.cancel()  # a worker still starting kills its actor (_start_actor)
+            done = await asyncio.gather(*spawning, return_exceptions=True)
+            for worker in done:
+                if isinstance(worker, Worker):
+                    ray.kill(worker.actor, no_restart=True)
+            raise
 
     async def add(self) -> Worker:
         """One more worker, started as the pool's first ones are (`_spawn`), serving once its
@@ -188,18 +200,25 @@ class Pool:
             options["resources"] = {spec.resource: 1}
         cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(spec.cls)  # not settable in .options()
         actor = cls.options(**options).remote(worker_id, *spec.args, slot=slot)
+        started = asyncio.ensure_future(_result(actor.start.remote()))
         try:
-            return actor, await asyncio.wait_for(actor.start.remote(), self.health.start_timeout_s)
-        except asyncio.TimeoutError:
-            ray.kill(actor, no_restart=True)
-            # Pending placement counts too: an actor that no node has room for waits for Ray's
-            # autoscaler to add one, and a cluster without one (or at its max) never does.
-            raise WorkerStartTimeout(
-                f"{self.role} worker {worker_id} did not start within {self.health.start_timeout_s:g} s "
-                f"(health.start_timeout_s): it needs {spec.num_gpus:g} GPU(s), {spec.num_cpus:g} CPU(s)"
-                f"{f' and resource {spec.resource!r}' if spec.resource else ''}; if no node has them free and "
-                f"no autoscaler adds one, it waits in vain") from None
+            waited, timeout = 0.0, self.health.start_timeout_s
+            while not started.done():
+                step = min(self.health.start_report_s, timeout - waited)
+                if step <= 0:
+                    # Pending placement counts too: an actor that no node has room for waits for Ray's
+                    # autoscaler to add one, and a cluster without one (or at its max) never does.
+                    raise WorkerStartTimeout(
+                        f"{self.role} worker {worker_id} did not start within {timeout:g} s "
+                        f"(health.start_timeout_s): {placement(actor, spec)}")
+                await asyncio.wait([started], timeout=step)
+                waited += step
+                if not started.done():
+                    logger.warning("%s worker %s not started after %.0f s: %s", self.role, worker_id, waited,
+                                   placement(actor, spec))
+            return actor, started.result()
         except BaseException:
+            started.cancel()
             ray.kill(actor, no_restart=True)
             raise
 
@@ -261,3 +280,49 @@ class Pool:
         except Exception:  # noqa: BLE001 - best effort, the actor is killed next
             pass
         ray.kill(worker.actor, no_restart=True)
+
+
+async def start_pools(pools: list[Pool]) -> None:
+    """Start every pool at once; if one fails (or the start is cancelled), the others stop
+    too, their started workers killed, before the error is raised: nothing is left running."""
+    starting = [asyncio.ensure_future(p.start()) for p in pools]
+    try:
+        await asyncio.gather(*starting)
+    except BaseException:
+        for task in starting:
+            task.cancel()
+        await asyncio.gather(*starting, return_exceptions=True)
+        raise
+
+
+async def _result(ref: Any) -> Any:
+    return await ref
+
+
+def placement(actor: Any, spec: ActorSpec) -> str:
+    """Where a worker's actor stands, for an operator waiting on it: placed and starting (its
+    model loading), or waiting for room, with what it needs and what the cluster has."""
+    need = {"CPU": spec.num_cpus, "GPU": spec.num_gpus, **({spec.resource: 1} if spec.resource else {})}
+    need = {name: amount for name, amount in need.items() if amount > 0}
+    wants = ", ".join(f"{amount:g} {name}" for name, amount in need.items()) or "no resources"
+    try:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        placed = _placed(actor)
+    except Exception as e:  # noqa: BLE001 - a report, never a reason to fail the start
+        return f"it needs {wants} (the cluster's resources could not be read: {e})"
+    has = ", ".join(f"{total.get(name, 0):g} {name} ({free.get(name, 0):g} free)" for name in need) or "-"
+    if placed:
+        return f"it is placed (it needs {wants}) and still starting: loading its model"
+    return (f"it is waiting for room: it needs {wants}; the cluster has {has}. It starts once a node with "
+            f"room joins (Ray's autoscaler) or workers leave; on one machine, ask for fewer workers "
+            f"(--num-prefill, --num-decode) or give Ray more slots (RAY_OVERRIDE_RESOURCES='{{\"CPU\": 8}}')")
+
+
+def _placed(actor: Any) -> bool:
+    """Whether Ray has given the actor a process yet (its creation leased a worker). Ray's GCS
+    actor table says so by a pid; the public state API would need the dashboard, which local
+    clusters here run without."""
+    from ray._private import state
+
+    info = state.actors(actor._actor_id.hex())
+    return bool(info and info.get("Pid"))

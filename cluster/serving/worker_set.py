@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pdserve.cluster.serving.errors import WorkerLost, WorkerUnavailable, cause
 from pdserve.cluster.serving.kv_index import KVIndex
 from pdserve.cluster.serving.metrics import Metrics
-from pdserve.cluster.serving.pools import Phase, Pool, Worker
+from pdserve.cluster.serving.pools import Phase, Pool, Worker, start_pools
 from pdserve.cluster.serving.router import PromptBlocks, make_policy
 from pdserve.cluster.serving.seats import Seat, SeatLine, may_wait
 from pdserve.cluster.serving.token_streams import StreamQueue, TokenStreams
@@ -97,7 +97,7 @@ class WorkerSet:
         return [p for p in (self.prefill, self.decode) if p is not None]
 
     async def start(self, health_interval_s: float) -> None:
-        await asyncio.gather(*(p.start() for p in self.pools()))
+        await start_pools(self.pools())  # all or none: a failed start leaves no worker running
         for w in self.decode.workers:
             self.streams.follow(w)
         self._tasks = [asyncio.create_task(self._health_loop(health_interval_s)),

@@ -227,6 +227,8 @@ class HealthConfig:
         command running all that time) is replaced. Generous: on a CPU one prefill step
         of a long prompt takes minutes.
     start_timeout_s: bound on a worker's start (model load and a first GGUF conversion).
+    start_report_s: a worker not started yet says so this often, and why: waiting for room (what
+        it needs, what the cluster has) or loading its model.
     start_attempts: how often a worker is created before its pool gives up, when Ray reports
         the actor dead before its constructor ran (a failed constructor is not retried).
     """
@@ -236,6 +238,7 @@ class HealthConfig:
     unresponsive_after_s: float = 60.0
     stuck_after_s: float = 1800.0
     start_timeout_s: float = 300.0
+    start_report_s: float = 5.0
     start_attempts: int = 2
 
     def __post_init__(self) -> None:

@@ -23,12 +23,17 @@ from pdserve.cluster.settings.config import HealthConfig
 from tests.cluster.fake_multinode import IdleWorker
 
 
-def test_a_worker_no_node_can_hold_fails_its_add_within_the_bound(ray_cluster):
+def test_a_worker_no_node_can_hold_fails_its_add_within_the_bound(ray_cluster, caplog):
+    """...saying while it waits, and in its error, what it needs and what the cluster has."""
     async def run() -> None:
         pool = Pool("decode", 0, ActorSpec(IdleWorker, (), 0.1, 0, "pdserve_test_no_such_label"),
-                    HealthConfig(start_timeout_s=2))
-        with pytest.raises(WorkerStartTimeout, match="pdserve_test_no_such_label.*no autoscaler adds one"):
-            await pool.add()
+                    HealthConfig(start_timeout_s=2, start_report_s=0.5))
+        with caplog.at_level("WARNING", logger="pdserve.cluster.serving.pools"):
+            with pytest.raises(WorkerStartTimeout, match="waiting for room: it needs 0.1 CPU, 1 "
+                                                         "pdserve_test_no_such_label; the cluster has .* CPU"):
+                await pool.add()
+        reports = [r.getMessage() for r in caplog.records if "not started after" in r.getMessage()]
+        assert len(reports) >= 2 and all("0 pdserve_test_no_such_label (0 free)" in r for r in reports), reports
         assert pool.workers == []
         placed = Pool("decode", 0, ActorSpec(IdleWorker, (), 0.1, 0, ""), HealthConfig(start_timeout_s=60))
         worker = await placed.add()
