@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -131,15 +130,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pdserve.cluster.ray_driver import shutdown_ray
 
-    # SIGTERM while starting stops the start as Ctrl-C does (the server, once up, handles both).
-    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
     try:
         uvloop.run(serve_forever(config))
     except KeyboardInterrupt:  # Ctrl-C before the server was up: the start was cancelled
         print("pdserve: interrupted while starting; stopped", file=sys.stderr)
         return 130
     finally:
-        shutdown_ray()  # nothing of the server's is left running, wherever its start stopped
+        # Nothing of the server's is left running, wherever its start stopped (SIGTERM there is
+        # Ray's handler's, once Ray is up: a SystemExit that passes here too).
+        shutdown_ray()
     return 0
 
 

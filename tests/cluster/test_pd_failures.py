@@ -12,7 +12,9 @@ landing.
 - a prefill worker SIGKILLed while its KV is on the wire: the request completes through the
   other prefill worker.
 
-Malformed transfer metadata is refused at the transport (tests/kv_transport/test_ucx_faults.py).
+- a peer with the cluster's secret sending the decode worker malformed or truncated transfer
+  metadata: refused, and the decode worker serves the next request (the transport's own
+  tests: tests/kv_transport/test_ucx_faults.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from pdserve.kv_transport.faults import TransferFault
 from pdserve.proto.v1 import generation_pb2 as pb
 from tests.cluster.streams import collect, pools_are_full, wait_until
 from tests.engine.prompts import prompt_ids
+from tests.kv_transport.peers import PeerSpec
+from tests.kv_transport.test_ucx_faults import MALFORMED
+from tests.kv_transport.test_ucx_processes import peers
 
 pytestmark = pytest.mark.slow
 
@@ -141,6 +146,25 @@ def test_a_transfer_cut_midway_is_retried_never_answered_with_wrong_tokens(srv, 
     assert broken >= 1 and _counter(srv, "pdserve_request_migrations_total") - migrations == broken
     _decode_holds_nothing(srv)
     assert collect(srv.target, prompt, GREEDY).token_ids == want  # and the next request is fine
+
+
+def test_malformed_transfer_metadata_is_refused_and_the_decode_worker_serves_on(srv, engine, tokenizer):
+    """A process that holds the cluster's secret and the decode worker's KV layout (it passes
+    the handshake) sends transfer headers with bad, missing or mistyped fields and frames cut
+    short or not JSON: each connection is refused with the reason; the decode worker then serves
+    a request with the engine's tokens and holds nothing."""
+    [decode] = srv.server.worker_set.decode.workers
+    layout = _call(decode, lambda self: self.loop.engine.kv_wire_layout)
+    secret = srv.server.worker_set.prefill.spec.args[1].secret
+    spec = PeerSpec(secret=secret, wire_layout=layout, num_blocks=4, timeout_s=TRANSFER_TIMEOUT_S)
+    with peers(("stranger", spec)) as (stranger,):
+        stranger.command("malformed", peer=decode.address, frames=[frame for frame, _ in MALFORMED])
+        errors = stranger._next("malformed", len(MALFORMED) * 2 * TRANSFER_TIMEOUT_S)["errors"]
+    for (frame, words), error in zip(MALFORMED, errors):
+        assert error.startswith("TransferRejected") and words in error, (frame, error)
+    prompt = prompt_ids(tokenizer, 30, variant=400)
+    assert collect(srv.target, prompt, GREEDY).token_ids == _want(engine, [prompt])[0]
+    _decode_holds_nothing(srv)
 
 
 def test_a_prefill_worker_sigkilled_while_its_kv_is_on_the_wire(srv, engine, tokenizer):

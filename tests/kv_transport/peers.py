@@ -45,8 +45,11 @@ class PeerSpec:
     direct: bool = False
     device: str = "cpu"  # the pool's; on a GPU the real CUDA IPC mapping serves direct writes
     dtype: torch.dtype = torch.float16  # the pool's (float8_e4m3fn: an FP8 cache)
+    wire_layout: KVLayout | None = None  # a real worker's (a stranger that passes its handshake), else the above
 
     def layout(self) -> KVLayout:
+        if self.wire_layout is not None:
+            return self.wire_layout
         return KVLayout(self.model, self.dtype, num_layers=2, num_kv_heads=2, head_dim=self.head_dim, block_size=4)
 
     def config(self) -> TransportConfig:

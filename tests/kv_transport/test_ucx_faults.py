@@ -101,7 +101,7 @@ def _frame(payload: bytes, claimed: int | None = None) -> bytes:
 
 MALFORMED = [
     ({"t": "xfer", "id": "named", "n": -3}, "names -3 blocks"),
-    ({"t": "xfer", "id": "named-2", "n": 1 << 40}, "the pool has 64"),
+    ({"t": "xfer", "id": "named-2", "n": 1 << 40}, f"names {1 << 40} blocks, the pool has"),
     ({"t": "xfer", "id": "x", "n": "lots"}, "is not an integer"),
     ({"t": "xfer", "id": 7, "n": 1}, "is not a string"),
     ({"t": "xfer"}, "KeyError"),
