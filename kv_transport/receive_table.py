@@ -25,7 +25,13 @@ from pdserve.kv_transport.api import (
     TransferTimeout,
 )
 from pdserve.kv_transport.shards import PoolShards
-from pdserve.kv_transport.staging import check_block_ids, mark_end, staging_num_blocks
+from pdserve.kv_transport.staging import (
+    check_block_ids,
+    end_unwritten,
+    mark_end,
+    staging_num_blocks,
+    staging_tail,
+)
 
 # Tells the sender how its payload ended: None when it landed, else the error.
 Ack = Callable[[TransferError | None], None]
@@ -268,6 +274,21 @@ class ReceiveTable:
             idle.record(stream)
         await asyncio.to_thread(idle.synchronize)
         return staging, mark
+
+    async def cut_short(self, staging: torch.Tensor, mark: bytes) -> bool:
+        """Whether a payload UCX has received into `staging` (from `staging()`) ended before the
+        buffer did (`staging.end_unwritten`). On a GPU its tail is read on the table's stream,
+        awaited off the event loop: never behind the engine's queued steps."""
+        if not mark:
+            return False
+        if not self._pool.is_cuda:
+            return end_unwritten(staging_tail(staging), mark)
+        with torch.cuda.stream(self._gpu_stream()):
+            tail = staging_tail(staging).to("cpu", non_blocking=True)
+            read = torch.cuda.Event()
+            read.record()
+        await asyncio.to_thread(read.synchronize)
+        return end_unwritten(tail, mark)
 
     def _gpu_stream(self) -> torch.cuda.Stream:
         if self._stream is None:

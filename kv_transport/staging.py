@@ -102,23 +102,25 @@ MARK_BYTES = 16
 
 def mark_end(staging: torch.Tensor) -> bytes:
     """Write a fresh random mark into the last MARK_BYTES of `staging`; returns it (b"" when the
-    buffer is too small to be told from a payload's own bytes). On a GPU the write is queued on the
-    current stream: the caller synchronizes before UCX writes into the buffer."""
-    tail = staging.reshape(-1).view(torch.uint8)
-    if tail.numel() < 4 * MARK_BYTES:
+    buffer is too small to be told from a payload's own bytes). On a GPU the copy from the host is
+    ordered on the current stream: the caller synchronizes with it before UCX writes the buffer."""
+    if staging.numel() * staging.element_size() < 4 * MARK_BYTES:
         return b""
     mark = os.urandom(MARK_BYTES)
-    tail[-MARK_BYTES:].copy_(torch.frombuffer(bytearray(mark), dtype=torch.uint8), non_blocking=True)
+    staging_tail(staging).copy_(torch.frombuffer(bytearray(mark), dtype=torch.uint8))
     return mark
 
 
-def end_unwritten(staging: torch.Tensor, mark: bytes) -> bool:
-    """Whether the payload received into `staging` stopped short of its end: `mark_end`'s mark
-    is still there (one chance in 2**128 that a whole payload ends with those very bytes)."""
-    if not mark:
-        return False
-    tail = staging.reshape(-1).view(torch.uint8)[-MARK_BYTES:]
-    return bytes(tail.cpu().numpy().tobytes()) == mark
+def end_unwritten(tail: torch.Tensor, mark: bytes) -> bool:
+    """Whether the payload received into a staging buffer stopped short of its end: `mark_end`'s
+    mark is still in `tail` (`staging_tail`, on the host). One chance in 2**128 that a whole
+    payload ends with those very bytes."""
+    return bool(mark) and bytes(tail.numpy().tobytes()) == mark
+
+
+def staging_tail(staging: torch.Tensor) -> torch.Tensor:
+    """The last MARK_BYTES of `staging` (on its device)."""
+    return staging.reshape(-1).view(torch.uint8)[-MARK_BYTES:]
 
 
 def as_bytes(t: torch.Tensor) -> object:

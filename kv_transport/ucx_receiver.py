@@ -33,7 +33,7 @@ from pdserve.kv_transport.cuda_ipc import export_pool
 from pdserve.kv_transport.handshake import HELLO_TAG, data_tag, layout_fields, prove_address
 from pdserve.kv_transport.receive_table import ReceiveTable
 from pdserve.kv_transport.shards import PoolShards
-from pdserve.kv_transport.staging import as_bytes, end_unwritten
+from pdserve.kv_transport.staging import as_bytes
 from pdserve.kv_transport.ucx_link import (
     PROBE_BYTES,
     PROBE_ID,
@@ -229,9 +229,10 @@ class _Connection:
                 f"request {request_id!r}: {why}"))
             self.close()
             return
+        # UCX completes a shorter message as a success: never land what it left unwritten.
+        cut_short = await self._table.cut_short(staging, mark)
         self._receiving.discard(request_id)
-        if end_unwritten(staging, mark):
-            # UCX completes a shorter message as a success: never land what it left unwritten.
+        if cut_short:
             error = TransferRejected(f"request {request_id!r}: the sender's data ended short of the "
                                      f"{num_blocks} blocks its header announced")
             logger.warning("KV sender broke the protocol: %s", error)
