@@ -208,14 +208,14 @@ class Pool:
                 if step <= 0:
                     # Pending placement counts too: an actor that no node has room for waits for Ray's
                     # autoscaler to add one, and a cluster without one (or at its max) never does.
-                    raise WorkerStartTimeout(
-                        f"{self.role} worker {worker_id} did not start within {timeout:g} s "
-                        f"(health.start_timeout_s): {placement(actor, spec)}")
+                    raise WorkerStartTimeout(f"{self.role} worker {worker_id} did not start within {timeout:g} s "
+                                             f"(health.start_timeout_s): {placement(actor, spec)[1]}")
                 await asyncio.wait([started], timeout=step)
                 waited += step
                 if not started.done():
-                    logger.warning("%s worker %s not started after %.0f s: %s", self.role, worker_id, waited,
-                                   placement(actor, spec))
+                    waiting, where = placement(actor, spec)  # a model loading is news, room lacking a warning
+                    logger.log(logging.WARNING if waiting else logging.INFO, "%s worker %s not started after "
+                               "%.0f s: %s", self.role, worker_id, waited, where)
             return actor, started.result()
         except BaseException:
             started.cancel()
@@ -299,9 +299,10 @@ async def _result(ref: Any) -> Any:
     return await ref
 
 
-def placement(actor: Any, spec: ActorSpec) -> str:
-    """Where a worker's actor stands, for an operator waiting on it: placed and starting (its
-    model loading), or waiting for room, with what it needs and what the cluster has."""
+def placement(actor: Any, spec: ActorSpec) -> tuple[bool, str]:
+    """Where a worker's actor stands, for an operator waiting on it: (waiting for room, the
+    words): placed and starting (its model loading), or waiting for room, with what it needs and
+    what the cluster has."""
     need = {"CPU": spec.num_cpus, "GPU": spec.num_gpus, **({spec.resource: 1} if spec.resource else {})}
     need = {name: amount for name, amount in need.items() if amount > 0}
     wants = ", ".join(f"{amount:g} {name}" for name, amount in need.items()) or "no resources"
@@ -309,13 +310,13 @@ def placement(actor: Any, spec: ActorSpec) -> str:
         total, free = ray.cluster_resources(), ray.available_resources()
         placed = _placed(actor)
     except Exception as e:  # noqa: BLE001 - a report, never a reason to fail the start
-        return f"it needs {wants} (the cluster's resources could not be read: {e})"
-    has = ", ".join(f"{total.get(name, 0):g} {name} ({free.get(name, 0):g} free)" for name in need) or "-"
+        return True, f"it needs {wants} (the cluster's resources could not be read: {e})"
     if placed:
-        return f"it is placed (it needs {wants}) and still starting: loading its model"
-    return (f"it is waiting for room: it needs {wants}; the cluster has {has}. It starts once a node with "
-            f"room joins (Ray's autoscaler) or workers leave; on one machine, ask for fewer workers "
-            f"(--num-prefill, --num-decode) or give Ray more slots (RAY_OVERRIDE_RESOURCES='{{\"CPU\": 8}}')")
+        return False, f"it is placed (it needs {wants}) and still starting: loading its model"
+    has = ", ".join(f"{total.get(name, 0):g} {name} ({free.get(name, 0):g} free)" for name in need) or "-"
+    return True, (f"it is waiting for room: it needs {wants}; the cluster has {has}. It starts once a node "
+                  f"with room joins (Ray's autoscaler) or workers leave; on one machine, ask for fewer workers "
+                  f"(--num-prefill, --num-decode) or give Ray more slots (RAY_OVERRIDE_RESOURCES='{{\"CPU\": 8}}')")
 
 
 def _placed(actor: Any) -> bool:
