@@ -147,6 +147,26 @@ def test_a_transfer_cut_midway_is_retried_never_answered_with_wrong_tokens(srv, 
     assert collect(srv.target, prompt, GREEDY).token_ids == want  # and the next request is fine
 
 
+def test_a_request_whose_every_transfer_is_cut_fails_clearly(srv, engine, tokenizer):
+    """Every transfer cut short, the first attempt's and each retry's: after
+    `coordinator.max_migrations` retries the client gets UNAVAILABLE naming the cut, no
+    tokens of a failed transfer; the decode worker holds nothing and the next request is fine."""
+    import grpc
+
+    prompt = prompt_ids(tokenizer, 40, variant=500)
+    _inject(srv, TransferFault("truncate", after_blocks=1, times=100))
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            collect(srv.target, prompt, GREEDY, 120)
+    finally:
+        _inject(srv, None)
+    error = failed.value
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+    assert "ended short of the 3 blocks" in error.details() and "gave up after 4 attempts" in error.details(), error
+    _decode_holds_nothing(srv)
+    assert collect(srv.target, prompt, GREEDY).token_ids == _want(engine, [prompt])[0]
+
+
 def test_malformed_transfer_metadata_is_refused_and_the_decode_worker_serves_on(srv, engine, tokenizer):
     """A process that holds the cluster's secret and the decode worker's KV layout (it passes
     the handshake) sends transfer headers with bad, missing or mistyped fields and frames cut
