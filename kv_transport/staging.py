@@ -103,11 +103,14 @@ MARK_BYTES = 16
 def mark_end(staging: torch.Tensor) -> bytes:
     """Write a fresh random mark into the last MARK_BYTES of `staging`; returns it (b"" when the
     buffer is too small to be told from a payload's own bytes). On a GPU the copy from the host is
-    ordered on the current stream: the caller synchronizes with it before UCX writes the buffer."""
+    queued on the current stream: the caller waits for it before UCX writes the buffer."""
     if staging.numel() * staging.element_size() < 4 * MARK_BYTES:
         return b""
     mark = os.urandom(MARK_BYTES)
-    staging_tail(staging).copy_(torch.frombuffer(bytearray(mark), dtype=torch.uint8))
+    tail, source = staging_tail(staging), torch.frombuffer(bytearray(mark), dtype=torch.uint8)
+    if tail.is_cuda:  # queued, not waited for here: from pinned memory (torch keeps it until copied)
+        source = source.pin_memory()
+    tail.copy_(source, non_blocking=tail.is_cuda)
     return mark
 
 
