@@ -22,8 +22,11 @@ Modules (only the ucx_* ones and transport_info import ucxx):
     ucx_sender     UcxKVSender (one connection per receiver: made, kept, closed)
     ucx_connection one sender's connection: grants, direct writes or data messages, keep-alives, its reader
     ucx_receiver   UcxKVReceiver (hellos at worker level, authenticated connections; no listener)
+    ucx_inbound    one sender's connection at the receiver: its frames read, its data received (a
+                   payload cut short refused: staging.mark_end), a protocol break refused with the reason
     transport_info which transport UCX picked (ucp_ep_print_info)
     wire           errors in control frames
+    faults         TransferFault: a test seam that makes one sender cut its next transfers
 
 Connecting: nothing listens. A receiver's PeerAddress (passed to senders through Ray)
 carries its UCX worker address and a proof of the cluster secret over it (a sender with
@@ -62,7 +65,8 @@ per connection:
   (gathered blocks) -> done (receiver, with the error if any). On GPUs both ends pack and
   unpack on CUDA streams of their own and wait for them off the event loop; the receiver's
   result carries `ready` as on the direct path.
-Either way the sender may cancel (it gave up); a granted writer that cancels has no copy
+A sender that breaks the protocol (a malformed frame, a bad block count) gets refuse(reason)
+and the connection ends. Either way the sender may cancel (it gave up); a granted writer that cancels has no copy
 in flight, so the receiver may free the blocks. From `prepare()` until `send()` ends or
 `forget()`, the sender names the request in an alive frame (ids, every quarter of the
 transfer timeout): the receiver's wait for it starts over, so that the bound measures the
