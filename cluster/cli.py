@@ -128,17 +128,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     import uvloop
 
-    from pdserve.cluster.ray_driver import shutdown_ray
+    from pdserve.cluster.ray_driver import ray_ending_with
 
-    try:
-        uvloop.run(serve_forever(config))
-    except KeyboardInterrupt:  # Ctrl-C before the server was up: the start was cancelled
-        print("pdserve: interrupted while starting; stopped", file=sys.stderr)
-        return 130
-    finally:
-        # Nothing of the server's is left running, wherever its start stopped (SIGTERM there is
-        # Ray's handler's, once Ray is up: a SystemExit that passes here too).
-        shutdown_ray()
+    # Nothing of the server's is left running, wherever it stopped (SIGTERM during the start is
+    # Ray's handler's, once Ray is up: a SystemExit that passes through here too).
+    with ray_ending_with():
+        try:
+            uvloop.run(serve_forever(config))
+        except KeyboardInterrupt:  # Ctrl-C before the server was up: the start was cancelled
+            print("pdserve: interrupted while starting; stopped", file=sys.stderr)
+            return 130
     return 0
 
 

@@ -68,25 +68,35 @@ def _start_local(node_ip_address: str, options: dict[str, Any]) -> None:
             ray.shutdown()
 
 
-def shutdown_ray(grace_s: float = 5.0) -> None:
-    """End this driver's Ray, and then every process under the driver that outlived it.
+@contextlib.contextmanager
+def ray_ending_with(grace_s: float = 5.0) -> Iterator[None]:
+    """Ray, started or joined within, ends with the block: `ray.shutdown()`, and then a kill of
+    every process started under this one within the block that outlived the shutdown.
 
     `ray.shutdown()` ends a local cluster's GCS and raylet, but a worker process does not always
     go with its raylet: one that was loading its model when Ctrl-C stopped `pdserve serve`'s start
-    lived on, orphaned (a `ray::DecodeWorker`, found 2026-12-06). So the driver's descendants
-    are listed first (Ray's processes, their workers and whatever those started) and whichever is
-    still there `grace_s` after the shutdown is killed. A driver that joined a cluster has no
-    Ray process under it: the cluster's own are not touched. Linux only (/proc); elsewhere it
-    is `ray.shutdown()`."""
-    started = _descendants(os.getpid())
-    ray.shutdown()
-    deadline = time.monotonic() + grace_s
-    while (alive := [p for p in started if _alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid, _ in alive:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-        logger.warning("killed process %d, left running after Ray's shutdown", pid)
+    lived on, orphaned (a `ray::DecodeWorker`, found 2026-12-06). So the processes under this one
+    are listed before the shutdown (Ray's, their workers and whatever those started; not those
+    that were there before the block) and whichever is still there `grace_s` after it is killed.
+    A process that joined a cluster has none of Ray's under it: the cluster's own are not touched.
+    A Ray this process had before the block is not ours to end: nothing is done then. Linux only
+    (/proc); elsewhere it is `ray.shutdown()`."""
+    if ray.is_initialized():
+        yield
+        return
+    before = set(_descendants(os.getpid()))
+    try:
+        yield
+    finally:
+        started = [p for p in _descendants(os.getpid()) if p not in before]
+        ray.shutdown()
+        deadline = time.monotonic() + grace_s
+        while (alive := [p for p in started if _alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid, _ in alive:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+            logger.warning("killed process %d, left running after Ray's shutdown", pid)
 
 
 def _stat(pid: int) -> list[str] | None:

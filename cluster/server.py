@@ -212,5 +212,4 @@ async def serve_forever(config: ServeConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await server.stop()
-    ray.shutdown()
+    await server.stop()  # Ray ends with the command (cli: ray_driver.ray_ending_with)
