@@ -174,6 +174,15 @@ def mla_decode_num_splits(num_seqs: int, num_heads: int, block_h: int, max_conte
     return max(1, min(want, max_context_len // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS))
 
 
+def mla_decode_default_splits(num_seqs: int, num_heads: int, max_context_len: int, dtype: torch.dtype,
+                              device: torch.device, max_seqlen_q: int = 1) -> int:
+    """The split count `mla_decode` launches with when given neither a workspace nor
+    num_splits, for queries of `dtype` over a block table of max_context_len tokens: what a
+    CUDA graph captured over such a table fixes (`engine/runner/cuda_graphs.py`)."""
+    block_h = mla_decode_tiling(torch.empty(0, dtype=dtype, device=device), num_heads, max_seqlen_q)["block_h"]
+    return mla_decode_num_splits(num_seqs, num_heads, block_h, max_context_len, device)
+
+
 def mla_decode_tiling(q: torch.Tensor, num_heads: int, max_seqlen_q: int) -> dict[str, int]:
     """Default block_h (heads a program), block_n (tokens a latent tile), num_warps,
     num_stages. GPU: _GPU_ROWS rows (tokens x heads) a program over 8 warps, two 32-token
