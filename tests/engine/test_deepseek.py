@@ -195,6 +195,16 @@ def test_speculation_on_a_deepseek_target_keeps_greedy_output(reference):
         _assert_matches_hf(answers, tokens, logprobs, spec.method)
 
 
+def test_the_load_names_the_latent_layout_and_its_bytes_a_token(reference):
+    """What `pdserve info` shows of a worker (EngineLoad): an "mla" layout, a token's latent
+    (kv_lora_rank + qk_rope_head_dim values) in every layer, float32; half that in FP8."""
+    folder, _ = reference(v3)
+    latent = TINY["kv_lora_rank"] + TINY["qk_rope_head_dim"]
+    for kv_cache_dtype, size in (("auto", 4), ("fp8", 1)):
+        load = cpu_engine(folder, cache=CacheConfig(kv_cache_dtype=kv_cache_dtype)).load()
+        assert (load.kv_layout, load.kv_bytes_per_token) == ("mla", TINY["num_hidden_layers"] * latent * size)
+
+
 def test_an_fp8_latent_cache_holds_the_latents_rounded(reference):
     """kv_cache_dtype "fp8" over a latent pool: after one prompt's prefill (its one token
     sampled, none fed back), layer 0's rows (the same forward either way up to there) are
