@@ -2,7 +2,7 @@
 
     python -m benchmarks.hotpath [--baseline PATH] [--model dummy:llama-3.1-8b] [--offline-requests 512]
         [--kv-cache-dtypes auto fp8] [--quantizations none fp8] [--parts decode prefill step offline]
-        [--num-blocks N] [--json PATH]
+        [--baseline-parts ...] [--num-blocks N] [--json PATH]
 
 Each tree is measured in a subprocess of its own, its packages importable as `pdserve.*`
 from the tree itself (a `pdserve` link to it on PYTHONPATH; a tree from before the
@@ -233,14 +233,15 @@ def _graph_ms(engine, bucket: int, key: str, profile: bool) -> dict[str, float]:
     return {key: start.elapsed_time(end) / 30}
 
 
-def _run_tree(tree: Path, args: argparse.Namespace, kv_cache_dtype: str, quantization: str) -> dict[str, float]:
+def _run_tree(tree: Path, args: argparse.Namespace, kv_cache_dtype: str, quantization: str,
+              parts: list[str]) -> dict[str, float]:
     moved = '"pdserve" = "."' in (tree / "pyproject.toml").read_text()
     with tempfile.NamedTemporaryFile(suffix=".json") as f, tempfile.TemporaryDirectory() as links:
         (Path(links) / "pdserve").symlink_to(tree, target_is_directory=True)
         env = dict(os.environ, PYTHONPATH=links if moved else str(tree), PYTHONUNBUFFERED="1")
         argv = [__file__, "--worker", f.name, "--package", "pdserve.engine" if moved else "engine",
                 "--model", args.model, "--offline-requests", str(args.offline_requests),
-                "--kv-cache-dtypes", kv_cache_dtype, "--parts", *args.parts]
+                "--kv-cache-dtypes", kv_cache_dtype, "--parts", *parts]
         argv += ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
         argv += ["--quantizations", quantization] if quantization != "none" else []
         argv += ["--profile"] if args.profile else []
@@ -287,6 +288,7 @@ def main() -> None:
     parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "fp8"],
                         help="weights to run this tree with (ModelConfig.quantization), each at every KV dtype")
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="figures to measure")
+    parser.add_argument("--baseline-parts", nargs="+", choices=PARTS, help="the baseline's figures (default: --parts)")
     parser.add_argument("--num-blocks", type=int, help="KV blocks (default: the memory left)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--package", default="pdserve.engine", help=argparse.SUPPRESS)
@@ -302,7 +304,8 @@ def main() -> None:
                here, kv, q) for q in args.quantizations for kv in args.kv_cache_dtypes]
     results = {}
     for name, tree, kv, q in trees:
-        results[name] = _run_tree(tree, args, kv, q)
+        parts = args.baseline_parts if name == "baseline" and args.baseline_parts else args.parts
+        results[name] = _run_tree(tree, args, kv, q, parts)
         print(json.dumps({name: results[name]}), flush=True)  # kept if a later tree does not finish
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
