@@ -1,7 +1,8 @@
 """Multi-head latent attention on CUDA through `kernels.mla_decode` and `kernels.mla_prefill`.
 
 The step's new latents ([c_kv | k_pe], k_pe rotated) are written into the layer's latent
-cache first (`kernels.mla_cache`: a padded token's slot -1 writes nothing). Decodes, and
+cache first, and the queries' rope part rotated in place, in one launch (`kernels.mla_cache`:
+a padded token's slot -1 writes nothing). Decodes, and
 chunks of at most `MLA_VERIFY_MAX_Q` new tokens a sequence (speculative verification's
 K + 1), then attend in the absorbed form over the cache (q_nope @ W_UK, the kernel's output
 in the latent space, then W_UV): one latent read a sequence for all its heads and tokens,
@@ -65,9 +66,9 @@ class TritonMLAStep:
     def mla(self, layer_idx: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, rope: Rope,
             projection: MLAProjection) -> torch.Tensor:
         meta, nope = self.meta, projection.qk_nope_head_dim
-        q_pe, k_pe = rope(q[..., nope:], k_pe.unsqueeze(1))
+        q_pe = q[..., nope:]  # rotated in place, k_pe as it is written
         cache = self.pool.latent(layer_idx)  # [num_blocks, block_size, latent_dim]
-        write_latents(cache, meta.slot_mapping, kv_c, k_pe[:, 0])
+        write_latents(cache, meta.slot_mapping, kv_c, k_pe, rope=(q_pe, rope.positions, rope.cos, rope.sin))
         out = q.new_empty(q.shape[0], q.shape[1], projection.v_head_dim)
         nd = meta.num_decodes
         if nd or self.verify:
@@ -75,7 +76,7 @@ class TritonMLAStep:
 
             def absorbed(rows: slice, **tables: torch.Tensor | int) -> None:
                 q_latent = torch.einsum("thn,hnr->thr", q[rows, :, :nope], w_uk)
-                o_latent = mla_decode(q_latent, q_pe[rows].contiguous(), cache, scale=self.scale, **tables)
+                o_latent = mla_decode(q_latent, q_pe[rows], cache, scale=self.scale, **tables)
                 out[rows] = torch.einsum("thr,hvr->thv", o_latent, w_uv)
 
             if nd:

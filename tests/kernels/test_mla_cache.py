@@ -1,7 +1,10 @@
 """write_latents against torch's row writes (`fp8.quantize` for an FP8 cache): every token
 with a slot has exactly its [kv_c | k_pe] row there, in the cache's dtype; a token with a
 negative slot (a padded CUDA-graph row) and every slot no token names keep what they held
-(a NaN sentinel, so a stray write shows). Strided views in, as the model hands them."""
+(a NaN sentinel, so a stray write shows). Strided views in, as the model hands them. With
+`rope`, k_pe is written rotated and the queries' rope part rotated in place, against the
+float64 rotation (`ref_rotary`), the queries' other part untouched, padded tokens' queries
+rotated too."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 
 from pdserve.kernels import fp8
 from pdserve.kernels.mla_cache import write_latents
+from tests.kernels.reference import ref_rotary, rope_tables, rounding_tolerance
 
 COVERS = ("write_latents",)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,10 +57,47 @@ def test_int32_slots_and_no_tokens():
     assert flat[[0, 1, 3, 4, 5, 6]].abs().sum() == 0
 
 
+ROTATE_CASES = [(torch.float32, torch.float32, 32, 16, 3), (torch.bfloat16, torch.bfloat16, 512, 64, 16),
+                (torch.bfloat16, fp8.KV_FP8, 32, 6, 2)]
+
+
+@pytest.mark.parametrize("dtype, cache_dtype, rank, rope, heads", ROTATE_CASES)
+def test_rotated_on_the_way_k_pe_in_the_cache_and_q_pe_in_place(dtype, cache_dtype, rank, rope, heads):
+    gen = torch.Generator().manual_seed(rope)
+    cos, sin = rope_tables(rope, 64)
+    positions = torch.tensor([5, 0, 63, 17, 2], device=DEVICE)
+    slots = torch.tensor([3, -1, 9, 0, 30], device=DEVICE)
+    nope = 24
+    q = torch.randn(5, heads, nope + rope, generator=gen).to(DEVICE, dtype)
+    kv_c = torch.randn(5, rank, generator=gen).to(DEVICE, dtype)
+    k_pe = torch.randn(5, rope, generator=gen).to(DEVICE, dtype)
+    q_before, k_before = q.clone(), k_pe.clone()
+    cache = torch.full((8, 4, rank + rope), float("nan")).to(cache_dtype).to(DEVICE)
+    write_latents(cache, slots, kv_c, k_pe, rope=(q[..., nope:], positions, cos.to(DEVICE), sin.to(DEVICE)))
+    tol = rounding_tolerance(dtype)
+    want_q = ref_rotary(q_before[..., nope:].cpu(), positions.cpu(), cos, sin)
+    torch.testing.assert_close(q[..., nope:].cpu().double(), want_q, **tol)
+    assert torch.equal(q[..., :nope], q_before[..., :nope]) and torch.equal(k_pe, k_before)
+    want_k = ref_rotary(k_before.unsqueeze(1).cpu(), positions.cpu(), cos, sin)[:, 0]
+    rows = cache.float().cpu().view(-1, rank + rope)
+    keep = slots.cpu() >= 0
+    got_c, got_k = rows[slots.cpu()[keep], :rank], rows[slots.cpu()[keep], rank:]
+    torch.testing.assert_close(got_c, kv_c.cpu()[keep].to(cache_dtype).float(), rtol=0, atol=0)
+    if cache_dtype == fp8.KV_FP8:  # within one e4m3 step (3 mantissa bits) of the exact rotation
+        torch.testing.assert_close(got_k.double(), want_k[keep], rtol=2 ** -3, atol=2 ** -9)
+    else:
+        torch.testing.assert_close(got_k.double(), want_k[keep], **tol)
+    untouched = torch.ones(rows.shape[0], dtype=torch.bool)
+    untouched[slots.cpu()[keep]] = False
+    assert rows[untouched].isnan().all()
+
+
 @pytest.mark.gpu
 def test_on_the_gpu_every_case_writes_as_torch_does():
     """The cases above on the GPU (the device-side rounding to e4m3 included)."""
     assert DEVICE == "cuda"
     for case in CASES:
         test_each_token_writes_its_latent_row_and_padding_writes_nothing(*case)
+    for case in ROTATE_CASES:
+        test_rotated_on_the_way_k_pe_in_the_cache_and_q_pe_in_place(*case)
     test_int32_slots_and_no_tokens()
