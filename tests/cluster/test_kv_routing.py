@@ -84,7 +84,7 @@ def _prefill_elsewhere(srv: RunningServer, worker_id: str, prompt: list[int]) ->
     _call(srv, _prefill_worker(srv, worker_id).actor.prefill.remote(req, None))
 
 
-def test_the_index_equals_what_every_worker_holds(srv, tokenizer, capsys):
+def test_the_index_equals_what_every_worker_holds(srv, tokenizer, capsys, small_model):
     system = prompt_ids(tokenizer, 96, variant=3)  # a shared system prompt: 6 blocks
     prompts = [system + prompt_ids(tokenizer, 40 + 24 * i, variant=10 + i) for i in range(6)]
     collect_concurrently(srv.target, prompts[:3], [GREEDY] * 3)
@@ -103,7 +103,7 @@ def test_the_index_equals_what_every_worker_holds(srv, tokenizer, capsys):
     # `pdserve info` shows them, and each worker's KV layout: the small model's K and V, float32.
     assert main(["info", "--target", srv.target]) == 0
     out = capsys.readouterr().out
-    arch = resolve_model(ModelConfig()).arch
+    arch = resolve_model(ModelConfig(source=str(small_model.folder))).arch
     per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 4
     for worker_id, n in blocks.items():
         line = out.split(worker_id)[1].splitlines()[0]
