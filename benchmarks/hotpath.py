@@ -1,7 +1,8 @@
 """The engine's hot path on one GPU: this tree against a baseline tree, same run, same device.
 
     python -m benchmarks.hotpath [--baseline PATH] [--model dummy:llama-3.1-8b] [--offline-requests 512]
-        [--kv-cache-dtypes auto fp8] [--quantizations none fp8] [--json PATH]
+        [--kv-cache-dtypes auto fp8] [--quantizations none fp8] [--parts decode prefill step offline]
+        [--baseline-parts ...] [--num-blocks N] [--json PATH]
 
 Each tree is measured in a subprocess of its own, its packages importable as `pdserve.*`
 from the tree itself (a `pdserve` link to it on PYTHONPATH; a tree from before the
@@ -22,6 +23,8 @@ random token ids throughout:
 - offline: N requests of 1k random ids, 1k output tokens each (ignore_eos, temperature 1),
   `Engine.generate`, at most 256 running (fewer where the pool holds fewer to the end):
   output tokens/s.
+`--parts` picks which of those run (default all; "step" is the batch step and mixed),
+`--num-blocks` sizes the KV pool (default: the memory left).
 Limits printed beside them: the weight-read bound for decode (bytes / the device's measured
 copy bandwidth: 4.3 TB/s on an H200, 3.0 on an H100; a Mixture of
 Experts counts the experts a token uses, top-k of them), the compute bound for prefill (~700
@@ -57,8 +60,12 @@ def _sync() -> None:
     torch.cuda.synchronize()
 
 
+PARTS = ("decode", "prefill", "step", "offline")
+
+
 def measure(package: str, model: str, offline_requests: int, profile: bool = False,
-            kv_cache_dtype: str = "auto", quantization: str = "none") -> dict[str, float]:
+            kv_cache_dtype: str = "auto", quantization: str = "none", parts: tuple[str, ...] = PARTS,
+            num_blocks: int | None = None) -> dict[str, float]:
     """Every figure for the engine package `package` (runs in the worker process)."""
     import importlib
 
@@ -70,6 +77,7 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
 
     # A baseline from before kv_cache_dtype existed takes no such field.
     kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
+    kv |= {} if num_blocks is None else {"num_blocks": num_blocks}
     quant = {} if quantization == "none" else {"quantization": quantization}
     engine = Engine(EngineConfig(model=ModelConfig(source=model, device="cuda", **quant),
                                  cache=CacheConfig(enable_prefix_caching=False, **kv),
@@ -104,17 +112,18 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
     run_alone(_prompt(rng, vocab, 4096), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     run_alone(_prompt(rng, vocab, 512), SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
 
-    times = run_alone(_prompt(rng, vocab, 1024), SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True))
-    out["decode_tok_s"] = (len(times) - 1) / (times[-1] - times[0])
+    if "decode" in parts:
+        times = run_alone(_prompt(rng, vocab, 1024), SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True))
+        out["decode_tok_s"] = (len(times) - 1) / (times[-1] - times[0])
+        out.update(_graph_ms(engine, 1, "step_1_graph_ms", profile))
 
-    out.update(_graph_ms(engine, 1, "step_1_graph_ms", profile))
-
-    firsts = [run_alone(_prompt(rng, vocab, 4096), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))[0]
-              for _ in range(3)]
-    out["prefill_4k_ms_min"], out["prefill_4k_ms_med"] = min(firsts) * 1e3, statistics.median(firsts) * 1e3
-    chunk = [run_alone(_prompt(rng, vocab, 512), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))[0]
-             for _ in range(5)]
-    out["chunk_512_ms"] = min(chunk) * 1e3
+    if "prefill" in parts:
+        firsts = [run_alone(_prompt(rng, vocab, 4096), SamplingParams(temperature=0.0, max_tokens=1,
+                                                                      ignore_eos=True))[0] for _ in range(3)]
+        out["prefill_4k_ms_min"], out["prefill_4k_ms_med"] = min(firsts) * 1e3, statistics.median(firsts) * 1e3
+        chunk = [run_alone(_prompt(rng, vocab, 512), SamplingParams(temperature=0.0, max_tokens=1,
+                                                                    ignore_eos=True))[0] for _ in range(5)]
+        out["chunk_512_ms"] = min(chunk) * 1e3
 
     # 256 sequences at ~1.5k context, decoding: only where the pool holds them all (an 80 GB
     # card holding Qwen3-30B-A3B's 61 GB of weights has room for ~100k tokens, not 400k:
@@ -123,10 +132,10 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
     block_size = engine.block_manager.block_size
     need = STEP_SEQS * -(-STEP_TOKENS // block_size)
     out["kv_pool_blocks"] = float(blocks)
-    if blocks < need:
+    if "step" in parts and blocks < need:
         print(f"hotpath: the KV pool holds {blocks} blocks; {STEP_SEQS} sequences at ~1.5k context need {need}: "
               f"the batch-{STEP_SEQS} and mixed figures are refused", flush=True)
-    else:
+    elif "step" in parts:
         params = SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True)
         ids = [engine.add_request(_prompt(rng, vocab, 1536), params) for _ in range(STEP_SEQS)]
         sched = engine.scheduler
@@ -161,19 +170,20 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
         for rid in ids:
             engine.abort(rid)
 
-    # Offline 1k/1k at up to 256 running, as many as the KV pool holds to the end (no preemption).
-    running = max(1, min(256, blocks // -(-2048 // block_size)))
-    out["offline_max_running"] = float(running)
-    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_num_seqs=running)
-    prompts = [_prompt(rng, vocab, 1024) for _ in range(offline_requests)]
-    _sync()
-    t = time.perf_counter()
-    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=1024, ignore_eos=True))
-    _sync()
-    wall = time.perf_counter() - t
-    out["offline_tok_s"] = sum(len(o.token_ids) for o in outs) / wall
-    out["offline_s"] = wall
-    out["num_preemptions"] = float(engine.scheduler.num_preemptions)
+    if "offline" in parts:
+        # Offline 1k/1k at up to 256 running, as many as the KV pool holds to the end (no preemption).
+        running = max(1, min(256, blocks // -(-2048 // block_size)))
+        out["offline_max_running"] = float(running)
+        engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_num_seqs=running)
+        prompts = [_prompt(rng, vocab, 1024) for _ in range(offline_requests)]
+        _sync()
+        t = time.perf_counter()
+        outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=1024, ignore_eos=True))
+        _sync()
+        wall = time.perf_counter() - t
+        out["offline_tok_s"] = sum(len(o.token_ids) for o in outs) / wall
+        out["offline_s"] = wall
+        out["num_preemptions"] = float(engine.scheduler.num_preemptions)
     return out
 
 
@@ -223,14 +233,16 @@ def _graph_ms(engine, bucket: int, key: str, profile: bool) -> dict[str, float]:
     return {key: start.elapsed_time(end) / 30}
 
 
-def _run_tree(tree: Path, args: argparse.Namespace, kv_cache_dtype: str, quantization: str) -> dict[str, float]:
+def _run_tree(tree: Path, args: argparse.Namespace, kv_cache_dtype: str, quantization: str,
+              parts: list[str]) -> dict[str, float]:
     moved = '"pdserve" = "."' in (tree / "pyproject.toml").read_text()
     with tempfile.NamedTemporaryFile(suffix=".json") as f, tempfile.TemporaryDirectory() as links:
         (Path(links) / "pdserve").symlink_to(tree, target_is_directory=True)
         env = dict(os.environ, PYTHONPATH=links if moved else str(tree), PYTHONUNBUFFERED="1")
         argv = [__file__, "--worker", f.name, "--package", "pdserve.engine" if moved else "engine",
                 "--model", args.model, "--offline-requests", str(args.offline_requests),
-                "--kv-cache-dtypes", kv_cache_dtype]
+                "--kv-cache-dtypes", kv_cache_dtype, "--parts", *parts]
+        argv += ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
         argv += ["--quantizations", quantization] if quantization != "none" else []
         argv += ["--profile"] if args.profile else []
         # Run by path without its folder on sys.path (benchmarks/kernels.py would shadow `kernels`).
@@ -275,12 +287,16 @@ def main() -> None:
                         help="KV cache dtypes to run this tree at (CacheConfig.kv_cache_dtype)")
     parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "fp8"],
                         help="weights to run this tree with (ModelConfig.quantization), each at every KV dtype")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="figures to measure")
+    parser.add_argument("--baseline-parts", nargs="+", choices=PARTS, help="the baseline's figures (default: --parts)")
+    parser.add_argument("--num-blocks", type=int, help="KV blocks (default: the memory left)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--package", default="pdserve.engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         Path(args.worker).write_text(json.dumps(measure(args.package, args.model, args.offline_requests, args.profile,
-                                                        args.kv_cache_dtypes[0], args.quantizations[0])))
+                                                        args.kv_cache_dtypes[0], args.quantizations[0],
+                                                        tuple(args.parts), args.num_blocks)))
         return
     here = Path(__file__).resolve().parents[1]
     trees = [("baseline", args.baseline.resolve(), "auto", "none")] if args.baseline else []
@@ -288,7 +304,8 @@ def main() -> None:
                here, kv, q) for q in args.quantizations for kv in args.kv_cache_dtypes]
     results = {}
     for name, tree, kv, q in trees:
-        results[name] = _run_tree(tree, args, kv, q)
+        parts = args.baseline_parts if name == "baseline" and args.baseline_parts else args.parts
+        results[name] = _run_tree(tree, args, kv, q, parts)
         print(json.dumps({name: results[name]}), flush=True)  # kept if a later tree does not finish
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
@@ -307,6 +324,8 @@ def main() -> None:
         print(f"| {label} | " + " | ".join(cells) + change + f" | {limits.get(key, '')} |")
     for n in names:
         if not results[n]:
+            continue
+        if "offline_s" not in results[n]:
             continue
         print(f"{n}: offline {results[n]['offline_s']:.1f} s, {results[n]['num_preemptions']:.0f} preemptions, "
               f"at most {results[n].get('offline_max_running', 256):.0f} running; "

@@ -23,9 +23,11 @@ head dim 128, bf16, KV block 16), with baselines measured in the same run:
   16 (TP 8's)), 64 x 4k and 256 x 1.5k over a bf16 and an FP8 latent cache: the latent bytes
   mla_decode reads over its time, beside the copy, error against torch's absorbed attention
   in float32; also the verification form (2 tokens a sequence: MTP's draft and the token
-  before it) and (with --sweep) tilings and split counts.
+  before it) and (with --sweep) tilings at the default split count; `--mla-heads` and
+  `--mla-caches` pick the head counts and cache dtypes.
 
     python -m benchmarks.kernels [--sweep] [--json PATH] [--only prefill|decode|fp8kv|mla]
+                                 [--mla-heads 128 16] [--mla-caches bf16 fp8] [--mla-tilings "H,N,W,S;..."]
                                  [--prefill-configs "M,N,W,S,A;..."]
 
 (as a module: run as a script, this file's own name would shadow the kernels package).
@@ -77,8 +79,10 @@ MLA_RANK, MLA_ROPE = 512, 64  # DeepSeek-V3's latent
 MLA_HEADS = [128, 16]  # V3's heads on one GPU (compute-bound at 242 FLOP a latent byte), and under TP 8 (30)
 MLA_CASES = [(64, 4096), (256, 1536)]  # issue 52's figures
 MLA_VERIFY_TOKENS = 2
+# block_h, block_n, num_warps, num_stages, each at the default split count. (64, 32, 8, 2) was
+# the default before 2026-12-06; (64, 64, 8, 2) is now (RESULTS.md, "DeepSeek under CUDA graphs").
 MLA_SWEEP = [(16, 32, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 3), (64, 64, 8, 1),
-             (64, 32, 8, 3)]  # block_h, block_n, num_warps, num_stages
+             (64, 32, 8, 3), (64, 64, 8, 2)]
 VERIFY_CASES = [(1, 32768), (8, 4096), (64, 4096)]  # batch, keys per sequence (new tokens included)
 
 
@@ -405,7 +409,8 @@ def _mla_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
     return out.reshape(batch * q_lens, heads, MLA_RANK)
 
 
-def mla(batch: int, context: int, heads: int, cache_dtype: torch.dtype, sweep: bool) -> list[Row]:
+def mla(batch: int, context: int, heads: int, cache_dtype: torch.dtype,
+        tilings: list[tuple[int, ...]]) -> list[Row]:
     """mla_decode (and its verification form) at V3's widths: the rate counts the latent bytes
     read (576 values a token, 2 bytes or 1), the query's and the output's."""
     sets = _mla_sets(batch, context, heads, cache_dtype)
@@ -427,9 +432,8 @@ def mla(batch: int, context: int, heads: int, cache_dtype: torch.dtype, sweep: b
         default = mla_decode_tiling(out, heads, q_lens)
         default_splits = mla_decode_num_splits(batch, heads, default["block_h"], context, out.device)
         configs = [(default_splits, None)]
-        if sweep and q_lens == 1:
-            splits = sorted({1, max(1, default_splits // 2), default_splits, default_splits * 2})
-            configs += [(n, c) for n in splits for c in MLA_SWEEP]
+        if q_lens == 1:
+            configs += [(default_splits, c) for c in tilings]
         for num_splits, tiling in configs:
             kw = {} if tiling is None else dict(zip(("block_h", "block_n", "num_warps", "num_stages"), tiling))
             ws = decode_workspace(batch * q_lens, heads, MLA_RANK, num_splits, out.device)
@@ -459,6 +463,11 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time tuning variants")
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--only", choices=["prefill", "decode", "fp8kv", "mla"], help="run one part")
+    parser.add_argument("--mla-heads", type=int, nargs="+", default=MLA_HEADS, help="--only mla: head counts")
+    parser.add_argument("--mla-caches", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
+                        help="--only mla: latent cache dtypes")
+    parser.add_argument("--mla-tilings", help="MLA sweep instead of the built-in one: "
+                        "'block_h,block_n,num_warps,num_stages;...' (implies --sweep)")
     parser.add_argument("--prefill-configs", help="prefill sweep instead of the built-in one: "
                         "'block_m,block_n,num_warps,num_stages,maxnreg;...' (implies --sweep)")
     args = parser.parse_args()
@@ -478,8 +487,11 @@ def main() -> None:
     if args.only == "fp8kv":
         cases += [lambda b=b, c=c: decode_fp8(b, c, args.sweep) for b, c in FP8_DECODE_CASES]
     elif args.only == "mla":
-        cases += [lambda b=b, c=c, h=h, d=d: mla(b, c, h, d, args.sweep)
-                  for h in MLA_HEADS for b, c in MLA_CASES for d in (DTYPE, fp8.KV_FP8)]
+        caches = [{"bf16": DTYPE, "fp8": fp8.KV_FP8}[c] for c in args.mla_caches]
+        tilings = ([tuple(int(x) for x in c.split(",")) for c in args.mla_tilings.split(";")] if args.mla_tilings
+                   else MLA_SWEEP if args.sweep else [])
+        cases += [lambda b=b, c=c, h=h, d=d: mla(b, c, h, d, tilings)
+                  for h in args.mla_heads for b, c in MLA_CASES for d in caches]
     elif args.only != "prefill":
         cases += [lambda b=b, c=c: decode(b, c, args.sweep) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
         cases += [lambda b=b, c=c: verify(b, c - VERIFY_TOKENS, VERIFY_TOKENS) for b, c in VERIFY_CASES]

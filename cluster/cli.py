@@ -158,6 +158,14 @@ def cmd_kv_wipe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_kind(layout: str, bytes_per_token: int) -> str:
+    """A worker's KV layout for `info`: "mla (latent), 31,104 B/token"."""
+    if not layout:
+        return "unknown"
+    name = {"mla": "mla (latent)", "kv": "K/V per head"}.get(layout, layout)
+    return f"{name}, {bytes_per_token:,} B/token"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     with _client(args) as client:
         info = client.server_info()
@@ -166,7 +174,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             cached = ", ".join(f"{tier} {n}" for tier, n in sorted(w.cached_blocks.items())) or "none"
             print(f"  {w.id:<12} {w.role:<8} {'healthy' if w.healthy else 'LOST':<8} running {w.running:>4}  "
                   f"waiting {w.waiting:>4}  free KV blocks {w.free_kv_blocks}/{w.total_kv_blocks}  "
-                  f"cached blocks: {cached}")
+                  f"cached blocks: {cached}  KV {_kv_kind(w.kv_layout, w.kv_bytes_per_token)}")
     return 0
 
 

@@ -199,6 +199,8 @@ class Engine:
             prompt_tokens_computed=sched.num_prompt_tokens_computed,
             spec=self.speculator.metrics.snapshot() if self.speculator is not None else None,
             kv_tiers=self.kv_tiers.stats() if self.kv_tiers is not None else None,
+            kv_layout=self.kv_wire_layout.kind,
+            kv_bytes_per_token=self.kv_wire_layout.bytes_per_token,
         )
 
     def kv_snapshot(self) -> KVSnapshot:

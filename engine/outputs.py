@@ -143,3 +143,7 @@ class EngineLoad:
     # `LoopWorker.load`; the engine's own `load()` leaves them for that).
     kv_events: KVEventBatch | None = None
     kv_tiers: KVTierStats | None = None  # the host and disk tiers' counters, when the engine has tiers
+    # The KV a token takes as workers exchange it (`Engine.kv_wire_layout`): its kind ("kv": K and
+    # V per KV head; "mla": one latent) and bytes across all layers ("": a worker that did not say).
+    kv_layout: str = ""
+    kv_bytes_per_token: int = 0

@@ -174,11 +174,24 @@ def mla_decode_num_splits(num_seqs: int, num_heads: int, block_h: int, max_conte
     return max(1, min(want, max_context_len // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS))
 
 
+def mla_decode_default_splits(num_seqs: int, num_heads: int, max_context_len: int, dtype: torch.dtype,
+                              device: torch.device, max_seqlen_q: int = 1) -> int:
+    """The split count `mla_decode` launches with when given neither a workspace nor
+    num_splits, for queries of `dtype` over a block table of max_context_len tokens: what a
+    CUDA graph captured over such a table fixes (`engine/runner/cuda_graphs.py`)."""
+    block_h = mla_decode_tiling(torch.empty(0, dtype=dtype, device=device), num_heads, max_seqlen_q)["block_h"]
+    return mla_decode_num_splits(num_seqs, num_heads, block_h, max_context_len, device)
+
+
 def mla_decode_tiling(q: torch.Tensor, num_heads: int, max_seqlen_q: int) -> dict[str, int]:
     """Default block_h (heads a program), block_n (tokens a latent tile), num_warps,
-    num_stages. GPU: _GPU_ROWS rows (tokens x heads) a program over 8 warps, two 32-token
-    tiles in flight (~145 KB of shared memory with the query at rank 512, bf16); float32
-    rows and tiles smaller (twice the bytes). CPU (interpreter): the least tl.dot takes."""
+    num_stages. GPU: _GPU_ROWS rows (tokens x heads) a program over 8 warps, two 64-token
+    tiles in flight (~216 KB of shared memory with the query at rank 512, bf16): the two
+    warpgroups split the score dot's N (the tile's tokens), so 64 tokens give each a wgmma
+    32 wide, not 16, and the output is rescaled once per 64 tokens (at 128 heads 1.30-1.41x
+    the 32-token tile on an H200, benchmarks/RESULTS.md); fewer rows keep 4 warps and
+    32-token tiles. float32 rows and tiles smaller (twice the bytes). CPU (interpreter): the
+    least tl.dot takes."""
     q_block = triton.next_power_of_2(max(max_seqlen_q, 1))
     if not q.is_cuda:
         return {"block_h": max(1, min(triton.next_power_of_2(num_heads), 16 // q_block)), "block_n": 16,
@@ -186,7 +199,7 @@ def mla_decode_tiling(q: torch.Tensor, num_heads: int, max_seqlen_q: int) -> dic
     rows = 16 if q.element_size() > 2 else _GPU_ROWS
     block_h = max(1, min(triton.next_power_of_2(num_heads), rows // q_block))
     big = block_h * q_block >= 64
-    return {"block_h": block_h, "block_n": 16 if q.element_size() > 2 else 32,
+    return {"block_h": block_h, "block_n": 16 if q.element_size() > 2 else (64 if big else 32),
             "num_warps": 8 if big else 4, "num_stages": 2}
 
 

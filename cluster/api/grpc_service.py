@@ -93,5 +93,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                              running=load.num_running if load else 0, waiting=load.num_waiting if load else 0,
                              free_kv_blocks=load.num_free_blocks if load else 0,
                              total_kv_blocks=load.num_blocks if load else 0,
-                             cached_blocks=self.frontend.worker_set.cached_blocks(w.worker_id))
+                             cached_blocks=self.frontend.worker_set.cached_blocks(w.worker_id),
+                             kv_layout=load.kv_layout if load else "",
+                             kv_bytes_per_token=load.kv_bytes_per_token if load else 0)
         return info

@@ -59,6 +59,11 @@ class KVLayout:
         return 1 if self.kind == "mla" else 2
 
     @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token's entries across all layers (K and V of each KV head, or the latent)."""
+        return self.bytes_per_block // self.block_size
+
+    @property
     def bytes_per_block(self) -> int:
         """Bytes of one block across all layers and entries."""
         elem = torch.empty((), dtype=self.dtype).element_size()

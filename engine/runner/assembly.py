@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pdserve.engine.attention import backend_for
+from pdserve.engine.attention.triton_mla import mla_verify_fits
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv.budget import blocks_that_fit, draft_memory
 from pdserve.engine.kv.pool import KVLayout, KVPool
@@ -101,14 +102,16 @@ def _assemble(config: EngineConfig, files: ModelFiles, tokenizer: Any | None, li
     graphs = None
     if ranks is not None and device.type == "cuda":
         logger.info("tensor parallelism: steps run eagerly (no CUDA graphs yet)")
-    elif device.type == "cuda" and layout.kind == "mla":
-        logger.info("multi-head latent attention: steps run eagerly (no CUDA graphs yet)")
     elif device.type == "cuda" and not config.model.enforce_eager:
-        # Verification steps of K + 1 tokens per sequence (every K adaptive K may pick).
+        # Verification steps of K + 1 tokens per sequence (every K adaptive K may pick), of
+        # the sizes the attention takes without host values (a latent pool: absorbed).
         spec = config.spec
-        group = arch.num_heads // arch.num_kv_heads
-        verify = tuple(k + 1 for k in range(1, spec.num_speculative_tokens + 1)
-                       if spec.enabled and paged_verify_fits(k + 1, group))
+        if layout.kind == "mla":
+            fits = mla_verify_fits
+        else:
+            def fits(q: int) -> bool:
+                return paged_verify_fits(q, arch.num_heads // arch.num_kv_heads)
+        verify = tuple(k + 1 for k in range(1, spec.num_speculative_tokens + 1) if spec.enabled and fits(k + 1))
         graphs = StepGraphs(executor, inputs, sched.max_num_seqs, (1, *verify), spec.max_graph_batch)
         graphs.capture()
     runner = ModelRunner(executor, sampler, inputs, graphs, ranks)

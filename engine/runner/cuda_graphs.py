@@ -12,7 +12,9 @@ A graph fixes its attention kernel's work split, which the launcher sizes for th
 longest context the block table can hold. Small batches split long contexts across the
 GPU (flash-decoding), so their graphs come in context tiers: the graph of the shortest
 tier that holds the batch's longest sequence replays, with splits sized for that tier
-rather than for max_model_len (at batch 1 and 1k context: 8 splits, not 66).
+rather than for max_model_len (at batch 1 and 1k context: 8 splits, not 66). A latent
+(MLA) pool's steps split as `kernels.mla_decode` does (every head of a sequence reads its
+one latent row), so its tiers follow that kernel's split count.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from pdserve.engine.runner.executor import Executor
 from pdserve.engine.runner.step_inputs import StepInputBuilder
 from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.kernels.mla_decode import mla_decode_default_splits
 from pdserve.kernels.paged_decode import decode_num_splits
 
 logger = logging.getLogger(__name__)
@@ -62,20 +65,28 @@ class StepGraphs:
         # A bucket of q tokens per sequence needs bucket * q input rows.
         self.buckets = {q: [b for b in buckets if b * q <= inputs.max_tokens
                             and (q == 1 or b <= (max_multi_batch or max_batch))] for q in self.tokens_per_seq}
-        pool = executor.pool
-        block_size, kv_heads, head_dim = pool.layout.block_size, pool.layout.num_kv_heads, pool.layout.head_dim
+        block_size = executor.pool.layout.block_size
         widths = sorted({-(-t // block_size) for t in TIER_TOKENS if t < inputs.max_blocks * block_size}
                         | {inputs.max_blocks})
         # Per bucket, the tiers (block-table widths) whose attention splits differ: the
         # widest width of each split count.
         self.tiers: dict[int, list[int]] = {}
         for bucket in buckets:
-            by_splits = {decode_num_splits(bucket, kv_heads, head_dim, w * block_size, pool.kv.device): w
-                         for w in widths}
+            by_splits = {self._num_splits(bucket, w * block_size): w for w in widths}
             self.tiers[bucket] = sorted(by_splits.values())
         self._graphs: dict[GraphKey, _Graph] = {}
         self.replay_ms: dict[tuple[int, int], float] = {}  # (bucket, q) -> a replay's GPU time, widest tier
         self.num_replays: dict[int, int] = {}  # by q, the steps served (not the capture's timing replays)
+
+    def _num_splits(self, batch: int, context: int) -> int:
+        """The split count a decode step of `batch` sequences over a block table of `context`
+        tokens launches its attention with."""
+        executor = self.executor
+        layout, device = executor.pool.layout, executor.device
+        if layout.kind == "mla":
+            return mla_decode_default_splits(batch, executor.model.tp.plan.num_heads, context,
+                                             executor.model.embed_tokens.weight.dtype, device)
+        return decode_num_splits(batch, layout.num_kv_heads, layout.head_dim, context, device)
 
     def key_for(self, batch: ScheduledBatch) -> GraphKey | None:
         """The graph that runs this batch, or None (not uniform, or no graph of its size)."""

@@ -241,7 +241,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("id", "role", "healthy", "running", "waiting", "free_kv_blocks", "total_kv_blocks", "cached_blocks")
+    __slots__ = ("id", "role", "healthy", "running", "waiting", "free_kv_blocks", "total_kv_blocks", "cached_blocks", "kv_layout", "kv_bytes_per_token")
     class CachedBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,8 @@ class WorkerInfo(_message.Message):
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     healthy: bool
@@ -265,7 +267,9 @@ class WorkerInfo(_message.Message):
     free_kv_blocks: int
     total_kv_blocks: int
     cached_blocks: _containers.ScalarMap[str, int]
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., cached_blocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    kv_layout: str
+    kv_bytes_per_token: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., cached_blocks: _Optional[_Mapping[str, int]] = ..., kv_layout: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("version", "mode", "model", "workers")

@@ -14,8 +14,10 @@ from pdserve.cluster.cli import main
 from pdserve.cluster.serving.pools import Worker
 from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.engine.block_hash import prefix_block_hashes
+from pdserve.engine.config import ModelConfig
 from pdserve.engine.kv.events import DEVICE_TIER, HOST_TIER, KVSnapshot
 from pdserve.engine.messages import WorkerRequest
+from pdserve.engine.models.weights import resolve_model
 from pdserve.engine.sampling import SamplingParams
 from tests.cluster.conftest import RunningServer
 from tests.cluster.streams import collect, collect_concurrently, pools_are_full, wait_until
@@ -82,7 +84,7 @@ def _prefill_elsewhere(srv: RunningServer, worker_id: str, prompt: list[int]) ->
     _call(srv, _prefill_worker(srv, worker_id).actor.prefill.remote(req, None))
 
 
-def test_the_index_equals_what_every_worker_holds(srv, tokenizer, capsys):
+def test_the_index_equals_what_every_worker_holds(srv, tokenizer, capsys, small_model):
     system = prompt_ids(tokenizer, 96, variant=3)  # a shared system prompt: 6 blocks
     prompts = [system + prompt_ids(tokenizer, 40 + 24 * i, variant=10 + i) for i in range(6)]
     collect_concurrently(srv.target, prompts[:3], [GREEDY] * 3)
@@ -98,11 +100,14 @@ def test_the_index_equals_what_every_worker_holds(srv, tokenizer, capsys):
     tiers = [index.blocks_of(w.worker_id) for w in _workers(srv)]
     assert index.num_events_applied > 0 and len(index) == sum(sum(t.values()) for t in tiers)
     assert any(t.get(HOST_TIER) for t in tiers)  # what the pools evicted went down a tier
-    # `pdserve info` shows them.
+    # `pdserve info` shows them, and each worker's KV layout: the small model's K and V, float32.
     assert main(["info", "--target", srv.target]) == 0
     out = capsys.readouterr().out
+    arch = resolve_model(ModelConfig(source=str(small_model.folder))).arch
+    per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 4
     for worker_id, n in blocks.items():
-        assert f"{worker_id}" in out and f"cached blocks: {DEVICE_TIER} {n}" in out.split(worker_id)[1].splitlines()[0]
+        line = out.split(worker_id)[1].splitlines()[0]
+        assert f"cached blocks: {DEVICE_TIER} {n}" in line and f"KV K/V per head, {per_token:,} B/token" in line
 
 
 def test_a_prompt_goes_to_the_worker_that_holds_its_prefix(srv, tokenizer):

@@ -195,6 +195,16 @@ def test_speculation_on_a_deepseek_target_keeps_greedy_output(reference):
         _assert_matches_hf(answers, tokens, logprobs, spec.method)
 
 
+def test_the_load_names_the_latent_layout_and_its_bytes_a_token(reference):
+    """What `pdserve info` shows of a worker (EngineLoad): an "mla" layout, a token's latent
+    (kv_lora_rank + qk_rope_head_dim values) in every layer, float32; half that in FP8."""
+    folder, _ = reference(v3)
+    latent = TINY["kv_lora_rank"] + TINY["qk_rope_head_dim"]
+    for kv_cache_dtype, size in (("auto", 4), ("fp8", 1)):
+        load = cpu_engine(folder, cache=CacheConfig(kv_cache_dtype=kv_cache_dtype)).load()
+        assert (load.kv_layout, load.kv_bytes_per_token) == ("mla", TINY["num_hidden_layers"] * latent * size)
+
+
 def test_an_fp8_latent_cache_holds_the_latents_rounded(reference):
     """kv_cache_dtype "fp8" over a latent pool: after one prompt's prefill (its one token
     sampled, none fed back), layer 0's rows (the same forward either way up to there) are
@@ -307,3 +317,40 @@ def test_on_cuda_the_mla_kernels_match_hf(make_config, tmp_path):
         want, logits = hf_greedy(hf, prompt, NEW_TOKENS)
         assert_matches_reference(out.token_ids, want, logits.cpu(), f"{make_config.__name__}, prompt of {len(prompt)}")
     assert engine.block_manager.num_prefix_hits > 0
+    assert engine.runner.graphs is not None and engine.runner.graphs.num_replays.get(1, 0) > 0  # decodes replayed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make_config", [v2_greedy, v3])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_on_cuda_mla_steps_replayed_from_graphs_give_the_eager_tokens(make_config, kv_cache_dtype, tmp_path):
+    """Over a latent pool, decode steps and n-gram verification steps (K + 1 = 4 tokens a
+    sequence, absorbed) replayed from CUDA graphs, padded to their buckets, give the tokens
+    and log-probabilities of the same steps run eagerly (float32; an FP8 latent cache too),
+    with and without speculation."""
+    from pdserve.engine.config import SpecConfig
+
+    _hf_model(make_config(qk_rope_head_dim=16, v_head_dim=16)).save_pretrained(str(tmp_path))
+    gen = torch.Generator().manual_seed(3)
+    # Repetitive prompts, so that the n-gram drafter proposes; 3 sequences pad a bucket of 4.
+    prompts = [(torch.randint(3, 250, (n,), generator=gen).tolist() * 3)[:3 * n] for n in (5, 30, 90)]
+    results = {}
+    for eager in (True, False):
+        for spec in (SpecConfig(), SpecConfig(method="ngram", num_speculative_tokens=3)):
+            engine = Engine(EngineConfig(
+                model=ModelConfig(source=str(tmp_path), device="cuda", dtype="float32", enforce_eager=eager),
+                cache=CacheConfig(num_blocks=128, kv_cache_dtype=kv_cache_dtype), spec=spec))
+            results[eager, spec.method] = _run(engine, prompts)
+            if eager:
+                assert engine.runner.graphs is None
+                continue
+            replays = engine.runner.graphs.num_replays
+            assert replays.get(1, 0) > 0, replays
+            if spec.enabled:
+                assert engine.speculator.metrics.num_proposed > 0
+                assert sum(n for q, n in replays.items() if q > 1) > 0, replays  # verifications replayed
+    for method in ("none", "ngram"):
+        (want, want_lp), (got, got_lp) = results[True, method], results[False, method]
+        assert got == want, method
+        torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-4, rtol=1e-4, msg=method)
+    assert results[False, "ngram"][0] == results[False, "none"][0]  # speculation keeps greedy output

@@ -14,11 +14,11 @@ import torch
 
 from pdserve.kernels import mla_decode as mla_decode_module
 from pdserve.kernels.fp8 import KV_FP8
-from pdserve.kernels.mla_decode import mla_decode, mla_decode_num_splits, mla_decode_tiling
+from pdserve.kernels.mla_decode import mla_decode, mla_decode_default_splits, mla_decode_num_splits, mla_decode_tiling
 from pdserve.kernels.paged_decode import decode_workspace
 from tests.kernels.reference import make_paged_latent, ref_mla_decode, rel_error, tolerance
 
-COVERS = ("mla_decode", "mla_decode_num_splits", "mla_decode_tiling")
+COVERS = ("mla_decode", "mla_decode_default_splits", "mla_decode_num_splits", "mla_decode_tiling")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -127,6 +127,33 @@ def test_num_splits_and_tiling(monkeypatch):
     q = torch.zeros(1, 16, 32)
     assert mla_decode_tiling(q, 16, 1)["block_h"] == 16 and mla_decode_tiling(q, 16, 3)["block_h"] == 4
     assert mla_decode_tiling(q, 2, 1)["block_h"] == 2
+
+
+@pytest.mark.parametrize("num_seqs, num_heads, q_len", [(1, 16, 1), (3, 4, 1), (2, 16, 3)])
+def test_default_splits_are_what_a_launch_without_them_uses(monkeypatch, num_seqs, num_heads, q_len):
+    """mla_decode_default_splits (what a CUDA graph's context tier is sized by) equals the
+    split count mla_decode launches with when given none, read off its kernel's grid."""
+    monkeypatch.setattr(mla_decode_module, "_num_sms", lambda device: 132)
+    kernel, grids = mla_decode_module._mla_split_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(mla_decode_module, "_mla_split_kernel", Spy())
+    latent = make_paged_latent([40 * (b + 1) for b in range(num_seqs)], 32 + 16, 16, torch.float32, DEVICE)
+    q_nope = torch.randn(num_seqs * q_len, num_heads, 32, device=DEVICE)
+    q_pe = torch.randn(num_seqs * q_len, num_heads, 16, device=DEVICE)
+    verify = {} if q_len == 1 else {
+        "cu_seqlens_q": torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32, device=DEVICE),
+        "max_seqlen_q": q_len}
+    # A table wide enough that the context, not the batch, bounds the splits.
+    tables = torch.cat([latent.block_tables, latent.block_tables.new_zeros(num_seqs, 60)], dim=1)
+    mla_decode(q_nope, q_pe, latent.cache, tables, latent.seq_lens, 0.1, **verify)
+    want = mla_decode_default_splits(num_seqs, num_heads, tables.shape[1] * 16, torch.float32,
+                                     torch.device(DEVICE), q_len)
+    assert want > 1 and grids[0][2] == want, (grids, want)
 
 
 # DeepSeek-V3's widths: 128 heads (one GPU) or 16 (TP 8), latent 512 + 64.
