@@ -56,9 +56,11 @@ class DecodeWorker(LoopWorker):
         block_ids = await self.loop.call(lambda e: e.reserve(req))
         self._landing[req.request_id] = asyncio.ensure_future(self._receiver.expect(req.request_id, block_ids))
 
-    async def admit(self, request_id: str, first_token_id: int, grammar: str | None = None) -> KVTransferInfo:
+    async def admit(self, request_id: str, first_token_id: int, grammar: str | None = None,
+                    draft_state: bytes = b"") -> KVTransferInfo:
         """Wait (bounded by the transfer timeout) for the KV, then decode from `first_token_id`
-        (`grammar`: the request's compiled grammar from its prefill worker, `PrefillOutput.grammar`).
+        (`grammar`: the request's compiled grammar from its prefill worker, `PrefillOutput.grammar`;
+        `draft_state`: where to start an MTP drafter from, `PrefillOutput.draft_state`).
 
         On a failed transfer the reserved blocks are freed and the TransferError raised.
         """
@@ -69,7 +71,7 @@ class DecodeWorker(LoopWorker):
             result.raise_for_error()
         # Not awaited: the engine admits it before its next step; waiting would add the rest of
         # the current step to the request's first token. A failure here is a bug, logged.
-        self.loop.submit(lambda e: e.admit_prefilled(request_id, first_token_id, result.ready, grammar)
+        self.loop.submit(lambda e: e.admit_prefilled(request_id, first_token_id, result.ready, grammar, draft_state)
                          ).add_done_callback(log_failure)
         return KVTransferInfo(result.num_bytes, result.transport, result.elapsed_s, result.direct)
 

@@ -223,7 +223,7 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
-SPEC_METHODS = ("none", "draft_model", "self_draft", "ngram")
+SPEC_METHODS = ("none", "draft_model", "self_draft", "ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -237,7 +237,12 @@ class SpecConfig:
 
     method: "none", "draft_model" (a smaller model with the target's tokenizer),
         "self_draft" (the target's first `num_draft_layers` layers) or "ngram"
-        (prompt lookup: copy what followed the last n tokens earlier in the context).
+        (prompt lookup: copy what followed the last n tokens earlier in the context) or
+        "mtp" (the checkpoint's multi-token-prediction layer, DeepSeek-V3's
+        `num_nextn_predict_layers`, applied K times, each on its own last output: the
+        engine is built with it, its KV one more layer of the pool, computed with every
+        target step, so that a prefill worker's KV transfer carries it to the decode worker
+        with the target's; a checkpoint without one is refused).
     num_speculative_tokens: K, tokens proposed per step, in [0, 16]; 0 turns
         speculation off. With `adaptive`, the most any request proposes.
     draft_model: model source of the draft (as ModelConfig.source); it runs on
@@ -298,7 +303,7 @@ class SpecConfig:
             raise ValueError(f"SpecConfig needs 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"SpecConfig.draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
-        if (self.draft_vocab_size is not None or self.draft_vocab_file is not None) and self.method == "ngram":
+        if (self.draft_vocab_size is not None or self.draft_vocab_file is not None) and self.method in ("ngram", "mtp"):
             raise ValueError(f"SpecConfig.draft_vocab_size and draft_vocab_file trim a draft model's head; "
                              f"method {self.method!r} has none")
 
@@ -370,7 +375,7 @@ class EngineConfig:
             raise ValueError("KV tiers (kv_tiers) with tensor_parallel_size > 1 are not supported yet")
         if self.kv_tiers.enabled and not self.cache.enable_prefix_caching:
             raise ValueError("KV tiers (kv_tiers) need the prefix cache (cache.enable_prefix_caching)")
-        if self.spec.enabled and self.parallel.tensor_parallel_size > 1:
+        if (self.spec.enabled or self.spec.method == "mtp") and self.parallel.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet")
 
     def for_worker(self, slot: str) -> EngineConfig:

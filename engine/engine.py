@@ -154,7 +154,7 @@ class Engine:
         return block_ids
 
     def admit_prefilled(self, request_id: str, first_token_id: int, kv_ready: torch.cuda.Event | None = None,
-                        grammar: str | None = None) -> None:
+                        grammar: str | None = None, draft_state: bytes = b"") -> None:
         """The reserved blocks hold the prompt's KV: decode from `first_token_id` on.
 
         `kv_ready`: the KV is still being copied in and is there once this CUDA event has
@@ -162,10 +162,14 @@ class Engine:
         other sequence) waits for the copy.
         `grammar`: the request's compiled grammar as its prefill worker serialized it
         (`StructuredOutputs.export`), taken into this engine's cache instead of compiling it again.
+        `draft_state`: the prefill worker's `TokenDelta.held_draft_state` (an MTP drafter's start:
+        the hidden state at the last prompt token); b"": none (its first drafts may be worse).
         """
         seq = self.core.requests.get(request_id)
         if seq is None:
             raise ValueError(f"request {request_id!r} is not waiting for its KV")
+        if draft_state and self.runner.mtp is not None:
+            self.runner.mtp.adopt(seq, seq.num_prompt_tokens - 1, draft_state)
         if grammar is not None and seq.params.structured is not None:
             self.structured.adopt(seq.params.structured, grammar)
         self.handoff.land(seq, first_token_id, kv_ready)

@@ -99,3 +99,6 @@ class PrefillOutput:
     # The request's compiled grammar, serialized (`StructuredOutputs.export`), for the decode
     # worker's `admit`: a grammar is compiled once per request, not once per worker.
     grammar: str | None = None
+    # Where the engines draft with the model's MTP layer: the hidden state its decode worker's
+    # drafter starts from (`TokenDelta.held_draft_state`, for `admit`); b"": none.
+    draft_state: bytes = b""

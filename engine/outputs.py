@@ -52,6 +52,10 @@ class TokenDelta:
     # The first delta of a request that asked for them (`SamplingParams.prompt_logprobs`): one
     # entry per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
+    # With `held_block_ids`, where the engine drafts with the model's MTP layer: the target's hidden state at
+    # the last prompt token (`MTPCarry.export`), which the decode worker's drafter starts from
+    # (`Engine.admit_prefilled`'s draft_state); b"" otherwise.
+    held_draft_state: bytes = b""
 
     @property
     def finished(self) -> bool:

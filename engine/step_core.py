@@ -232,9 +232,13 @@ class EngineCore:
             reason = FinishReason.STOP  # the grammar is complete
         if reason is not None:
             self._finish(seq, reason, num_tokens=pos + 1)  # a token sampled after the last one is dropped
-        held = tuple(seq.block_ids) if seq.request_id in self.scheduler.held else ()
+        held, draft_state = (), b""
+        if seq.request_id in self.scheduler.held:
+            held = tuple(seq.block_ids)
+            if self.runner.mtp is not None:
+                draft_state = self.runner.mtp.export(seq, seq.num_prompt_tokens - 1)
         return TokenDelta(seq.request_id, (token_id,), reason, (logprobs,) if logprobs else (),
-                          seq.num_prompt_tokens, seq.num_cached_tokens, held, prompt_logprobs)
+                          seq.num_prompt_tokens, seq.num_cached_tokens, held, prompt_logprobs, draft_state)
 
     def _take_prompt_logprobs(self, seq: Sequence) -> tuple[TokenLogprobs | None, ...]:
         """A request's prompt log-probabilities, for the delta of its first token (then forgotten)."""
@@ -272,4 +276,4 @@ def _merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
     last = deltas[-1]
     return TokenDelta(last.request_id, tuple(t for d in deltas for t in d.token_ids), last.finish_reason,
                       tuple(lp for d in deltas for lp in d.logprobs), last.num_prompt_tokens, last.num_cached_tokens,
-                      last.held_block_ids, deltas[0].prompt_logprobs)
+                      last.held_block_ids, deltas[0].prompt_logprobs, last.held_draft_state)

@@ -112,13 +112,14 @@ class PrefillWorker(LoopWorker):
             # Not awaited, for the same reason; the engine runs it before its next step.
             self.loop.submit(lambda e: e.release(rid)).add_done_callback(log_failure)
         sent = time.perf_counter()
+        draft_state = first.held_draft_state if needs_decode else b""
         first = dataclasses.replace(first, finish_reason=None if needs_decode else first.finish_reason,
-                                    held_block_ids=())
+                                    held_block_ids=(), held_draft_state=b"")
         times = PrefillTimes(taken - called, sampled - taken, sent - sampled)
         # The grammar compiled for the first token goes to the decode worker, which need not compile it again.
         structured = req.params.structured
         grammar = self.loop.engine.structured.export(structured) if needs_decode and structured is not None else None
-        return PrefillOutput(first, needs_decode, transfer, times, grammar)
+        return PrefillOutput(first, needs_decode, transfer, times, grammar, draft_state)
 
     async def _stop_sending(self, rid: str) -> None:
         """Whatever of `rid` is still being sent or prepared stops before its blocks go back."""

@@ -302,7 +302,8 @@ class _Attempt:
         if not out.needs_decode:  # the first token ended it: give the reservation back
             await self._abort(decode)
             return out.first
-        self._admitting = asyncio.ensure_future(self._admit(decode, out.first.token_ids[0], out.grammar))
+        self._admitting = asyncio.ensure_future(self._admit(decode, out.first.token_ids[0], out.grammar,
+                                                            out.draft_state))
         return out.first
 
     async def _reserve(self, decode: Seat) -> None:
@@ -315,9 +316,9 @@ class _Attempt:
             await self._workers.lost(decode.worker)
             raise WorkerLost(f"decode worker {decode.worker.worker_id} was lost") from e
 
-    async def _admit(self, decode: Seat, first_token_id: int, grammar: str | None) -> None:
+    async def _admit(self, decode: Seat, first_token_id: int, grammar: str | None, draft_state: bytes) -> None:
         try:
-            await decode.worker.actor.admit.remote(decode.request_id, first_token_id, grammar)
+            await decode.worker.actor.admit.remote(decode.request_id, first_token_id, grammar, draft_state)
         except TransferError as e:
             raise _transfer_failed(decode.worker, e) from e
         except ACTOR_LOST as e:

@@ -281,9 +281,13 @@ class ServeConfig:
 
     def engine_for(self, role: str) -> EngineConfig:
         """The engine config of the workers of `role`: the pool's tensor-parallel size; a prefill
-        worker's without speculation (it computes prompts and their first token: nothing to draft)."""
+        worker's without speculation (it computes prompts and their first token: nothing to draft),
+        but built with the model's MTP layer when the decode workers draft with it (method "mtp"
+        at K 0: the prompt's MTP KV is computed where the prompt is, and sent with the rest)."""
         size = self.pools.tp(role, self.engine)
-        spec = SpecConfig() if role == "prefill" else self.engine.spec
+        spec = self.engine.spec
+        if role == "prefill":
+            spec = SpecConfig(method="mtp", num_speculative_tokens=0) if spec.method == "mtp" else SpecConfig()
         return dataclasses.replace(self.engine, spec=spec, parallel=dataclasses.replace(self.engine.parallel,
                                                                                          tensor_parallel_size=size))
 

@@ -173,6 +173,11 @@ class ModelArch:
     model_type: str = "llama"
     moe: MoEArch | None = None
     mla: MLAArch | None = None  # multi-head latent attention (head_dim is then its rotary part's)
+    # Multi-token prediction (DeepSeek-V3): the layers the checkpoint ships after its decoder
+    # (`num_nextn_predict_layers`, as `model.layers.{num_layers}.*`), and whether the model
+    # is built with the first of them (`with_mtp`: speculation asked for it) or skips them.
+    num_mtp_layers: int = 0
+    mtp: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -197,6 +202,18 @@ class ModelArch:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         return dataclasses.replace(self, num_layers=num_layers)
+
+    def with_mtp(self) -> ModelArch:
+        """The same model built with its first multi-token-prediction layer (a drafter,
+        `SpecConfig.method` "mtp"); ValueError naming why a model has none."""
+        if self.mla is None or self.moe is None:
+            raise ValueError(f"speculative method 'mtp' needs a DeepSeek-V3-style checkpoint with multi-token-"
+                             f"prediction layers; a {self.model_type} model has none")
+        if self.num_mtp_layers < 1:
+            raise ValueError(f"speculative method 'mtp': this {self.model_type} checkpoint has no multi-token-"
+                             f"prediction layers (num_nextn_predict_layers is 0; they would be "
+                             f"model.layers.{self.num_layers}.*)")
+        return dataclasses.replace(self, mtp=True)
 
     @property
     def digest(self) -> str:
@@ -245,6 +262,7 @@ class ModelArch:
             model_type=str(model_type),
             moe=_moe_from_hf(config, model_type),
             mla=mla,
+            num_mtp_layers=int(getattr(config, "num_nextn_predict_layers", 0) or 0) if mla is not None else 0,
         )
 
 
@@ -394,6 +412,7 @@ DUMMY_SHAPES: dict[str, ModelArch] = {
                     shared_intermediate_size=2048, shared_gate=False, first_dense_layers=3, routing="noaux_tc",
                     num_groups=8, topk_group=4, routed_scaling_factor=2.5),
         mla=MLAArch(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536),
+        num_mtp_layers=1,
     ),
 }
 

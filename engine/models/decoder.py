@@ -20,6 +20,7 @@ from pdserve.engine.models import fp8, loading
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.layers import AttentionStep, DecoderLayer, Linear, RMSNorm, VocabParallelEmbedding
 from pdserve.engine.models.moe import FusedExperts
+from pdserve.engine.models.mtp import MTPLayer
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.models.rope import RotaryEmbedding
 
@@ -28,7 +29,8 @@ class CausalLM(nn.Module):
     """A decoder-only language model over a paged KV cache (one rank's shard of it).
 
     Subclasses implement `make_layer`; their layers take and return (x, residual) as
-    layers.DecoderLayer does.
+    layers.DecoderLayer does. `mtp`: a multi-token-prediction layer (models/mtp.py) where the
+    family has one and the arch asks for it (DeepSeek-V3), else None.
     """
 
     def __init__(self, arch: ModelArch, max_positions: int, device: torch.device,
@@ -43,6 +45,7 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(arch.hidden_size, tp.plan.vocab_per_rank, bias=False)
         self.tie_weights()
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_positions, device)
+        self.mtp: MTPLayer | None = None
 
     @staticmethod
     def make_layer(arch: ModelArch, layer_idx: int, tp: TensorParallel) -> DecoderLayer:
@@ -73,6 +76,19 @@ class CausalLM(nn.Module):
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.add_and_norm(x, residual)[0]
+
+    def mtp_latents(self, input_ids: torch.Tensor, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer's KV of tokens input_ids [T] after hidden states previous [T, hidden]
+        (`MTPLayer.latents`), without running the layer."""
+        assert self.mtp is not None
+        return self.mtp.latents(self.embed_tokens(input_ids), previous)
+
+    def mtp_forward(self, input_ids: torch.Tensor, previous: torch.Tensor, positions: torch.Tensor,
+                    attn: AttentionStep) -> torch.Tensor:
+        """The MTP layer over tokens input_ids [T] at positions [T] after hidden states
+        previous [T, hidden] -> its normalized output [T, hidden] (`compute_logits` scores it)."""
+        assert self.mtp is not None
+        return self.mtp(self.embed_tokens(input_ids), previous, self.rotary.at(positions), attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (on every rank: the shards' logits are gathered)."""

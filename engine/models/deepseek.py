@@ -7,8 +7,9 @@ experts every token goes through, with no gate. The router is V2's softmax ("gre
 its logits are computed in float32 whatever the model's dtype.
 
 A checkpoint's multi-token-prediction layers (`model.layers.{num_hidden_layers}` on, V3's
-`num_nextn_predict_layers`) are not part of this model and are skipped at load, as
-transformers skips them.
+`num_nextn_predict_layers`) are skipped at load, as transformers skips them, unless the
+arch asks for the first (`ModelArch.with_mtp`: the "mtp" drafter), which becomes
+`self.mtp` (mtp.py; its copies of the embedding and LM head are dropped: it uses the model's).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.models.layers import MLP, DecoderLayer
 from pdserve.engine.models.mla import MLAAttention
 from pdserve.engine.models.moe import FusedExperts, grouped_route
+from pdserve.engine.models.mtp import MTPLayer
 from pdserve.engine.models.parallel import Collectives, TensorParallel
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
@@ -73,6 +75,12 @@ class DeepseekMoE(nn.Module):
 
 
 class DeepseekForCausalLM(CausalLM):
+    def __init__(self, arch: ModelArch, max_positions: int, device: torch.device,
+                 tp: TensorParallel | None = None) -> None:
+        super().__init__(arch, max_positions, device, tp)
+        if arch.mtp:
+            self.mtp = MTPLayer(arch, self.make_layer(arch, arch.num_layers, self.tp))
+
     @staticmethod
     def make_layer(arch: ModelArch, layer_idx: int, tp: TensorParallel) -> DecoderLayer:
         assert arch.moe is not None
@@ -84,12 +92,31 @@ class DeepseekForCausalLM(CausalLM):
         return DecoderLayer(arch, MLAAttention(arch, layer_idx, tp), mlp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_without_mtp_layers(weights, self.arch.num_layers))
+        try:
+            super().load_weights(_mtp_renamed(weights, self.arch.num_layers, self.arch.mtp))
+        except ValueError as e:
+            if self.arch.mtp and "'mtp." in str(e):
+                raise ValueError(f"speculative method 'mtp': the checkpoint's MTP layer "
+                                 f"(model.layers.{self.arch.num_layers}.*) is missing or incomplete: {e}") from e
+            raise
 
 
-def _without_mtp_layers(weights: Iterable[tuple[str, torch.Tensor]],
-                        num_layers: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _mtp_renamed(weights: Iterable[tuple[str, torch.Tensor]], num_layers: int,
+                 mtp: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The decoder's tensors, and with `mtp` the first MTP layer's under `mtp.` (its own
+    norms and projection as they are, its decoder layer's under `mtp.layer.`); the other MTP
+    layers, and the MTP layer's copies of the embedding and LM head, dropped."""
     for name, tensor in weights:
         match = _LAYER.match(name)
         if match is None or int(match.group(1)) < num_layers:
             yield name, tensor
+        elif mtp and int(match.group(1)) == num_layers:
+            rest = name[match.end():]
+            if rest.startswith(_MTP_OWN):
+                yield f"mtp.{rest}", tensor
+            elif not rest.startswith(_MTP_SHARED):
+                yield f"mtp.layer.{rest}", tensor
+
+
+_MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+_MTP_SHARED = ("embed_tokens.", "shared_head.head.")

@@ -60,11 +60,20 @@ class MLAAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
+        kv_c, k_pe = self.latent(x)
+        if mla.rope_interleave:
+            q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+            q = torch.cat((q_nope, deinterleave(q_pe)), dim=-1)
+        projection = MLAProjection(self.kv_b_proj, self.num_heads, mla.qk_nope_head_dim, mla.v_head_dim)
+        out = attn.mla(self.layer_idx, q, kv_c, k_pe, rope, projection)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * mla.v_head_dim))
+
+    def latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] (normalized) -> what the pool holds of these tokens, before the
+        rotation: (kv_c [T, kv_lora_rank] normalized, k_pe [T, qk_rope] in rotate-half order)."""
+        mla = self.mla
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c.contiguous())
         if mla.rope_interleave:
-            q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-            q, k_pe = torch.cat((q_nope, deinterleave(q_pe)), dim=-1), deinterleave(k_pe)
-        projection = MLAProjection(self.kv_b_proj, self.num_heads, mla.qk_nope_head_dim, mla.v_head_dim)
-        out = attn.mla(self.layer_idx, q, kv_c, k_pe.contiguous(), rope, projection)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * mla.v_head_dim))
+            k_pe = deinterleave(k_pe)
+        return kv_c, k_pe.contiguous()

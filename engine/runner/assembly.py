@@ -8,6 +8,7 @@ requests through them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +58,7 @@ def assemble(config: EngineConfig) -> EngineParts:
 
     Raises ValueError for a max_model_len past the model's context or the pool's capacity.
     """
-    files = resolve_model(config.model)
+    files = with_drafter_layers(resolve_model(config.model), config)
     arch = files.arch
     device, dtype = config.model.torch_device(), config.model.torch_dtype()
     tokenizer = load_tokenizer(files)
@@ -76,6 +77,14 @@ def assemble(config: EngineConfig) -> EngineParts:
         if ranks is not None:
             ranks.close()
         raise
+
+
+def with_drafter_layers(files: ModelFiles, config: EngineConfig) -> ModelFiles:
+    """`files` with the layers `config.spec` drafts with built too: the checkpoint's MTP layer
+    for method "mtp" (its KV one more layer of the pool). ValueError naming why not."""
+    if config.spec.method != "mtp":
+        return files
+    return dataclasses.replace(files, arch=files.arch.with_mtp())
 
 
 def _assemble(config: EngineConfig, files: ModelFiles, tokenizer: Any | None, limit: int,

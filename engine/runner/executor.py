@@ -34,9 +34,10 @@ def kv_layout(files: ModelFiles, dtype: torch.dtype, plan: ShardPlan, block_size
 
 def arch_kv_layout(name: str, dtype: torch.dtype, arch: ModelArch, plan: ShardPlan, block_size: int) -> KVLayout:
     """The pool layout `plan`'s rank of `arch` holds: its KV heads' K and V, or (MLA) one
-    latent per token, the same on every rank."""
+    latent per token, the same on every rank; one layer more for a model built with its MTP
+    layer (runner/mtp_carry.py)."""
     if arch.mla is not None:
-        return KVLayout(name, dtype, arch.num_layers, 1, arch.mla.latent_dim, block_size, tp_size=plan.size,
+        return KVLayout(name, dtype, arch.num_layers + arch.mtp, 1, arch.mla.latent_dim, block_size, tp_size=plan.size,
                         kind="mla")
     return KVLayout(name, dtype, arch.num_layers, plan.num_kv_heads, arch.head_dim, block_size, tp_size=plan.size,
                     kv_head_start=plan.kv_head_start)

@@ -9,6 +9,7 @@ import torch
 from pdserve.engine.prompt_logprobs import PromptChunk, compute_chunk
 from pdserve.engine.runner.cuda_graphs import StepGraphs
 from pdserve.engine.runner.executor import Executor
+from pdserve.engine.runner.mtp_carry import MTPCarry
 from pdserve.engine.runner.step_inputs import InFlightTokens, StepInputBuilder
 from pdserve.engine.runner.tensor_parallel import TensorParallelRanks
 from pdserve.engine.sampler import PendingSample, Sampler, TokenLogprobs
@@ -75,6 +76,9 @@ class ModelRunner:
         self.sampler = sampler
         self.device = executor.device
         self.num_eager_steps = 0  # forwards that no graph served
+        # A model built with its MTP layer: that layer's KV follows every step (mtp_carry.py).
+        self.mtp = MTPCarry(self.model, executor.pool) if self.model.mtp is not None else None
+        assert self.mtp is None or (graphs is None and ranks is None), "MTP steps run eagerly on one rank"
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[Sequence, tuple[int, TokenLogprobs | None]]:
@@ -110,6 +114,8 @@ class ModelRunner:
         if self.ranks is not None:
             self.ranks.run_step(inputs)
         hidden = self.executor.hidden(inputs)  # writes the KV, sampled or not
+        if self.mtp is not None:
+            self.mtp.write_step(seqs, counts, inputs, hidden)
         prompt = {seq: compute_chunk(self.model.compute_logits, hidden[row:row + len(ids)], first, ids,
                                      seq.params.prompt_logprobs or 0, self.model.arch.vocab_size)
                   for seq, row, first, ids in wanted}

@@ -13,6 +13,7 @@ from pdserve.engine.speculative.adaptive import AdaptiveK, best_k, expected_spee
 from pdserve.engine.speculative.draft_loading import check_draft, load_draft_model, self_draft_model
 from pdserve.engine.speculative.draft_model import ModelDrafter
 from pdserve.engine.speculative.drafter import Drafter
+from pdserve.engine.speculative.mtp import MTPDrafter
 from pdserve.engine.speculative.factory import build_speculator, draft_target
 from pdserve.engine.speculative.ngram import NgramDrafter
 from pdserve.engine.speculative.rejection import rejection_sample
@@ -20,7 +21,7 @@ from pdserve.engine.speculative.spec_decoder import SpecDecoder
 from pdserve.engine.speculator import SpecMetrics
 
 __all__ = [
-    "AdaptiveK", "Drafter", "ModelDrafter", "NgramDrafter", "SpecDecoder", "SpecMetrics", "best_k",
+    "AdaptiveK", "Drafter", "MTPDrafter", "ModelDrafter", "NgramDrafter", "SpecDecoder", "SpecMetrics", "best_k",
     "build_speculator", "check_draft", "draft_target", "expected_speedup", "expected_tokens_per_pass",
     "load_draft_model", "rejection_sample", "self_draft_model",
 ]

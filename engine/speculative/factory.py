@@ -10,6 +10,7 @@ from pdserve.engine.speculative.adaptive import AdaptiveK, MeasuredCosts, PassCo
 from pdserve.engine.speculative.draft_loading import DraftTarget, draft_head_ids, load_draft_model, self_draft_model
 from pdserve.engine.speculative.draft_model import ModelDrafter
 from pdserve.engine.speculative.drafter import Drafter
+from pdserve.engine.speculative.mtp import MTPDrafter
 from pdserve.engine.speculative.ngram import NgramDrafter
 from pdserve.engine.speculative.spec_decoder import SpecDecoder
 
@@ -36,6 +37,13 @@ def build_speculator(parts: EngineParts, config: EngineConfig, spec: SpecConfig 
         draft_graphs = drafter.runner.graphs if isinstance(drafter, ModelDrafter) else None
     elif spec.method == "ngram":
         drafter, cost_ratio = NgramDrafter(spec.ngram_min, spec.ngram_max, parts.device), 0.0
+    elif spec.method == "mtp":
+        carry = parts.runner.mtp
+        if carry is None:
+            parts.arch.with_mtp()  # a model without MTP layers: its own reason
+            raise ValueError("speculative method 'mtp' needs the engine built with the model's MTP layer "
+                             "(EngineConfig.spec.method 'mtp'): its KV is a layer of the pool")
+        drafter, cost_ratio = MTPDrafter(parts.model, carry, parts.pool, parts.sampler), 1 / parts.arch.num_layers
     else:
         target = draft_target(parts, config, spec)
         if spec.method == "self_draft":

@@ -120,6 +120,10 @@ def test_flags_override_the_file_which_overrides_the_defaults(tmp_path, monkeypa
     (["--engine.cache.kv_copy_wait_s", "0"], "--engine.cache.kv_copy_wait_s: CacheConfig.kv_copy_wait_s must be > 0"),
     (["--spec-method", "ngram", "--tensor-parallel-size", "2"],
      "--tensor-parallel-size: speculative decoding with tensor_parallel_size > 1 is not supported yet"),
+    (["--spec-method", "mtp", "--num-speculative-tokens", "0", "--tensor-parallel-size", "2"],
+     "--tensor-parallel-size: speculative decoding with tensor_parallel_size > 1 is not supported yet"),
+    (["--spec-method", "eagle"], "--spec-method: SpecConfig.method must be one of ('none', 'draft_model', "
+                                  "'self_draft', 'ngram', 'mtp'), got 'eagle'"),
 ])
 def test_a_bad_value_is_the_configs_error_naming_the_flag(argv, message, capsys) -> None:
     assert main(["serve", "--check-config", *argv]) == 2
@@ -154,4 +158,6 @@ def test_generate_takes_the_engine_flags() -> None:
     args = build_parser().parse_args(["generate", "--model", "dummy:tiny", "--engine.spec.method", "ngram", "hi"])
     config = engine_config_from_args(args)
     assert config.model.source == "dummy:tiny" and config.spec.method == "ngram"
+    args = build_parser().parse_args(["generate", "--model", "dummy:tiny", "--spec-method", "mtp", "hi"])
+    assert engine_config_from_args(args).spec.method == "mtp"
     assert config.cache == ServeConfig().engine.cache

@@ -73,6 +73,16 @@ def test_tensor_parallel_size_reaches_each_pools_engine():
     assert config.engine_for("prefill").parallel.tensor_parallel_size == 1
 
 
+def test_a_prefill_worker_drafts_nothing_but_builds_the_mtp_layer_its_decode_workers_draft_with():
+    config = config_from_dict({"engine": {"spec": {"method": "ngram", "num_speculative_tokens": 3}}})
+    assert config.engine_for("prefill").spec.method == "none"
+    config = config_from_dict({"engine": {"spec": {"method": "mtp", "num_speculative_tokens": 3}}})
+    decode, prefill = config.engine_for("decode").spec, config.engine_for("prefill").spec
+    assert decode.method == "mtp" and decode.enabled and decode.num_speculative_tokens == 3
+    # The prompt's MTP KV is computed on the prefill worker (runner/mtp_carry.py): the layer is built there.
+    assert prefill.method == "mtp" and not prefill.enabled
+
+
 @pytest.mark.parametrize("data, words", [
     ({"pools": {"decode_tp": 0}}, "decode_tp must be >= 1"),
     ({"engine": {"parallel": {"tensor_parallel_size": 0}}}, "tensor_parallel_size must be >= 1"),
