@@ -11,22 +11,19 @@ layer's included."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 
-from pdserve.cluster.clients.grpc_client import Client
 from pdserve.engine.kv.pool import KVLayout
-from pdserve.engine.sampling import SamplingParams
-from pdserve.proto.v1 import generation_pb2 as pb
 from tests.cluster.streams import free_port, pools_are_full, scrape, wait_until
+from tests.cluster.test_deepseek_serving import BLOCK_SIZE, GREEDY, _prompts, _serve
 from tests.engine.speculative.test_mtp import write_mtp_checkpoint
 from tests.engine.test_deepseek import v3
 
 pytestmark = pytest.mark.slow
 
-BLOCK_SIZE = 16  # CacheConfig's default, which both servers run
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -42,50 +39,45 @@ def _sections(folder, mode: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def disaggregated(start, folder):
-    return start(**_sections(folder, "disaggregated"))
-
-
-@pytest.fixture(scope="module")
-def colocated(start, folder):
-    return start(**_sections(folder, "colocated"))
-
-
-def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 250, (n,), generator=gen).tolist() for n in lengths]
-
-
-def _serve(target: str, prompt: list[int]) -> tuple[list[int], list]:
-    """(greedy token ids, the last response's kv_transfers) of one request."""
-    with Client(target) as client:
-        responses = list(client.generate(prompt, GREEDY, timeout_s=300))
-    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
-    return [t for r in responses for t in r.token_ids], list(responses[-1].kv_transfers)
+def servers(start, folder) -> dict:
+    """Both modes' servers of the MTP model, by mode."""
+    return {mode: start(**_sections(folder, mode)) for mode in ("disaggregated", "colocated")}
 
 
 def _accepted(server) -> float:
-    """Draft tokens its workers' targets accepted so far, once every request has ended (the
-    load that shows the pools free is the one the metrics have, and it counts every step)."""
-    wait_until(lambda: pools_are_full(server.target), 30, "every block to be free")
-    return sum(v for k, v in scrape(server.config.server.metrics_port).items()
-               if k.startswith("pdserve_spec_accepted_tokens{"))
+    """Draft tokens its workers' targets accepted so far, once every request has ended and the
+    count has settled: the metrics follow the workers' loads, read every `load_refresh_s`, and
+    one read just after a request may still be a load from before its last step; so the
+    same count, with every block free, twice, several load reads apart (bounded)."""
+    interval = 4 * server.config.coordinator.load_refresh_s
+    last = None
+    for _ in range(30):
+        wait_until(lambda: pools_are_full(server.target), 30, "every block to be free")
+        count = sum(v for k, v in scrape(server.config.server.metrics_port).items()
+                    if k.startswith("pdserve_spec_accepted_tokens{"))
+        if count == last:
+            return count
+        last = count
+        time.sleep(interval)
+    raise AssertionError(f"the accepted count did not settle: {last}")
 
 
-def test_a_request_accepts_as_many_mtp_drafts_disaggregated_as_colocated(disaggregated, colocated):
+def test_a_request_accepts_as_many_mtp_drafts_disaggregated_as_colocated(servers):
     # Within one block, across two, and past four.
-    accepted: dict[str, list[float]] = {"disaggregated": [], "colocated": []}
+    accepted: dict[str, list[float]] = {mode: [] for mode in servers}
     for i, prompt in enumerate(_prompts(3, (5, 32, 70))):
-        before = _accepted(disaggregated), _accepted(colocated)
-        got, _ = _serve(disaggregated.target, prompt)
-        want, _ = _serve(colocated.target, prompt)
+        tokens = {}
+        for mode, server in servers.items():
+            before = _accepted(server)
+            tokens[mode], _ = _serve(server.target, prompt)
+            accepted[mode].append(_accepted(server) - before)
+        got, want = tokens["disaggregated"], tokens["colocated"]
         assert len(got) == GREEDY.max_tokens and got == want, f"request {i} ({len(prompt)} prompt tokens) differs"
-        accepted["disaggregated"].append(_accepted(disaggregated) - before[0])
-        accepted["colocated"].append(_accepted(colocated) - before[1])
     assert accepted["disaggregated"] == accepted["colocated"] and min(accepted["colocated"]) > 0, accepted
 
 
-def test_the_mtp_layers_latents_cross_the_wire_with_the_targets(disaggregated, folder):
+def test_the_mtp_layers_latents_cross_the_wire_with_the_targets(servers, folder):
+    disaggregated = servers["disaggregated"]
     config = v3()
     latent_dim = config.kv_lora_rank + config.qk_rope_head_dim
     num_layers = 2  # the model's one decoder layer and its MTP layer
