@@ -13,8 +13,8 @@ from pdserve.engine.speculative.adaptive import AdaptiveK, best_k, expected_spee
 from pdserve.engine.speculative.draft_loading import check_draft, load_draft_model, self_draft_model
 from pdserve.engine.speculative.draft_model import ModelDrafter
 from pdserve.engine.speculative.drafter import Drafter
-from pdserve.engine.speculative.mtp import MTPDrafter
 from pdserve.engine.speculative.factory import build_speculator, draft_target
+from pdserve.engine.speculative.mtp import MTPDrafter
 from pdserve.engine.speculative.ngram import NgramDrafter
 from pdserve.engine.speculative.rejection import rejection_sample
 from pdserve.engine.speculative.spec_decoder import SpecDecoder
