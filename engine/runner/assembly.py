@@ -111,6 +111,9 @@ def _assemble(config: EngineConfig, files: ModelFiles, tokenizer: Any | None, li
     graphs = None
     if ranks is not None and device.type == "cuda":
         logger.info("tensor parallelism: steps run eagerly (no CUDA graphs yet)")
+    elif device.type == "cuda" and model.mtp is not None:
+        # The MTP layer's KV is written from each step's hidden states (mtp_carry.py), outside a graph.
+        logger.info("MTP drafting: steps run eagerly (no CUDA graphs yet)")
     elif device.type == "cuda" and not config.model.enforce_eager:
         # Verification steps of K + 1 tokens per sequence (every K adaptive K may pick), of
         # the sizes the attention takes without host values (a latent pool: absorbed).

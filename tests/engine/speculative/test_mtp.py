@@ -229,3 +229,23 @@ def test_a_model_without_mtp_layers_is_refused(tmp_path, folder):
     plain = _engine(folder)
     with pytest.raises(ValueError, match="needs the engine built with the model's MTP layer"):
         plain.speculate(_mtp(2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_mtp_speculation_is_lossless(tmp_path):
+    """On CUDA (the MLA kernels; with an MTP layer every step eager, the engine without it
+    replaying its decodes from graphs) the output is the engine's without speculation, and
+    the drafter still mostly right (rotary and value widths of 16: the kernels' smallest)."""
+    folder = with_mtp_layer(_hf(qk_rope_head_dim=16, v_head_dim=16), tmp_path)
+
+    def cuda_engine(spec: SpecConfig | None = None) -> Engine:
+        return Engine(EngineConfig(model=ModelConfig(source=str(folder), device="cuda", dtype="float32"),
+                                   cache=CacheConfig(num_blocks=24), spec=spec or SpecConfig()))
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    want = _run(cuda_engine(), _prompts())
+    engine = cuda_engine(_mtp(3))
+    assert _run(engine, _prompts()) == want
+    assert engine.speculator.metrics.acceptance_rate > 0.5
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
