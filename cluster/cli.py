@@ -134,10 +134,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Ray's handler's, once Ray is up: a SystemExit that passes through here too).
     with ray_ending_with():
         try:
-            uvloop.run(serve_forever(config))
+            if config.server.scaled_out:
+                from pdserve.cluster.scale_out import serve_scaled_out_forever
+
+                uvloop.run(serve_scaled_out_forever(config))
+            else:
+                uvloop.run(serve_forever(config))
         except KeyboardInterrupt:  # Ctrl-C before the server was up: the start was cancelled
             print("pdserve: interrupted while starting; stopped", file=sys.stderr)
             return 130
+    return 0
+
+
+def cmd_frontend(args: argparse.Namespace) -> int:
+    """One more frontend for a running scaled-out server (its control plane found by name)."""
+    import uvloop
+
+    from pdserve.cluster.ray_driver import ray_ending_with
+    from pdserve.cluster.scale_out import join_forever
+
+    overrides = {"host": args.host, "port": args.port, "http_port": args.http_port, "metrics_port": args.metrics_port}
+    with ray_ending_with():
+        uvloop.run(join_forever(args.join, args.namespace, args.node_ip_address, overrides))
     return 0
 
 
@@ -207,8 +225,12 @@ def _print_worker(w) -> None:  # w: admin_pb2.WorkerStatus
 
 def cmd_workers(args: argparse.Namespace) -> int:
     def show() -> None:
-        for w in admin.workers():
+        listing = admin.listing()
+        for w in listing.workers:
             _print_worker(w)
+        for f in listing.frontends:
+            print(f"  {f.id:<12} frontend pid {f.pid:<7} host {f.host}  gRPC {f.port}  HTTP {f.http_port or 'off'}  "
+                  f"metrics {f.metrics_port or 'off'}")
 
     with _admin(args) as admin:
         return _admin_call(show)
@@ -316,6 +338,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--check-config", action="store_true", help="print the resulting config and exit")
     add_config_flags(serve, config_fields())
     serve.set_defaults(func=cmd_serve)
+
+    front = sub.add_parser("frontend", help="join a running scaled-out server (pdserve serve --frontends N or "
+                                            "--control-plane) as one more frontend process")
+    front.add_argument("--join", required=True, metavar="ADDRESS", help="the Ray cluster's address (host:port, auto)")
+    front.add_argument("--namespace", default="pdserve", help="the server's Ray namespace (its --namespace)")
+    front.add_argument("--node-ip-address", default="127.0.0.1", help="this node's address in Ray")
+    front.add_argument("--host", default="127.0.0.1")
+    front.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
+    front.add_argument("--http-port", type=int, default=0, help="HTTP API port (0: a free one)")
+    front.add_argument("--metrics-port", type=int, default=0, help="/metrics port (0: none)")
+    front.set_defaults(func=cmd_frontend)
 
     from pdserve.cluster.bench import add_parser as add_bench_parser
     from pdserve.cluster.sim.profile_cmd import add_parser as add_profile_parser

@@ -31,12 +31,12 @@ from pdserve.cluster.serving.pools import ActorSpec, Pool
 from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.cluster.settings.config import ServeConfig
 from pdserve.cluster.settings.pool_config import fit_pools_to_gpus
-from pdserve.cluster.settings.secrets import client_auth, cluster_secret, read_chat_template
+from pdserve.cluster.settings.secrets import ClientAuth, client_auth, cluster_secret, read_chat_template
 from pdserve.cluster.settings.tenants import Tenants
 from pdserve.cluster.sim.step_costs import StepCosts
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine.models.parallel import check_splits
-from pdserve.engine.models.weights import load_tokenizer, resolve_model
+from pdserve.engine.models.weights import ModelFiles, load_tokenizer, resolve_model
 from pdserve.engine.text.request_processor import RequestProcessor
 from pdserve.engine.text.tools import tool_format
 from pdserve.kv_transport import TransportConfig
@@ -80,7 +80,8 @@ class Server:
         await self.worker_set.stop()
 
 
-def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool | None, Pool]:
+def _pools(config: ServeConfig, transport: TransportConfig | None,
+           namespace: str | None = None) -> tuple[Pool | None, Pool]:
     num_gpus = ray.cluster_resources().get("GPU", 0)
     p = fit_pools_to_gpus(config.pools, num_gpus, config.engine)
     if p.mode != config.pools.mode:
@@ -99,67 +100,79 @@ def _pools(config: ServeConfig, transport: TransportConfig | None) -> tuple[Pool
                          gpus, resource, p.actor_max_concurrency)
 
     if p.mode == "colocated":
-        return None, Pool("mixed", p.num_decode, spec(DecodeWorker, "decode", False), health)
-    return (Pool("prefill", p.num_prefill, spec(PrefillWorker, "prefill", True), health),
-            Pool("decode", p.num_decode, spec(DecodeWorker, "decode", True), health))
+        return None, Pool("mixed", p.num_decode, spec(DecodeWorker, "decode", False), health, namespace)
+    return (Pool("prefill", p.num_prefill, spec(PrefillWorker, "prefill", True), health, namespace),
+            Pool("decode", p.num_decode, spec(DecodeWorker, "decode", True), health, namespace))
 
 
-async def start_server(config: ServeConfig) -> Server:
-    auth = client_auth(config.server)  # bad paths fail before anything starts
-    tenants = Tenants.load(config.server.tenants_file)
-    if auth.admin_token is not None and auth.admin_token in tenants.keys:
-        raise ValueError("the admin token (server.admin_token_file) must differ from every tenant's key "
-                         "(server.tenants_file): a client could run the admin API")
-    # The clients' tokens: the API key and every tenant's keys (None: no token asked).
-    client_tokens = (*((auth.api_key,) if auth.api_key else ()), *tenants.keys) or None
-    chat_template = read_chat_template(config.server)
-    files = resolve_model(config.engine.model)  # converts a GGUF once, before the workers need it
-    for role in ("decode",) if config.pools.mode == "colocated" else ("prefill", "decode"):
-        check_splits(files.arch, config.pools.tp(role, config.engine),  # before any worker starts
-                     config.engine.parallel.enable_expert_parallel)
-    planner = _planner(config)  # a bad profile fails before any worker starts
-    init_ray(config.ray.address, config.ray.node_ip_address)
-    tokenizer = load_tokenizer(files)  # None for dummy weights: token ids in and out, no text
-    if chat_template is not None:
-        if tokenizer is None:
-            raise ValueError(f"server.chat_template: model {files.name!r} has no tokenizer to apply it with")
-        tokenizer.chat_template = chat_template  # the frontend's copy: workers never apply templates
-    transport = None
-    if config.pools.mode == "disaggregated":
-        transport = TransportConfig.of(config.kv_transport, cluster_secret(), config.ray.node_ip_address)
-    prefill, decode = _pools(config, transport)
-    metrics = Metrics()
-    worker_set = WorkerSet(prefill, decode, config.pools.routing, config.engine.cache.block_size, metrics,
-                           config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker,
-                           config.coordinator, config.router)
-    await worker_set.start(config.health.interval_s)
-    coordinator = Coordinator(worker_set, config.engine.cache.block_size, metrics, config.coordinator)
-    processor = RequestProcessor(tokenizer, files.name, files.arch.vocab_size, await worker_set.max_model_len(),
-                                 tool_format(config.server.tool_call_parser),
-                                 config.server.tool_format_fallback == "generic")
+@dataclass(frozen=True, slots=True)
+class ApiSetup:
+    """What a process serving the APIs reads before it serves: the clients' and admin tokens, the
+    tenants, the model's files and tokenizer (every frontend process reads them itself)."""
 
-    frontend = Frontend(coordinator, worker_set, processor, metrics, config.server.default_timeout_s,
-                        config.admission.retry_after_s, tenants)
+    auth: ClientAuth
+    tenants: Tenants
+    client_tokens: tuple[str, ...] | None  # the API key and every tenant's keys (None: no token asked)
+    files: ModelFiles
+    chat_template: str | None
+
+    @classmethod
+    def read(cls, config: ServeConfig) -> ApiSetup:
+        auth = client_auth(config.server)  # bad paths fail before anything starts
+        tenants = Tenants.load(config.server.tenants_file)
+        if auth.admin_token is not None and auth.admin_token in tenants.keys:
+            raise ValueError("the admin token (server.admin_token_file) must differ from every tenant's key "
+                             "(server.tenants_file): a client could run the admin API")
+        client_tokens = (*((auth.api_key,) if auth.api_key else ()), *tenants.keys) or None
+        files = resolve_model(config.engine.model)  # converts a GGUF once, before the workers need it
+        return cls(auth, tenants, client_tokens, files, read_chat_template(config.server))
+
+    def processor(self, config: ServeConfig, max_model_len: int) -> RequestProcessor:
+        tokenizer = load_tokenizer(self.files)  # None for dummy weights: token ids in and out, no text
+        if self.chat_template is not None:
+            if tokenizer is None:
+                raise ValueError(f"server.chat_template: model {self.files.name!r} has no tokenizer to apply it with")
+            tokenizer.chat_template = self.chat_template  # the frontend's copy: workers never apply templates
+        return RequestProcessor(tokenizer, self.files.name, self.files.arch.vocab_size, max_model_len,
+                                tool_format(config.server.tool_call_parser),
+                                config.server.tool_format_fallback == "generic")
+
+
+@dataclass(slots=True)
+class Apis:
+    """One process's doors: gRPC (Generation, Admin, health, reflection) and the HTTP API."""
+
+    grpc_server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    http: HttpServer | None
+
+    async def stop(self, grace_s: float) -> None:
+        if self.http is not None:
+            await self.http.stop()
+        await self.grpc_server.stop(grace=grace_s)
+
+
+async def open_apis(config: ServeConfig, setup: ApiSetup, frontend: Frontend, admin: AdminService, port: int,
+                    http_port: int) -> Apis:
+    """gRPC on `port` and (`server.http`) the HTTP API on `http_port`, both serving `frontend`."""
+    auth, client_tokens = setup.auth, setup.client_tokens
     # The tokens are checked before a request is parsed; a request that does not parse is
     # INVALID_ARGUMENT. The admin service answers to its own token only (AdminTokenInterceptor).
     interceptors = [AdminTokenInterceptor(auth.admin_token, client_tokens)]
     interceptors += [BearerTokenInterceptor(client_tokens)] if client_tokens else []
     server = grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()])
-    service = GenerationService(frontend)
-    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
-    elastic = Elastic(worker_set, config.drain)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(elastic), server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(frontend), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"{config.server.host}:{config.server.port}"
-    if auth.tls:
-        port = server.add_secure_port(address, grpc_server_credentials(auth))
-    else:
-        port = server.add_insecure_port(address)
-    if port == 0:
-        raise ValueError(f"cannot bind {config.server.host}:{config.server.port}")
+    address = f"{config.server.host}:{port}"
+    bound = server.add_secure_port(address, grpc_server_credentials(auth)) if auth.tls \
+        else server.add_insecure_port(address)
+    if bound == 0:
+        raise ValueError(f"cannot bind {address}")
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -167,26 +180,69 @@ async def start_server(config: ServeConfig) -> Server:
     if config.server.http:
         http = HttpServer(frontend, HttpTls.of(config.server), client_tokens, config.server.shutdown_grace_s)
         try:
-            await http.start(config.server.host, config.server.http_port)
+            await http.start(config.server.host, http_port)
         except BaseException:
             await server.stop(None)
-            await worker_set.stop()
             raise
+    return Apis(server, health_servicer, bound, http)
+
+
+def log_serving(config: ServeConfig, setup: ApiSetup, apis: Apis, mode: str, what: str = "pdserve") -> None:
+    auth = setup.auth
+    tls = ("on, client certificates required" if auth.mutual_tls else "on") if auth.tls else "off"
+    logger.info("%s serving %s on %s:%d, HTTP %s (%s, %s; TLS %s, bearer token %s, admin API %s)", what,
+                setup.files.name, config.server.host, apis.port, apis.http.port if apis.http else "off", mode,
+                "GPU" if torch.cuda.is_available() else "CPU", tls,
+                "asked" if setup.client_tokens else "not asked", "on" if auth.admin_token else "off")
+
+
+def check_splits_of(config: ServeConfig, setup: ApiSetup) -> None:
+    for role in ("decode",) if config.pools.mode == "colocated" else ("prefill", "decode"):
+        check_splits(setup.files.arch, config.pools.tp(role, config.engine),  # before any worker starts
+                     config.engine.parallel.enable_expert_parallel)
+
+
+def build_pools(config: ServeConfig, namespace: str | None = None) -> tuple[Pool | None, Pool]:
+    """The pools of `config` (not started); `namespace`: a control plane's (detached, named workers)."""
+    transport = None
+    if config.pools.mode == "disaggregated":
+        transport = TransportConfig.of(config.kv_transport, cluster_secret(), config.ray.node_ip_address)
+    return _pools(config, transport, namespace)
+
+
+async def start_server(config: ServeConfig) -> Server:
+    setup = ApiSetup.read(config)
+    check_splits_of(config, setup)
+    planner = _planner(config)  # a bad profile fails before any worker starts
+    init_ray(config.ray.address, config.ray.node_ip_address)
+    prefill, decode = build_pools(config)
+    metrics = Metrics()
+    worker_set = WorkerSet(prefill, decode, config.pools.routing, config.engine.cache.block_size, metrics,
+                           config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker,
+                           config.coordinator, config.router)
+    await worker_set.start(config.health.interval_s)
+    coordinator = Coordinator(worker_set, config.engine.cache.block_size, metrics, config.coordinator)
+    processor = setup.processor(config, await worker_set.max_model_len())
+    frontend = Frontend(coordinator, worker_set, processor, metrics, config.server.default_timeout_s,
+                        config.admission.retry_after_s, setup.tenants)
+    elastic = Elastic(worker_set, config.drain)
+    try:
+        apis = await open_apis(config, setup, frontend, AdminService(elastic), config.server.port,
+                               config.server.http_port)
+    except BaseException:
+        await worker_set.stop()
+        raise
     if config.server.metrics_port:
         metrics.serve(config.server.host, config.server.metrics_port)
-    tls = ("on, client certificates required" if auth.mutual_tls else "on") if auth.tls else "off"
-    logger.info("pdserve serving %s on %s:%d, HTTP %s (%s, %s; TLS %s, bearer token %s, admin API %s)", files.name,
-                config.server.host, port, http.port if http else "off", coordinator.mode,
-                "GPU" if torch.cuda.is_available() else "CPU", tls,
-                "asked" if client_tokens else "not asked", "on" if auth.admin_token else "off")
+    log_serving(config, setup, apis, coordinator.mode)
     loop = None
     if planner is not None and coordinator.mode == "disaggregated":
         loop = asyncio.create_task(PlannerLoop(planner, config.pools.planner, worker_set, elastic, metrics).run())
     elif planner is not None:
         logger.warning("pools.planner: this server is %s (too few GPUs for both pools): the planner stays off",
                        coordinator.mode)
-    return Server(server, coordinator, worker_set, elastic, health_servicer, metrics, port, frontend, http,
-                  config.server.shutdown_grace_s, loop)
+    return Server(apis.grpc_server, coordinator, worker_set, elastic, apis.health, metrics, apis.port, frontend,
+                  apis.http, config.server.shutdown_grace_s, loop)
 
 
 def _planner(config: ServeConfig) -> Planner | None:

@@ -2,18 +2,22 @@
 
 Two ways in: `reserve` + `admit` for a request whose KV a prefill worker sends
 (disaggregated), `submit` for one prefilled here (colocated). Tokens leave in
-batches through `poll`, one call for every request's new tokens.
+batches through `poll`, one call for every request's new tokens of the calling frontend
+(`outbox.py`); a frontend that stops polling for `WorkerConfig.frontend_lease_s` has its
+requests aborted here, their seats and blocks freed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
+from pdserve.decode_node.outbox import Outboxes
 from pdserve.engine.config import EngineConfig, WorkerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.loop import LoopConfig, LoopWorker, log_failure
-from pdserve.engine.messages import KVTransferInfo, WorkerRequest
+from pdserve.engine.messages import KVTransferInfo, WorkerRequest, request_owner
 from pdserve.engine.outputs import TokenDelta
 from pdserve.kv_transport import PeerAddress, TransportConfig
 from pdserve.kv_transport.shards import PoolShards
@@ -26,11 +30,16 @@ class DecodeWorker(LoopWorker):
                  worker_config: WorkerConfig | None = None, loop_config: LoopConfig | None = None, *,
                  slot: str | None = None) -> None:
         """`slot`: its place in the pool (`cluster.pools`), which names its KV disk tier; None: its id."""
-        super().__init__(worker_id, Engine(engine_config.for_worker(slot or worker_id)), loop_config)
+        config = worker_config or WorkerConfig()
+        super().__init__(worker_id, Engine(engine_config.for_worker(slot or worker_id)), loop_config, slot=slot,
+                         frontend_lease_s=config.frontend_lease_s)
         self._transport = transport
-        self._config = worker_config or WorkerConfig()
+        self._config = config
         self._receiver = None
         self._landing: dict[str, asyncio.Task] = {}
+        self._outboxes = Outboxes(config.frontend_lease_s)
+        self._tasks: list[asyncio.Task] = []  # the delta pump and the lease reaper, from the first call
+        self.lease_aborts: dict[str, int] = {}  # requests aborted per frontend whose lease ran out
 
     async def start(self) -> PeerAddress | None:
         """Open the KV receiver (disaggregated mode); returns where senders reach it."""
@@ -42,10 +51,38 @@ class DecodeWorker(LoopWorker):
         engine = self.loop.engine
         pool = PoolShards(engine.kv_shards, engine.kv_wire_layout.num_kv_heads)  # every rank's, under TP
         self._receiver = await UcxKVReceiver.start(pool, engine.kv_wire_layout, on_this_node(self._transport))
-        return self._receiver.address
+        self.address = self._receiver.address
+        return self.address
+
+    def _running(self) -> None:
+        """The delta pump and the lease reaper run (started by the first call that needs them:
+        they live on the actor's event loop)."""
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._reap())]
+
+    async def _pump(self) -> None:
+        while True:
+            self._outboxes.put(await asyncio.to_thread(self.loop.take_deltas, self._config.delta_wait_s))
+
+    async def _reap(self) -> None:
+        """Abort the requests of frontends whose lease ran out (they died, or lost us)."""
+        while True:
+            await asyncio.sleep(min(1.0, self._config.frontend_lease_s / 4))
+            for owner in self._outboxes.expired():
+                self.kv_readers.forget(owner)
+                ids = await self.loop.call(lambda e: [r for r in e.core.requests if request_owner(r) == owner])
+                ids += [r for r in self._landing if request_owner(r) == owner and r not in ids]
+                logger.warning("decode worker %s: frontend %r polled nothing for %g s (its lease): aborting its "
+                               "%d request(s)", self.worker_id, owner, self._config.frontend_lease_s, len(ids))
+                self.lease_aborts[owner] = self.lease_aborts.get(owner, 0) + len(ids)
+                for rid in ids:
+                    with contextlib.suppress(Exception):  # one failed abort must not keep the rest
+                        await self.abort(rid)
 
     async def submit(self, req: WorkerRequest) -> None:
         """Prefill and decode here (colocated mode)."""
+        self._running()
+        self._outboxes.seen(request_owner(req.request_id))
         await self.loop.call(lambda e: e.add_worker_request(req))
 
     async def reserve(self, req: WorkerRequest) -> None:
@@ -53,6 +90,8 @@ class DecodeWorker(LoopWorker):
         (BadWorkerRequest: `req` failed its integrity check; the frontend validated it)."""
         if self._receiver is None:
             raise RuntimeError(f"decode worker {self.worker_id} has no KV receiver (colocated mode)")
+        self._running()
+        self._outboxes.seen(request_owner(req.request_id))
         block_ids = await self.loop.call(lambda e: e.reserve(req))
         self._landing[req.request_id] = asyncio.ensure_future(self._receiver.expect(req.request_id, block_ids))
 
@@ -83,9 +122,15 @@ class DecodeWorker(LoopWorker):
             await asyncio.wait([landing], timeout=self._config.abort_landing_wait_s)
         return await self.loop.call(lambda e: e.abort(request_id))
 
-    async def poll(self, max_wait_s: float) -> list[TokenDelta]:
-        """Every token delta since the last poll (waits up to `max_wait_s` for one)."""
-        return await asyncio.to_thread(self.loop.take_deltas, max_wait_s)
+    async def poll(self, max_wait_s: float, frontend: str = "") -> list[TokenDelta]:
+        """Every token delta of `frontend`'s requests since its last poll (waits up to
+        `max_wait_s` for one); renews its lease."""
+        self._running()
+        return await self._outboxes.take(frontend, max_wait_s)
+
+    async def expired_leases(self) -> dict[str, int]:
+        """The frontends whose lease ran out here, and how many of their requests were aborted."""
+        return dict(self.lease_aborts)
 
     async def node_id(self) -> str:
         """The Ray node this worker runs on."""
@@ -94,6 +139,8 @@ class DecodeWorker(LoopWorker):
         return ray.get_runtime_context().get_node_id()
 
     async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
         if self._receiver is not None:
             await self._receiver.close()
         self.loop.stop()

@@ -321,13 +321,18 @@ class WorkerConfig:
         deltas before looking again (it is woken as soon as one comes: no latency cost).
     abort_landing_wait_s: bound on a decode worker's wait, when a request is aborted while
         its KV is landing, for the landing to give its blocks back before they are freed.
+    frontend_lease_s: a named frontend (`engine.messages.request_owner`) that has not polled a
+        decode worker or read a worker's load for this long is taken for dead: its requests
+        there are aborted (seats and blocks freed) and its outbox and KV-event cursor dropped.
+        A live frontend reads every worker's load every `coordinator.load_refresh_s`.
     """
 
     delta_wait_s: float = 0.5
     abort_landing_wait_s: float = 5.0
+    frontend_lease_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("delta_wait_s", "abort_landing_wait_s"):
+        for name in ("delta_wait_s", "abort_landing_wait_s", "frontend_lease_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)}")
 

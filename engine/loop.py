@@ -17,12 +17,13 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from pdserve.engine.kv.events import KVSnapshot
+from pdserve.engine.kv.events import EventFanout, KVSnapshot
 from pdserve.engine.outputs import EngineLoad, TokenDelta
 from pdserve.engine.sequence import FinishReason
 
@@ -161,19 +162,36 @@ def log_failure(done: Future[object]) -> None:
         logger.error("engine command failed", exc_info=done.exception())
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerDescription:
+    worker_id: str
+    slot: str | None
+    address: object | None  # a kv_transport PeerAddress (a decode worker's), None for others
+
+
 class LoopWorker:
     """What both worker roles answer the cluster with about their engine (the Ray actor
     methods they share); each role adds its own way in."""
 
-    def __init__(self, worker_id: str, engine: Engine, loop_config: LoopConfig | None = None) -> None:
+    def __init__(self, worker_id: str, engine: Engine, loop_config: LoopConfig | None = None, *,
+                 slot: str | None = None, frontend_lease_s: float = 10.0) -> None:
         self.worker_id = worker_id
+        self.slot = slot
+        self.address: object | None = None  # where KV reaches it once started (a kv_transport PeerAddress)
         self.loop = EngineLoop(engine, loop_config)
+        # Every reader of the load (each frontend's KV index, the control plane's) sees every event.
+        self.kv_readers = EventFanout(engine.config.cache.kv_events_max_pending, frontend_lease_s)
 
-    async def load(self) -> EngineLoad:
-        """The engine's load, carrying its KV events since the last call (taken: the cluster's
-        load loop is their one reader; a report lost on the way leaves a gap in their
-        numbers, which the router repairs with `kv_snapshot`)."""
-        return await self.loop.call(lambda e: dataclasses.replace(e.load(), kv_events=e.kv_events.take()))
+    async def load(self, reader: str = "") -> EngineLoad:
+        """The engine's load, carrying its KV events since `reader`'s last call (each reader
+        its own cursor, `EventFanout`; a report lost on the way leaves a gap in their
+        numbers, which the router repairs with `kv_snapshot`). A call renews `reader`'s lease."""
+        load, fresh = await self.loop.call(lambda e: (e.load(), e.kv_events.take()))
+        return dataclasses.replace(load, kv_events=self.kv_readers.take(reader, fresh, time.monotonic()))
+
+    async def describe(self) -> WorkerDescription:
+        """Who this worker is, for a control plane that adopts it after a restart."""
+        return WorkerDescription(self.worker_id, self.slot, self.address)
 
     async def kv_snapshot(self) -> KVSnapshot:
         """Every block the engine's prefix cache holds, and the event number it is as of."""

@@ -7,6 +7,24 @@ from dataclasses import dataclass
 from pdserve.engine.outputs import TokenDelta
 from pdserve.engine.sampling import SamplingParams
 
+# A request id's owner: the frontend that made it, before the first "/" (`<frontend>/<hex>`;
+# a continuation's `~<n>` goes at the end). An id without one is the unnamed frontend's ("":
+# a single server's, or a caller of the workers themselves).
+OWNER_SEPARATOR = "/"
+
+
+def owned_request_id(owner: str, local_id: str) -> str:
+    """`local_id` made unique across frontends by its owner's id (none for the unnamed one)."""
+    if OWNER_SEPARATOR in owner:
+        raise ValueError(f"a frontend id may not contain {OWNER_SEPARATOR!r}, got {owner!r}")
+    return f"{owner}{OWNER_SEPARATOR}{local_id}" if owner else local_id
+
+
+def request_owner(request_id: str) -> str:
+    """The frontend whose request this is ("" for an id without an owner)."""
+    owner, sep, _ = request_id.partition(OWNER_SEPARATOR)
+    return owner if sep else ""
+
 
 class BadWorkerRequest(ValueError):
     """A `WorkerRequest` that fails a worker's integrity check (`WorkerRequest.check`): a bug

@@ -26,9 +26,11 @@ class PrefillWorker(LoopWorker):
                  worker_config: WorkerConfig | None = None, loop_config: LoopConfig | None = None, *,
                  slot: str | None = None) -> None:
         """`slot`: its place in the pool (`cluster.pools`), which names its KV disk tier; None: its id."""
-        super().__init__(worker_id, Engine(engine_config.for_worker(slot or worker_id)), loop_config)
+        config = worker_config or WorkerConfig()
+        super().__init__(worker_id, Engine(engine_config.for_worker(slot or worker_id)), loop_config, slot=slot,
+                         frontend_lease_s=config.frontend_lease_s)
         self._transport = transport
-        self._config = worker_config or WorkerConfig()
+        self._config = config
         self._sender = None
         self._waiters: dict[str, asyncio.Future[TokenDelta]] = {}
         self._peers: dict[str, PeerAddress] = {}  # where each request in prefill sends its KV

@@ -1,14 +1,18 @@
-"""The pdserve.v1.Admin gRPC service: the admin API's calls to `Elastic`, its errors to status
-codes. Its token is checked before a call gets here (`auth.AdminTokenInterceptor`)."""
+"""The pdserve.v1.Admin gRPC service: the admin API's calls to `Elastic` (in a single server) or
+to the control plane that runs it (`RemoteElastic`, in a frontend of a scaled-out one), its
+errors to status codes. Its token is checked before a call gets here (`auth.AdminTokenInterceptor`)."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import grpc
+from ray.exceptions import RayActorError
 
 from pdserve.cluster.scaling.elastic import AdminRefused, Elastic
 from pdserve.cluster.serving.errors import cause
+from pdserve.cluster.serving.mirror import ControlPlaneLink, FrontendInfo
 from pdserve.cluster.serving.pools import Phase
 from pdserve.cluster.serving.worker_set import UnknownWorker, WorkerInfo
 from pdserve.proto.v1 import admin_pb2 as pb
@@ -29,8 +33,49 @@ def _deadline(request: pb.DrainRequest | pb.RemoveWorkerRequest | pb.ChangeRoleR
     return request.deadline_s if request.HasField("deadline_s") else None
 
 
+class ControlPlaneDown(Exception):
+    """The control plane does not answer (UNAVAILABLE): elastic changes wait until it is back."""
+
+
+class RemoteElastic:
+    """`Elastic`'s calls, run by the control plane (`ControlPlane.admin`); the listing from the
+    frontend's copy of its membership, so that it answers while the control plane is down."""
+
+    def __init__(self, link: ControlPlaneLink) -> None:
+        self.link = link
+
+    def workers(self) -> list[WorkerInfo]:
+        return [] if self.link.membership is None else list(self.link.membership.workers)
+
+    def frontends(self) -> list[FrontendInfo]:
+        return [] if self.link.membership is None else list(self.link.membership.frontends)
+
+    async def drain(self, worker_id: str, deadline_s: float | None, wait: bool) -> WorkerInfo:
+        return await self._call("drain", worker_id, deadline_s, wait)
+
+    async def add(self, role: str) -> WorkerInfo:
+        return await self._call("add", role)
+
+    async def remove(self, role: str, worker_id: str, deadline_s: float | None, wait: bool) -> WorkerInfo:
+        return await self._call("remove", role, worker_id, deadline_s, wait)
+
+    async def change_role(self, worker_id: str, role: str, deadline_s: float | None) -> tuple[WorkerInfo, WorkerInfo]:
+        return await self._call("change_role", worker_id, role, deadline_s)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            result = await self.link.admin(method, *args)
+        except RayActorError as e:
+            raise ControlPlaneDown(f"the control plane is down ({type(e).__name__}): elastic changes wait until "
+                                   "it is back") from e
+        await self.link.refresh()  # this frontend's copy shows the change at once
+        return result
+
+
 async def _refuse(context: grpc.aio.ServicerContext, error: Exception) -> None:
     """The status an error of `Elastic` is to the caller; anything else propagates (INTERNAL)."""
+    if isinstance(error, ControlPlaneDown):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
     if isinstance(error, UnknownWorker):
         await context.abort(grpc.StatusCode.NOT_FOUND, str(error.args[0]))
     if isinstance(error, AdminRefused):
@@ -38,24 +83,31 @@ async def _refuse(context: grpc.aio.ServicerContext, error: Exception) -> None:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
 
+def _frontend(f: FrontendInfo) -> pb.FrontendStatus:
+    return pb.FrontendStatus(id=f.frontend_id, pid=f.pid, host=f.host, port=f.port, http_port=f.http_port,
+                             metrics_port=f.metrics_port)
+
+
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, elastic: Elastic) -> None:
+    def __init__(self, elastic: Elastic | RemoteElastic) -> None:
         self.elastic = elastic
 
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        return pb.ListWorkersResponse(workers=[_status(w) for w in self.elastic.workers()])
+        frontends = self.elastic.frontends() if isinstance(self.elastic, RemoteElastic) else []
+        return pb.ListWorkersResponse(workers=[_status(w) for w in self.elastic.workers()],
+                                      frontends=[_frontend(f) for f in frontends])
 
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
             info = await self.elastic.drain(request.worker, _deadline(request), request.wait)
-        except (UnknownWorker, AdminRefused, ValueError) as e:
+        except (UnknownWorker, AdminRefused, ValueError, ControlPlaneDown) as e:
             await _refuse(context, e)
         return pb.DrainResponse(worker=_status(info))
 
     async def AddWorker(self, request: pb.AddWorkerRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
             info = await self.elastic.add(request.role)
-        except ValueError as e:
+        except (ValueError, ControlPlaneDown) as e:
             await _refuse(context, e)
         except Exception as e:  # noqa: BLE001 - the actor did not start: its cause, the rest to the log
             logger.exception("admin: could not add a %s worker", request.role)
@@ -65,14 +117,14 @@ class AdminService(pb_grpc.AdminServicer):
     async def RemoveWorker(self, request: pb.RemoveWorkerRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
             info = await self.elastic.remove(request.role, request.worker, _deadline(request), request.wait)
-        except (UnknownWorker, AdminRefused, ValueError) as e:
+        except (UnknownWorker, AdminRefused, ValueError, ControlPlaneDown) as e:
             await _refuse(context, e)
         return pb.RemoveWorkerResponse(worker=_status(info))
 
     async def ChangeRole(self, request: pb.ChangeRoleRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
             drained, started = await self.elastic.change_role(request.worker, request.role, _deadline(request))
-        except (UnknownWorker, AdminRefused, ValueError) as e:
+        except (UnknownWorker, AdminRefused, ValueError, ControlPlaneDown) as e:
             await _refuse(context, e)
         except Exception as e:  # noqa: BLE001 - the new actor did not start: its cause, the rest to the log
             logger.exception("admin: could not start the %s worker of a role change", request.role)

@@ -22,7 +22,7 @@ from pdserve.cluster.serving.errors import Overloaded, TransportRefused, WorkerU
 from pdserve.cluster.serving.metrics import Metrics
 from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant, Tenants
-from pdserve.engine.messages import WorkerRequest
+from pdserve.engine.messages import WorkerRequest, owned_request_id
 from pdserve.engine.outputs import TextDelta
 from pdserve.engine.sequence import FinishReason
 from pdserve.engine.text.request_processor import ProcessedRequest, RequestProcessor
@@ -74,8 +74,9 @@ class Frontend:
 
     def __init__(self, coordinator: Coordinator, worker_set: WorkerSet, processor: RequestProcessor,
                  metrics: Metrics, default_timeout_s: float, retry_after_s: float,
-                 tenants: Tenants | None = None) -> None:
+                 tenants: Tenants | None = None, frontend_id: str = "") -> None:
         self.coordinator = coordinator
+        self.frontend_id = frontend_id  # its requests' id prefix: unique across frontends ("": the only one)
         self.worker_set = worker_set
         self.processor = processor
         self.metrics = metrics
@@ -122,7 +123,7 @@ class Frontend:
         self.check_capacity(1, request.params.priority, tenant)
         start = time.perf_counter()
         report = report if report is not None else RequestReport()
-        worker_req = request.for_worker(uuid.uuid4().hex)
+        worker_req = request.for_worker(owned_request_id(self.frontend_id, uuid.uuid4().hex))
         timeout = self.default_timeout_s if timeout_s is None else max(0.0, timeout_s)
         deadline = asyncio.get_running_loop().time() + timeout
         self.inflight += 1

@@ -29,7 +29,11 @@ class AdminClient:
         self.close()
 
     def workers(self, timeout_s: float = 10.0) -> list[pb.WorkerStatus]:
-        return list(self.stub.ListWorkers(pb.ListWorkersRequest(), timeout=timeout_s, metadata=self._metadata).workers)
+        return list(self.listing(timeout_s).workers)
+
+    def listing(self, timeout_s: float = 10.0) -> pb.ListWorkersResponse:
+        """The workers and (a scaled-out server's) the frontends."""
+        return self.stub.ListWorkers(pb.ListWorkersRequest(), timeout=timeout_s, metadata=self._metadata)
 
     def drain(self, worker: str, deadline_s: float | None = None, wait: bool = False,
               timeout_s: float | None = None) -> pb.WorkerStatus:

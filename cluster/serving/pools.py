@@ -47,6 +47,9 @@ HEALTH_GROUP = "health"
 # may be busy in a long step, and a TimeoutError raised inside a call is that call's.
 ACTOR_LOST = (RayActorError,)
 
+# A control plane's workers are named this plus their id in its namespace (`Pool.namespace`).
+WORKER_NAME_PREFIX = "worker-"
+
 # Workers that left, kept for the admin API's listing (the newest this many).
 NUM_GONE_KEPT = 64
 
@@ -80,6 +83,24 @@ class Worker:
 
 
 @dataclass(frozen=True, slots=True)
+class Member:
+    """One live worker as the control plane publishes it."""
+
+    worker_id: str
+    role: str
+    actor: Any  # ray.actor.ActorHandle: Ray sends it to any process
+    address: PeerAddress | None
+    slot: str | None
+    phase: Phase
+    healthy: bool
+
+    @classmethod
+    def of(cls, worker: Worker) -> Member:
+        return cls(worker.worker_id, worker.role, worker.actor, worker.address, worker.slot, worker.phase,
+                   worker.state.healthy)
+
+
+@dataclass(frozen=True, slots=True)
 class ActorSpec:
     """How to create one pool's actors: the class, its constructor args after the worker id, Ray options."""
 
@@ -95,8 +116,12 @@ class Pool:
     """The actors of one role: `size` of them at the start, more or fewer as workers are added
     and removed. A serving actor that dies is replaced; a draining one is not (it was leaving)."""
 
-    def __init__(self, role: str, size: int, spec: ActorSpec, health: HealthConfig | None = None) -> None:
+    def __init__(self, role: str, size: int, spec: ActorSpec | None, health: HealthConfig | None = None,
+                 namespace: str | None = None) -> None:
         self.role = role
+        # Set (the control plane's pools): its actors are detached and named `worker-<id>` in this
+        # Ray namespace, so that they outlive the control plane and its restart adopts them.
+        self.namespace = namespace
         self.size = size  # workers started with the pool
         self.spec = spec
         self.health = health or HealthConfig()
@@ -122,8 +147,11 @@ class Pool:
         return next((w for w in (*self.workers, *self.gone) if w.worker_id == worker_id), None)
 
     async def start(self) -> None:
-        """Start the pool's first workers; if one fails (or the start is cancelled), the others
-        are stopped, those started included, before the error is raised."""
+        """Start the pool's first workers (none if it adopted running ones, `adopt`); if one fails
+        (or the start is cancelled), the others are stopped, those started included, before the
+        error is raised."""
+        if self.workers:
+            return
         spawning = [asyncio.ensure_future(self._spawn()) for _ in range(self.size)]
         try:
             self.workers = list(await asyncio.gather(*spawning))
@@ -135,6 +163,15 @@ class Pool:
                 if isinstance(worker, Worker):
                     ray.kill(worker.actor, no_restart=True)
             raise
+
+    def adopt(self, found: list[tuple[Any, str, str | None, PeerAddress | None]]) -> None:
+        """Take running actors (handle, worker id, slot, address) as this pool's workers: a
+        restarted control plane's, found by name. New ids continue after theirs."""
+        now = time.monotonic()
+        self.workers = [Worker(self.role, actor, WorkerState(wid), WorkerHealth(self.health, now), address,
+                               slot=slot) for actor, wid, slot, address in found]
+        last = max((int(wid.rsplit("-", 1)[1]) for _, wid, _, _ in found), default=-1)
+        self._ids = itertools.count(last + 1)
 
     async def add(self) -> Worker:
         """One more worker, started as the pool's first ones are (`_spawn`), serving once its
@@ -198,6 +235,8 @@ class Pool:
                                    "max_concurrency": spec.max_concurrency, "enable_task_events": False}
         if spec.resource:
             options["resources"] = {spec.resource: 1}
+        if self.namespace is not None:
+            options.update(name=f"{WORKER_NAME_PREFIX}{worker_id}", namespace=self.namespace, lifetime="detached")
         cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(spec.cls)  # not settable in .options()
         actor = cls.options(**options).remote(worker_id, *spec.args, slot=slot)
         started = asyncio.ensure_future(_result(actor.start.remote()))

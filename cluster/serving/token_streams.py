@@ -24,9 +24,10 @@ class _Stream:
 
 
 class TokenStreams:
-    def __init__(self, decode: Pool, poll_wait_s: float) -> None:
+    def __init__(self, decode: Pool, poll_wait_s: float, frontend_id: str = "") -> None:
         self.decode = decode
         self.poll_wait_s = poll_wait_s  # how long one poll waits for deltas
+        self.frontend_id = frontend_id  # whose requests' deltas a poll takes (and whose lease it renews)
         self._streams: dict[str, _Stream] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
 
@@ -67,7 +68,8 @@ class TokenStreams:
     async def _poll(self, worker: Worker) -> None:
         while worker.state.healthy:
             try:
-                deltas = await worker.actor.poll.remote(self.poll_wait_s)
+                deltas = await (worker.actor.poll.remote(self.poll_wait_s, self.frontend_id) if self.frontend_id
+                                else worker.actor.poll.remote(self.poll_wait_s))
             except ACTOR_LOST:
                 await self.decode.replace(worker)
                 return

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pdserve.cluster.serving.errors import WorkerLost, WorkerUnavailable, cause
 from pdserve.cluster.serving.kv_index import KVIndex
 from pdserve.cluster.serving.metrics import Metrics
-from pdserve.cluster.serving.pools import Phase, Pool, Worker, start_pools
+from pdserve.cluster.serving.pools import Member, Phase, Pool, Worker, start_pools
 from pdserve.cluster.serving.router import PromptBlocks, make_policy
 from pdserve.cluster.serving.seats import Seat, SeatLine, may_wait
 from pdserve.cluster.serving.token_streams import StreamQueue, TokenStreams
@@ -72,7 +72,7 @@ class RoleSummary:
 class WorkerSet:
     def __init__(self, prefill: Pool | None, decode: Pool, routing: str, block_size: int, metrics: Metrics,
                  seats_per_worker: int, max_waiting_per_worker: int, config: CoordinatorConfig | None = None,
-                 router: RouterConfig | None = None) -> None:
+                 router: RouterConfig | None = None, reader: str = "") -> None:
         self.prefill = prefill  # None: colocated, decode workers prefill themselves
         self.decode = decode
         self.metrics = metrics
@@ -83,7 +83,10 @@ class WorkerSet:
         self.decode_policy = make_policy("prefix_aware" if routing == "prefix_aware" else "least_load",
                                          self.kv_index, router)
         self.seats = SeatLine(decode, self.decode_policy, block_size, seats_per_worker, max_waiting_per_worker, config)
-        self.streams = TokenStreams(decode, config.poll_wait_s)
+        # Whose view this is: a frontend's id (its streams and KV-event cursor on the workers), or
+        # the control plane's; "" for a single server's.
+        self.reader = reader
+        self.streams = TokenStreams(decode, config.poll_wait_s, reader)
         for pool in self.pools():
             pool.on_lost = self._lost
         self._tasks: list[asyncio.Task] = []
@@ -172,6 +175,15 @@ class WorkerSet:
         live = [WorkerInfo.of(w) for p in self.pools() for w in p.workers]
         return live + [WorkerInfo.of(w) for p in self.pools() for w in p.gone] if gone else live
 
+    def members(self) -> list[Member]:
+        """The live workers with their actor handles, as a control plane publishes them."""
+        return [Member.of(w) for p in self.pools() for w in p.workers]
+
+    async def check(self) -> None:
+        """Ping every worker now (a frontend reported one lost): a dead one is replaced."""
+        for pool in self.pools():
+            await pool.check()
+
     def find(self, worker_id: str) -> WorkerInfo | None:
         """The worker of that id, live or gone (None: no such worker)."""
         worker = self._find(worker_id)
@@ -200,9 +212,14 @@ class WorkerSet:
         return self.kv_index.blocks_of(worker_id)
 
     def num_placed(self, worker_id: str) -> int:
-        """Requests placed on a live worker that have not let go of it (0: lost or gone)."""
+        """Requests placed on a live worker that have not let go of it (0: lost or gone): this
+        owner's placements, and the sequences its last load showed (other frontends' too)."""
         worker = self._worker(worker_id)
-        return worker.state.inflight if worker.state.healthy else 0
+        if not worker.state.healthy:
+            return 0
+        load = worker.state.load
+        shown = 0 if load is None else load.num_running + load.num_waiting + load.num_receiving + load.num_held
+        return max(worker.state.inflight, shown if self.reader else 0)
 
     async def add(self, role: str) -> WorkerInfo:
         """One more worker of `role`, started as the pool's first ones were (bounded by
@@ -291,7 +308,8 @@ class WorkerSet:
         while True:
             workers = [w for p in self.pools() for w in p.healthy()]
             asked = asyncio.get_running_loop().time()
-            loads = await asyncio.gather(*(w.actor.load.remote() for w in workers), return_exceptions=True)
+            loads = await asyncio.gather(*((w.actor.load.remote(self.reader) if self.reader else w.actor.load.remote())
+                                           for w in workers), return_exceptions=True)
             reported = [(w, load) for w, load in zip(workers, loads)
                         if not isinstance(load, BaseException) and w.state.healthy]  # not lost meanwhile
             for w, load in reported:

@@ -67,6 +67,12 @@ class ServerConfig:
         (`cluster/settings/tenants.py`): each tenant's keys are client tokens too, and a full
         server's admission keeps each tenant to its weighted share while another waits. ""
         is one tenant. Never logged.
+    frontends: frontend processes serving the APIs over the one set of pools (`docs/architecture.md`,
+        "What is shared and who owns it"): frontend i listens on `port + i`, `http_port + i` and
+        `metrics_port + i` (0 stays 0: a free port each), the control plane's /metrics on
+        `metrics_port + frontends`. 1 (the default): one process serves everything.
+    control_plane: run the worker set in a control plane of its own even with one frontend, so that
+        more can join (`pdserve frontend --join`); always on with frontends > 1.
     """
 
     host: str = "127.0.0.1"
@@ -85,8 +91,17 @@ class ServerConfig:
     tool_call_parser: str = ""
     tool_format_fallback: str = "generic"
     tenants_file: str = ""
+    frontends: int = 1
+    control_plane: bool = False
+
+    @property
+    def scaled_out(self) -> bool:
+        """Whether the APIs run in frontend processes apart from a control plane."""
+        return self.control_plane or self.frontends > 1
 
     def __post_init__(self) -> None:
+        if self.frontends < 1:
+            raise ValueError(f"ServerConfig.frontends must be >= 1, got {self.frontends}")
         if self.tool_format_fallback not in ("generic", "refuse"):
             raise ValueError(f"ServerConfig.tool_format_fallback must be generic or refuse, "
                              f"got {self.tool_format_fallback!r}")
@@ -254,10 +269,14 @@ class RayConfig:
     address: None starts a local Ray cluster; "auto" or host:port joins one.
     node_ip_address: the address this node is known by in Ray (127.0.0.1: a local
         cluster on loopback only; a pod's IP in Kubernetes).
+    namespace: the Ray namespace a scaled-out server's control plane, frontends and workers are
+        named in (`pdserve frontend --join ADDRESS --namespace NS` finds them there); one per
+        server sharing a Ray cluster.
     """
 
     address: str | None = None
     node_ip_address: str = "127.0.0.1"
+    namespace: str = "pdserve"
 
     def __post_init__(self) -> None:
         if not self.node_ip_address:

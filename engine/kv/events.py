@@ -108,3 +108,51 @@ class KVEventRecorder:
     def snapshot(self, block_hashes: dict[str, tuple[int, ...]]) -> KVSnapshot:
         """`block_hashes` (what the cache holds now) as of every event recorded so far."""
         return KVSnapshot(self.incarnation, self.next_seq, block_hashes)
+
+
+@dataclass(slots=True)
+class _Cursor:
+    first_seq: int  # the number of the first event in `events`
+    events: deque[KVEvent]
+    last_read: float
+
+
+class EventFanout:
+    """One engine's events for several readers (the frontends and the control plane, each
+    with a KV index of its own): each reader takes every event once, through its own cursor.
+    A reader's buffer is bounded as the recorder's is (overflow drops its oldest events, the
+    gap makes that reader resync from a snapshot); a reader silent for `forget_after_s` is
+    forgotten (a frontend that died), except the unnamed one ("": a single server)."""
+
+    def __init__(self, max_pending: int, forget_after_s: float) -> None:
+        self.max_pending = max_pending
+        self.forget_after_s = forget_after_s
+        self._cursors: dict[str, _Cursor] = {}
+
+    @property
+    def readers(self) -> tuple[str, ...]:
+        return tuple(self._cursors)
+
+    def take(self, reader: str, fresh: KVEventBatch, now: float) -> KVEventBatch:
+        """`fresh` (the recorder's events since anyone's last take) added to every reader's
+        buffer; `reader`'s whole buffer returned and emptied."""
+        for cursor in self._cursors.values():
+            cursor.events.extend(fresh.events)
+            dropped = len(cursor.events) - self.max_pending
+            for _ in range(max(dropped, 0)):
+                cursor.events.popleft()
+                cursor.first_seq += 1
+        cursor = self._cursors.get(reader)
+        if cursor is None:  # a new reader starts with this batch (a gap before it: it resyncs)
+            cursor = self._cursors[reader] = _Cursor(fresh.first_seq, deque(fresh.events[-self.max_pending:]), now)
+            cursor.first_seq = fresh.next_seq - len(cursor.events)
+        batch = KVEventBatch(fresh.incarnation, cursor.first_seq, tuple(cursor.events))
+        cursor.first_seq, cursor.last_read = batch.next_seq, now
+        cursor.events.clear()
+        for name in [r for r, c in self._cursors.items() if r and now - c.last_read > self.forget_after_s]:
+            del self._cursors[name]
+        return batch
+
+    def forget(self, reader: str) -> None:
+        self._cursors.pop(reader, None)
+

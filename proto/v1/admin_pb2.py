@@ -24,37 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/proto/v1/admin.proto\x12\npdserve.v1\"\x85\x01\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12&\n\x05phase\x18\x03 \x01(\x0e\x32\x17.pdserve.v1.WorkerPhase\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0e\n\x06queued\x18\x05 \x01(\x05\x12\x10\n\x08inflight\x18\x06 \x01(\x05\"\x14\n\x12ListWorkersRequest\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\"T\n\x0c\x44rainRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x17\n\ndeadline_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04wait\x18\x03 \x01(\x08\x42\r\n\x0b_deadline_s\"9\n\rDrainResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus\" \n\x10\x41\x64\x64WorkerRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"=\n\x11\x41\x64\x64WorkerResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus\"i\n\x13RemoveWorkerRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x17\n\ndeadline_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04wait\x18\x04 \x01(\x08\x42\r\n\x0b_deadline_s\"@\n\x14RemoveWorkerResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus\"Y\n\x11\x43hangeRoleRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\ndeadline_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_deadline_s\"j\n\x12\x43hangeRoleResponse\x12)\n\x07\x64rained\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12)\n\x07started\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus*w\n\x0bWorkerPhase\x12\x1c\n\x18WORKER_PHASE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_PHASE_SERVING\x10\x01\x12\x19\n\x15WORKER_PHASE_DRAINING\x10\x02\x12\x15\n\x11WORKER_PHASE_GONE\x10\x03\x32\xff\x02\n\x05\x41\x64min\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponse\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse\x12H\n\tAddWorker\x12\x1c.pdserve.v1.AddWorkerRequest\x1a\x1d.pdserve.v1.AddWorkerResponse\x12Q\n\x0cRemoveWorker\x12\x1f.pdserve.v1.RemoveWorkerRequest\x1a .pdserve.v1.RemoveWorkerResponse\x12K\n\nChangeRole\x12\x1d.pdserve.v1.ChangeRoleRequest\x1a\x1e.pdserve.v1.ChangeRoleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/proto/v1/admin.proto\x12\npdserve.v1\"\x85\x01\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12&\n\x05phase\x18\x03 \x01(\x0e\x32\x17.pdserve.v1.WorkerPhase\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0e\n\x06queued\x18\x05 \x01(\x05\x12\x10\n\x08inflight\x18\x06 \x01(\x05\"\x14\n\x12ListWorkersRequest\"n\n\x0e\x46rontendStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0c\n\x04port\x18\x04 \x01(\x05\x12\x11\n\thttp_port\x18\x05 \x01(\x05\x12\x14\n\x0cmetrics_port\x18\x06 \x01(\x05\"o\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12-\n\tfrontends\x18\x02 \x03(\x0b\x32\x1a.pdserve.v1.FrontendStatus\"T\n\x0c\x44rainRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x17\n\ndeadline_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04wait\x18\x03 \x01(\x08\x42\r\n\x0b_deadline_s\"9\n\rDrainResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus\" \n\x10\x41\x64\x64WorkerRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"=\n\x11\x41\x64\x64WorkerResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus\"i\n\x13RemoveWorkerRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x17\n\ndeadline_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04wait\x18\x04 \x01(\x08\x42\r\n\x0b_deadline_s\"@\n\x14RemoveWorkerResponse\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus\"Y\n\x11\x43hangeRoleRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\ndeadline_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_deadline_s\"j\n\x12\x43hangeRoleResponse\x12)\n\x07\x64rained\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12)\n\x07started\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus*w\n\x0bWorkerPhase\x12\x1c\n\x18WORKER_PHASE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_PHASE_SERVING\x10\x01\x12\x19\n\x15WORKER_PHASE_DRAINING\x10\x02\x12\x15\n\x11WORKER_PHASE_GONE\x10\x03\x32\xff\x02\n\x05\x41\x64min\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponse\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse\x12H\n\tAddWorker\x12\x1c.pdserve.v1.AddWorkerRequest\x1a\x1d.pdserve.v1.AddWorkerResponse\x12Q\n\x0cRemoveWorker\x12\x1f.pdserve.v1.RemoveWorkerRequest\x1a .pdserve.v1.RemoveWorkerResponse\x12K\n\nChangeRole\x12\x1d.pdserve.v1.ChangeRoleRequest\x1a\x1e.pdserve.v1.ChangeRoleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.proto.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERPHASE']._serialized_start=882
-  _globals['_WORKERPHASE']._serialized_end=1001
+  _globals['_WORKERPHASE']._serialized_start=1041
+  _globals['_WORKERPHASE']._serialized_end=1160
   _globals['_WORKERSTATUS']._serialized_start=45
   _globals['_WORKERSTATUS']._serialized_end=178
   _globals['_LISTWORKERSREQUEST']._serialized_start=180
   _globals['_LISTWORKERSREQUEST']._serialized_end=200
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=202
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=266
-  _globals['_DRAINREQUEST']._serialized_start=268
-  _globals['_DRAINREQUEST']._serialized_end=352
-  _globals['_DRAINRESPONSE']._serialized_start=354
-  _globals['_DRAINRESPONSE']._serialized_end=411
-  _globals['_ADDWORKERREQUEST']._serialized_start=413
-  _globals['_ADDWORKERREQUEST']._serialized_end=445
-  _globals['_ADDWORKERRESPONSE']._serialized_start=447
-  _globals['_ADDWORKERRESPONSE']._serialized_end=508
-  _globals['_REMOVEWORKERREQUEST']._serialized_start=510
-  _globals['_REMOVEWORKERREQUEST']._serialized_end=615
-  _globals['_REMOVEWORKERRESPONSE']._serialized_start=617
-  _globals['_REMOVEWORKERRESPONSE']._serialized_end=681
-  _globals['_CHANGEROLEREQUEST']._serialized_start=683
-  _globals['_CHANGEROLEREQUEST']._serialized_end=772
-  _globals['_CHANGEROLERESPONSE']._serialized_start=774
-  _globals['_CHANGEROLERESPONSE']._serialized_end=880
-  _globals['_ADMIN']._serialized_start=1004
-  _globals['_ADMIN']._serialized_end=1387
+  _globals['_FRONTENDSTATUS']._serialized_start=202
+  _globals['_FRONTENDSTATUS']._serialized_end=312
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=314
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=425
+  _globals['_DRAINREQUEST']._serialized_start=427
+  _globals['_DRAINREQUEST']._serialized_end=511
+  _globals['_DRAINRESPONSE']._serialized_start=513
+  _globals['_DRAINRESPONSE']._serialized_end=570
+  _globals['_ADDWORKERREQUEST']._serialized_start=572
+  _globals['_ADDWORKERREQUEST']._serialized_end=604
+  _globals['_ADDWORKERRESPONSE']._serialized_start=606
+  _globals['_ADDWORKERRESPONSE']._serialized_end=667
+  _globals['_REMOVEWORKERREQUEST']._serialized_start=669
+  _globals['_REMOVEWORKERREQUEST']._serialized_end=774
+  _globals['_REMOVEWORKERRESPONSE']._serialized_start=776
+  _globals['_REMOVEWORKERRESPONSE']._serialized_end=840
+  _globals['_CHANGEROLEREQUEST']._serialized_start=842
+  _globals['_CHANGEROLEREQUEST']._serialized_end=931
+  _globals['_CHANGEROLERESPONSE']._serialized_start=933
+  _globals['_CHANGEROLERESPONSE']._serialized_end=1039
+  _globals['_ADMIN']._serialized_start=1163
+  _globals['_ADMIN']._serialized_end=1546
 # @@protoc_insertion_point(module_scope)

@@ -38,11 +38,29 @@ class ListWorkersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class FrontendStatus(_message.Message):
+    __slots__ = ("id", "pid", "host", "port", "http_port", "metrics_port")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    pid: int
+    host: str
+    port: int
+    http_port: int
+    metrics_port: int
+    def __init__(self, id: _Optional[str] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., http_port: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
+
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "frontends")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    FRONTENDS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+    frontends: _containers.RepeatedCompositeFieldContainer[FrontendStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., frontends: _Optional[_Iterable[_Union[FrontendStatus, _Mapping]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("worker", "deadline_s", "wait")

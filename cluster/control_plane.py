@@ -1,0 +1,150 @@
+"""The control plane of a scaled-out server (`pdserve serve --frontends N`): the one owner of the
+worker set, apart from the frontends (`docs/architecture.md`, "What is shared and who owns it").
+
+`ControlPlane` runs as a named Ray actor with a restart policy. It starts the pools (their
+workers detached and named in its namespace, so that they outlive it), pings and replaces
+workers, runs the admin API's changes (`Elastic`) and publishes the membership the frontends
+follow (`Membership`: a version that moves when a worker joins, leaves or changes phase;
+answered as a long poll). A restarted control plane adopts the workers it finds by name
+instead of starting new ones. It serves no request: the frontends do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any
+
+import ray
+
+from pdserve.cluster.scaling.elastic import Elastic
+from pdserve.cluster.server import build_pools
+from pdserve.cluster.serving.metrics import Metrics
+from pdserve.cluster.serving.mirror import FrontendInfo, Membership
+from pdserve.cluster.serving.pools import WORKER_NAME_PREFIX, Pool
+from pdserve.cluster.serving.worker_set import WorkerSet
+from pdserve.cluster.settings.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+CONTROL_PLANE_NAME = "control-plane"
+READER = "control-plane"  # its KV-event cursor on the workers
+ADMIN_METHODS = ("drain", "add", "remove", "change_role")
+POLL_STEP_S = 0.2  # how often a membership long poll looks for a change
+
+
+class ControlPlane:
+    def __init__(self, config: ServeConfig, metrics_port: int = 0) -> None:
+        self.config = config
+        self.metrics_port = metrics_port
+        self.incarnation = uuid.uuid4().hex  # fresh at each (re)start: the frontends resync
+        self._version = 0
+        self._fingerprint: tuple | None = None
+        self._frontends: dict[str, tuple[FrontendInfo, float]] = {}
+        self._started: asyncio.Future[None] | None = None
+        self.worker_set: WorkerSet | None = None
+        self.elastic: Elastic | None = None
+
+    async def start(self) -> None:
+        """The pools started (or, after a restart, adopted), checked and read from now on."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._started)
+
+    async def _start(self) -> None:
+        config = self.config
+        prefill, decode = build_pools(config, config.ray.namespace)
+        await self._adopt([p for p in (prefill, decode) if p is not None])
+        metrics = Metrics()
+        self.worker_set = WorkerSet(prefill, decode, config.pools.routing, config.engine.cache.block_size, metrics,
+                                    config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker,
+                                    config.coordinator, config.router, reader=READER)
+        await self.worker_set.start(config.health.interval_s)
+        self.elastic = Elastic(self.worker_set, config.drain)
+        if self.metrics_port:
+            metrics.serve(config.server.host, self.metrics_port)
+        if config.pools.planner.enabled:
+            logger.warning("pools.planner: not run by a scaled-out server yet (its latencies are the frontends')")
+
+    async def _adopt(self, pools: list[Pool]) -> None:
+        """The workers a control plane before this one started, found by name, become the pools'."""
+        namespace = self.config.ray.namespace
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == namespace and a["name"].startswith(WORKER_NAME_PREFIX)]
+        found: dict[str, list] = {p.role: [] for p in pools}
+        for name in names:
+            try:
+                actor = ray.get_actor(name, namespace=namespace)
+                d = await asyncio.wait_for(actor.describe.remote(), self.config.health.ping_timeout_s)
+            except Exception as e:  # noqa: BLE001 - gone meanwhile: the pool starts what is missing
+                logger.warning("control plane: worker %s does not answer (%s); not adopted", name, e)
+                continue
+            role = d.worker_id.rsplit("-", 1)[0]
+            found.setdefault(role, []).append((actor, d.worker_id, d.slot, d.address))
+        for pool in pools:
+            if found.get(pool.role):
+                pool.adopt(found[pool.role])
+                logger.warning("control plane (re)started: adopted %d %s worker(s)", len(found[pool.role]), pool.role)
+
+    def _snapshot(self) -> Membership:
+        assert self.worker_set is not None
+        members = tuple(self.worker_set.members())
+        fingerprint = tuple((m.worker_id, m.phase, m.healthy) for m in members)
+        if fingerprint != self._fingerprint:
+            self._fingerprint = fingerprint
+            self._version += 1
+        lease = self.config.worker.frontend_lease_s
+        now = time.monotonic()
+        frontends = tuple(f for f, seen in self._frontends.values() if now - seen <= lease)
+        workers = tuple(dataclasses.replace(w, load=None) for w in self.worker_set.workers(gone=False))
+        return Membership(self.incarnation, self._version, members, workers, frontends)
+
+    async def membership(self, known: tuple[str, int], wait_s: float,
+                         frontend: FrontendInfo | None = None) -> Membership:
+        """The membership once it differs from `known` (incarnation, version), or after `wait_s`;
+        `frontend`: the caller's heartbeat (its registry entry)."""
+        await self.start()
+        if frontend is not None:
+            self._frontends[frontend.frontend_id] = (frontend, time.monotonic())
+        deadline = time.monotonic() + wait_s
+        while True:
+            m = self._snapshot()
+            if (m.incarnation, m.version) != tuple(known) or time.monotonic() >= deadline:
+                return m
+            await asyncio.sleep(POLL_STEP_S)
+
+    async def new_frontend_id(self) -> str:
+        """An id for a frontend that joins (`pdserve frontend --join`): never one in use."""
+        return f"j{uuid.uuid4().hex[:8]}"
+
+    async def serve_config(self) -> ServeConfig:
+        return self.config
+
+    async def report_lost(self, worker_id: str) -> None:
+        """A frontend found a worker lost: look now (a dead one is replaced, `Pool.check`)."""
+        await self.start()
+        logger.warning("control plane: a frontend reports worker %s lost; checking the workers", worker_id)
+        assert self.worker_set is not None
+        await self.worker_set.check()
+
+    async def admin(self, method: str, *args: Any) -> Any:
+        """One of `Elastic`'s changes (the admin API, forwarded by a frontend)."""
+        await self.start()
+        if method not in ADMIN_METHODS:
+            raise ValueError(f"admin method must be one of {', '.join(ADMIN_METHODS)}, got {method!r}")
+        return await getattr(self.elastic, method)(*args)
+
+    async def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    async def stop(self) -> None:
+        """Stop the workers (they are detached: nothing else does)."""
+        if self.elastic is not None:
+            await self.elastic.stop()
+        if self.worker_set is not None:
+            await self.worker_set.stop()
