@@ -10,6 +10,7 @@ from pdserve.engine.kv.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventFanout,
     KVEvent,
     KVEventBatch,
     KVEventRecorder,
@@ -100,3 +101,25 @@ def test_a_replay_of_the_events_equals_the_cache_after_evictions_and_preemptions
     assert held == set(replayed) == set(bm.cached_hashes())
     snapshot = engine.kv_snapshot()
     assert snapshot.next_seq == batches[-1].next_seq and set(snapshot.block_hashes[DEVICE_TIER]) == held
+
+
+def test_a_fanout_gives_every_reader_every_event_once_and_a_late_or_slow_reader_a_gap():
+    recorder = KVEventRecorder(max_pending=100)
+    fanout = EventFanout(max_pending=3, forget_after_s=10.0)
+    recorder.record([BlockStored(1, None), BlockStored(2, 1)])
+    a = fanout.take("a", recorder.take(), now=0.0)
+    assert (a.first_seq, a.events) == (0, (BlockStored(1, None), BlockStored(2, 1)))
+    recorder.record([BlockRemoved(2)])
+    b = fanout.take("b", recorder.take(), now=1.0)  # a late reader: from here on, after a gap it must resync over
+    assert (b.first_seq, b.events) == (2, (BlockRemoved(2),))
+    recorder.record([BlockStored(3, None)])
+    b2 = fanout.take("b", recorder.take(), now=2.0)
+    a2 = fanout.take("a", recorder.take(), now=2.0)  # a's buffer held what b took meanwhile
+    assert (a2.first_seq, a2.events) == (2, (BlockRemoved(2), BlockStored(3, None)))
+    assert (b2.first_seq, b2.events) == (3, (BlockStored(3, None),))
+    recorder.record([BlockStored(h, None) for h in range(10, 15)])  # more than a reader's bound
+    fanout.take("a", recorder.take(), now=3.0)
+    b3 = fanout.take("b", recorder.take(), now=3.0)
+    assert b3.first_seq == 4 + 2 and len(b3.events) == 3  # its oldest two dropped: a gap, it resyncs
+    fanout.take("a", recorder.take(), now=20.0)  # b silent for longer than forget_after_s: forgotten
+    assert fanout.readers == ("a",)
