@@ -105,6 +105,30 @@ def test_manifests_with_client_authentication_validate(render: Render) -> None:
                                       "template": template}, K8S_VERSION, strict=True)
 
 
+def test_scaled_out_frontends_validate_and_stand_behind_the_service(render: Render) -> None:
+    """frontends.enabled: a frontend Deployment of `replicas` pods behind the Service, the
+    head's pdserve running the control plane apart (server.control_plane in its config)."""
+    docs = render(sets=("frontends.enabled=true", "frontends.replicas=3", "auth.apiKeySecret=k",
+                        "auth.adminTokenSecret=a"))
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Deployment", "RayCluster", "Secret", "Service"]
+    for doc in docs:
+        validate(doc)
+    deployment, service = one(docs, "Deployment"), one(docs, "Service")
+    assert deployment["spec"]["replicas"] == 3
+    pod = deployment["spec"]["template"]
+    assert service["spec"]["selector"] == pod["metadata"]["labels"]
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "frontend"
+    container = pod["spec"]["containers"][0]
+    assert "pdserve frontend --join auto --namespace pdserve" in container["args"][0]
+    assert {p["name"] for p in container["ports"]} == {"grpc", "http", "metrics"}
+    config = yaml.safe_load(one(docs, "ConfigMap")["data"]["config.yaml"])
+    assert config["server"]["control_plane"] is True and config["ray"]["namespace"] == "pdserve"
+    # Off (the default), the head serves: its config has no control plane of its own.
+    default = yaml.safe_load(one(render(), "ConfigMap")["data"]["config.yaml"])
+    assert default["server"]["control_plane"] is False
+    assert one(render(), "Service")["spec"]["selector"]["app.kubernetes.io/component"] == "head"
+
+
 def test_crd_validation_catches_mistakes(render: Render) -> None:
     cluster = copy.deepcopy(one(render(), "RayCluster"))
     cluster["spec"]["workerGroupSpecs"][0]["replicas"] = "two"
@@ -155,7 +179,7 @@ def test_mismatched_gpus_per_worker_fail(helm: str) -> None:
 # values.schema.json refuses them under config: (a value there would be overwritten).
 CHART_OWNED = {
     "server.host", "server.tls_cert", "server.tls_key", "server.tls_client_ca", "server.api_key_file",
-    "server.admin_token_file",
+    "server.admin_token_file", "server.frontends", "server.control_plane", "ray.namespace",
     "pools.num_prefill", "pools.num_decode", "pools.gpus_per_worker", "pools.prefill_resource",
     "pools.decode_resource", "ray.address", "ray.node_ip_address",
 }

@@ -85,7 +85,10 @@ GPUs per worker over its tensor-parallel size. */}}
 {{- if .Values.auth.adminTokenSecret -}}
 {{- $_ := set (get $cfg "server") "admin_token_file" (printf "/etc/pdserve-admin-token/%s" .Values.auth.adminTokenSecretKey) -}}
 {{- end -}}
-{{- $_ := set $cfg "ray" (dict "address" "auto" "node_ip_address" (include "pdserve.podIpPlaceholder" .)) -}}
+{{- /* the head's process: the control plane and one frontend (frontends.enabled), else the whole server */ -}}
+{{- $_ := set (get $cfg "server") "control_plane" .Values.frontends.enabled -}}
+{{- $_ := set (get $cfg "server") "frontends" 1 -}}
+{{- $_ := set $cfg "ray" (dict "address" "auto" "node_ip_address" (include "pdserve.podIpPlaceholder" .) "namespace" "pdserve") -}}
 {{- toYaml $cfg -}}
 {{- end -}}
 
