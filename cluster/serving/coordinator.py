@@ -27,6 +27,7 @@ from pdserve.cluster.serving.metrics import Metrics
 from pdserve.cluster.serving.pools import ACTOR_LOST, Worker
 from pdserve.cluster.serving.router import PromptBlocks
 from pdserve.cluster.serving.seats import Seat
+from pdserve.cluster.serving.token_streams import take_coalesced
 from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.cluster.settings.config import CoordinatorConfig
 from pdserve.engine.kv_handoff import NoCapacity
@@ -223,7 +224,7 @@ class _Attempt:
                 await self._admitting
             waited = time.perf_counter()
             while True:
-                item = await queue.get()
+                item = await take_coalesced(queue)  # one chunk for all a slow reader missed
                 if isinstance(item, Exception):
                     raise item
                 if "first_delta" not in self._hops and colocated:

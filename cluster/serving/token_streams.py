@@ -8,13 +8,39 @@ a request continued elsewhere takes nothing more from a worker it left).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 
 from pdserve.cluster.serving.pools import ACTOR_LOST, Pool, Worker
 from pdserve.engine.outputs import TokenDelta
+from pdserve.engine.sequence import FinishReason
 
 # A request's deltas from its decode worker, and the error that ends them, if one does.
 StreamQueue = asyncio.Queue[TokenDelta | Exception]
+
+
+async def take_coalesced(queue: StreamQueue) -> TokenDelta | Exception:
+    """The next item of a request's stream, with the deltas already queued behind it merged in:
+    a stream whose reader fell behind (a slow client, a busy frontend) sends one chunk for all
+    it missed instead of one per step, as vLLM's and SGLang's servers do. An error, and an
+    abort (its tokens are not the answer's), are never merged: they come on their own."""
+    item = await queue.get()
+    if isinstance(item, Exception) or item.finished or queue.empty():
+        return item
+    parts = [item]
+    while not queue.empty():
+        nxt = queue._queue[0]  # noqa: SLF001 - a peek: an error or an abort stays queued
+        if isinstance(nxt, Exception) or nxt.finish_reason is FinishReason.ABORT:
+            break
+        parts.append(queue.get_nowait())
+        if nxt.finished:
+            break
+    if len(parts) == 1:
+        return item
+    last = parts[-1]
+    return dataclasses.replace(item, token_ids=tuple(t for d in parts for t in d.token_ids),
+                               logprobs=tuple(lp for d in parts for lp in d.logprobs),
+                               finish_reason=last.finish_reason, held_block_ids=last.held_block_ids)
 
 
 @dataclass(slots=True)

@@ -50,7 +50,8 @@ def test_streamed_greedy_output_matches_the_engine(mode, colocated_server, disag
     got = collect_concurrently(srv.target, prompts, params)
     for i, (g, want) in enumerate(zip(got, expected)):
         assert g.token_ids == want, f"{mode}: request {i} ({PROMPT_LENGTHS[i]} prompt tokens) differs"
-        assert g.finish_reason == pb.FINISH_REASON_LENGTH and g.num_responses == len(want)
+        # One response per step, or fewer where the reader fell behind (deltas merged per chunk).
+        assert g.finish_reason == pb.FINISH_REASON_LENGTH and 1 < g.num_responses <= len(want)
     wait_until(lambda: pools_are_full(srv.target), 10, "every block to be free")
 
 

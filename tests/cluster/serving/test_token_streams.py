@@ -10,7 +10,7 @@ from ray.exceptions import RayActorError
 
 from pdserve.cluster.serving.pools import Pool, Worker
 from pdserve.cluster.serving.router import WorkerState
-from pdserve.cluster.serving.token_streams import TokenStreams
+from pdserve.cluster.serving.token_streams import TokenStreams, take_coalesced
 from pdserve.engine.outputs import TokenDelta
 from pdserve.engine.sequence import FinishReason
 
@@ -101,3 +101,26 @@ def test_a_lost_worker_ends_its_requests_streams_and_is_replaced():
         streams.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_reader_that_fell_behind_takes_one_chunk_and_an_abort_or_error_on_its_own():
+    async def run() -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        assert queue.empty()
+        for i in range(3):
+            queue.put_nowait(TokenDelta("r", (i,)))
+        queue.put_nowait(TokenDelta("r", (3,), FinishReason.LENGTH))
+        merged = await take_coalesced(queue)
+        assert (merged.token_ids, merged.finish_reason) == ((0, 1, 2, 3), FinishReason.LENGTH) and queue.empty()
+        queue.put_nowait(TokenDelta("r", (5,)))
+        assert (await take_coalesced(queue)).token_ids == (5,)  # nothing behind it: as it came
+        lost = RuntimeError("worker lost")
+        for item in (TokenDelta("r", (6,)), TokenDelta("r", (7,)), lost, TokenDelta("s", (1,)),
+                     TokenDelta("s", (), FinishReason.ABORT)):
+            queue.put_nowait(item)
+        assert (await take_coalesced(queue)).token_ids == (6, 7)
+        assert await take_coalesced(queue) is lost
+        assert (await take_coalesced(queue)).token_ids == (1,)
+        assert (await take_coalesced(queue)).finish_reason is FinishReason.ABORT
+
+    asyncio.run(run())
