@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from pdserve.cluster.control_plane import CONTROL_PLANE_NAME, ControlPlane
-from pdserve.cluster.frontend_server import FrontendActor, start_frontend
+from pdserve.cluster.frontend_server import FrontendActor, FrontendServer, start_frontend
 from pdserve.cluster.ray_driver import init_ray
 from pdserve.cluster.server import ApiSetup, check_splits_of
 from pdserve.cluster.serving.mirror import FrontendInfo
@@ -77,25 +77,29 @@ async def serve_scaled_out_forever(config: ServeConfig) -> None:
     scaled = await start_scaled_out(config)
     for f in scaled.infos:
         http = f", OpenAI HTTP API on http://{f.host}:{f.http_port}/v1" if f.http_port else ""
-        print(f"pdserve: frontend {f.frontend_id} (pid {f.pid}) serving gRPC on {f.host}:{f.port}{http}", flush=True)
-    print(f"pdserve: control plane {CONTROL_PLANE_NAME!r} in Ray namespace {config.ray.namespace!r}; "
-          f"more frontends join with `pdserve frontend --join ADDRESS --namespace {config.ray.namespace}`; "
-          "Ctrl-C stops", flush=True)
+        print(f"pdserve: frontend {f.frontend_id} (pid {f.pid}): gRPC on {f.host}:{f.port}{http}", flush=True)
+    print(f"pdserve: serving with {len(scaled.infos)} frontend(s) (control plane {CONTROL_PLANE_NAME!r} in Ray "
+          f"namespace {config.ray.namespace!r}; more join with `pdserve frontend --join ADDRESS --namespace "
+          f"{config.ray.namespace}`); Ctrl-C stops", flush=True)
     await _until_signal()
     await scaled.stop()
     ray.shutdown()
 
 
-async def join_forever(address: str, namespace: str, node_ip_address: str, overrides: dict[str, Any]) -> None:
+async def join(address: str | None, namespace: str, node_ip_address: str, overrides: dict[str, Any]) -> FrontendServer:
     """A frontend in this process, joining the server whose control plane runs in `namespace` of
-    the Ray cluster at `address`; it serves that server's config, its `server` fields replaced
-    by `overrides` (host, ports)."""
+    the Ray cluster at `address` (None: the one this process has joined already); it serves that
+    server's config, its `server` fields replaced by `overrides` (host, ports)."""
     init_ray(address, node_ip_address, namespace=namespace)
     control_plane = ray.get_actor(CONTROL_PLANE_NAME, namespace=namespace)
     config: ServeConfig = await control_plane.serve_config.remote()
     config = dataclasses.replace(config, server=dataclasses.replace(config.server, **overrides))
     frontend_id = await control_plane.new_frontend_id.remote()
-    server = await start_frontend(config, control_plane, frontend_id, 0)
+    return await start_frontend(config, control_plane, frontend_id, 0)
+
+
+async def join_forever(address: str, namespace: str, node_ip_address: str, overrides: dict[str, Any]) -> None:
+    server = await join(address, namespace, node_ip_address, overrides)
     f = server.info
     print(f"pdserve: frontend {f.frontend_id} joined; serving gRPC on {f.host}:{f.port}"
           f"{f', HTTP on {f.host}:{f.http_port}' if f.http_port else ''}; Ctrl-C stops", flush=True)

@@ -60,7 +60,8 @@ class MirrorPool(Pool):
     async def sync(self, members: list[Member]) -> None:
         """Take the published members of this role: new ones join, phases follow, and a worker
         no longer listed (or listed unhealthy) leaves the way a lost one does."""
-        listed = {m.worker_id: m for m in members if m.role == self.role}
+        mine = [m for m in members if m.role == self.role]
+        listed = {m.worker_id: m for m in mine}
         for worker in list(self.workers):
             m = listed.pop(worker.worker_id, None)
             if m is not None and m.healthy:
@@ -72,7 +73,9 @@ class MirrorPool(Pool):
             if m.healthy:
                 self.workers.append(Worker(self.role, m.actor, WorkerState(m.worker_id), WorkerHealth(self.health, now),
                                            m.address, m.phase, m.slot))
-        self.replacing = 0
+        # Listed unhealthy: lost, and being replaced by the control plane (a request finding no
+        # serving worker waits for the replacement, `seats.may_wait`).
+        self.replacing = sum(not m.healthy for m in mine)
 
     async def _leave(self, worker: Worker) -> None:
         if worker.state.healthy:

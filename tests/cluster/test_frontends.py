@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -24,12 +26,13 @@ import pytest
 from pdserve.cluster.clients.admin_client import AdminClient
 from pdserve.cluster.clients.credentials import ClientCredentials
 from pdserve.cluster.clients.grpc_client import Client
-from pdserve.cluster.scale_out import ScaledOut, launch_frontend, start_scaled_out
+from pdserve.cluster.frontend_server import FrontendServer
+from pdserve.cluster.scale_out import ScaledOut, join, start_scaled_out
 from pdserve.cluster.serving.mirror import FrontendInfo
 from pdserve.cluster.settings.config import ServeConfig
 from pdserve.engine.sampling import SamplingParams
 from tests.cluster.conftest import _server_config
-from tests.cluster.streams import collect, wait_until
+from tests.cluster.streams import collect, free_port, serve_process, wait_until
 from tests.engine.prompts import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -43,6 +46,7 @@ class Cluster:
     scaled: ScaledOut
     loop: asyncio.AbstractEventLoop
     config: ServeConfig
+    joined: list[FrontendServer] = field(default_factory=list)  # frontends that joined in this process
 
     def run(self, coro: Any, timeout_s: float = 600.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
@@ -71,8 +75,44 @@ def cluster(ray_cluster, small_model, tmp_path_factory) -> Iterator[Cluster]:
     threading.Thread(target=loop.run_forever, daemon=True).start()
     c = Cluster(asyncio.run_coroutine_threadsafe(start_scaled_out(config), loop).result(600), loop, config)
     yield c
+    for server in c.joined:
+        c.run(server.stop(), 60)
     c.run(c.scaled.stop(), 120)
     loop.call_soon_threadsafe(loop.stop)
+
+
+def test_pdserve_serve_with_two_frontends_lists_them_serves_on_each_and_stops_them(small_model, engine, tokenizer,
+                                                                                  tmp_path):
+    """`pdserve serve --frontends 2` as a process of its own: frontend i on --port + i,
+    `pdserve workers` lists both (id, pid, host, ports), each serves the engine's greedy
+    tokens, and SIGTERM stops every frontend process."""
+    import psutil
+
+    token = tmp_path / "admin-token"
+    token.write_text(ADMIN_TOKEN)
+    port = free_port()
+    cli = [sys.executable, "-m", "pdserve.cluster.cli"]
+    serve = [*cli, "serve", "--frontends", "2", "--port", str(port), "--http-port", str(free_port()),
+             "--metrics-port", "0", "--admin-token-file", str(token), "--engine.model.source", str(small_model.folder),
+             "--engine.model.device", "cpu", "--engine.model.dtype", "float32",
+             "--engine.cache.cpu_kv_cache_gib", "0.25", "--pools.gpus_per_worker", "0"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompt = prompt_ids(tokenizer, 30, variant=3)
+    want = engine.generate([prompt], params)[0].token_ids
+    with serve_process(serve) as proc:
+        listed = subprocess.run([*cli, "workers", "--target", f"127.0.0.1:{port}", "--admin-token-file", str(token)],
+                                capture_output=True, text=True, timeout=120)
+        assert listed.returncode == 0, listed.stderr
+        frontends = [line.split() for line in listed.stdout.splitlines() if " frontend " in line]
+        # "f0  frontend pid PID  host HOST  gRPC PORT  HTTP PORT  metrics off"
+        assert sorted((f[0], f[5], f[7]) for f in frontends) == \
+            [("f0", "127.0.0.1", str(port)), ("f1", "127.0.0.1", str(port + 1))], listed.stdout
+        pids = [int(f[3]) for f in frontends]
+        assert all(psutil.pid_exists(pid) for pid in pids) and proc.pid not in pids
+        for i in range(2):
+            assert collect(f"127.0.0.1:{port + i}", prompt, params).token_ids == want
+    assert proc.returncode == 0
+    wait_until(lambda: not any(psutil.pid_exists(pid) for pid in pids), 30, "the frontend processes to end")
 
 
 def _idle(cluster: Cluster) -> bool:
@@ -154,14 +194,17 @@ def test_a_sigkilled_frontend_ends_only_its_own_streams_and_its_seats_are_releas
     retry = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     assert collect(target(f1), victim_prompt, retry).token_ids == engine.generate([victim_prompt], retry)[0].token_ids
 
-    # A new frontend joins and serves; the listing drops the dead one and shows the new one.
-    fresh = launch_frontend(cluster.config, "f2", 2)
-    cluster.scaled.frontends.append(fresh)
-    f2 = ray.get(fresh.start.remote(cluster.scaled.control_plane), timeout=600)
-    assert collect(target(f2), victim_prompt, retry).token_ids == engine.generate([victim_prompt], retry)[0].token_ids
-    with cluster.admin(f2) as admin:
-        wait_until(lambda: {f.id for f in admin.listing().frontends} == {"f1", "f2"}, LEASE_BOUND_S,
-                   "the listing to show f1 and f2 only")
+    # A new frontend joins (as `pdserve frontend --join` does, here in this process) and serves;
+    # the listing drops the dead one and shows the new one.
+    joined = cluster.run(join(None, cluster.config.ray.namespace, "127.0.0.1",
+                              {"port": 0, "http_port": 0, "metrics_port": 0}))
+    cluster.joined.append(joined)
+    fresh = joined.info
+    assert collect(target(fresh), victim_prompt, retry).token_ids == \
+        engine.generate([victim_prompt], retry)[0].token_ids
+    with cluster.admin(fresh) as admin:
+        wait_until(lambda: {f.id for f in admin.listing().frontends} == {"f1", fresh.frontend_id}, LEASE_BOUND_S,
+                   "the listing to show f1 and the new frontend only")
 
 
 def test_serving_goes_on_while_the_control_plane_is_dead_and_its_restart_adopts_the_workers(cluster, engine,
