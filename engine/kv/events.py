@@ -137,6 +137,9 @@ class EventFanout:
         """`fresh` (the recorder's events since anyone's last take) added to every reader's
         buffer; `reader`'s whole buffer returned and emptied."""
         for cursor in self._cursors.values():
+            if fresh.first_seq != cursor.first_seq + len(cursor.events):  # the recorder dropped some:
+                cursor.events.clear()  # the reader sees the gap, and resyncs
+                cursor.first_seq = fresh.first_seq
             cursor.events.extend(fresh.events)
             dropped = len(cursor.events) - self.max_pending
             for _ in range(max(dropped, 0)):

@@ -121,5 +121,9 @@ def test_a_fanout_gives_every_reader_every_event_once_and_a_late_or_slow_reader_
     fanout.take("a", recorder.take(), now=3.0)
     b3 = fanout.take("b", recorder.take(), now=3.0)
     assert b3.first_seq == 4 + 2 and len(b3.events) == 3  # its oldest two dropped: a gap, it resyncs
+    recorder.next_seq += 1  # the recorder lost one (an overflow): every reader sees the gap
+    recorder.record([BlockStored(20, None)])
+    a4 = fanout.take("a", recorder.take(), now=4.0)
+    assert (a4.first_seq, a4.events) == (recorder.next_seq - 1, (BlockStored(20, None),))
     fanout.take("a", recorder.take(), now=20.0)  # b silent for longer than forget_after_s: forgotten
     assert fanout.readers == ("a",)
