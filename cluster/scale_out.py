@@ -18,6 +18,7 @@ from pdserve.cluster.frontend_server import FrontendActor, FrontendServer, start
 from pdserve.cluster.ray_driver import init_ray
 from pdserve.cluster.server import ApiSetup, check_splits_of
 from pdserve.cluster.serving.mirror import FrontendInfo
+from pdserve.cluster.serving.pools import WORKER_NAME_PREFIX
 from pdserve.cluster.settings.config import ServeConfig
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ class ScaledOut:
     frontends: list[Any]  # FrontendActor handles, in index order
     infos: list[FrontendInfo]
 
+    namespace: str
+
     async def stop(self) -> None:
         await asyncio.gather(*(asyncio.wait_for(f.stop.remote(), STOP_TIMEOUT_S) for f in self.frontends),
                              return_exceptions=True)
@@ -38,8 +41,22 @@ class ScaledOut:
             ray.kill(f, no_restart=True)
         try:
             await asyncio.wait_for(self.control_plane.stop.remote(), STOP_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - dead or stuck: its workers are killed by name below
+            logger.warning("control plane did not stop its workers (%s); killing them", type(e).__name__)
         finally:
             ray.kill(self.control_plane, no_restart=True)
+            kill_workers(self.namespace)
+
+
+def kill_workers(namespace: str) -> None:
+    """Kill the workers named in `namespace` that are still there: they are detached, so nothing
+    else ends them on a cluster that outlives this server (a stop mid-start, a dead control plane)."""
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == namespace and a["name"].startswith(WORKER_NAME_PREFIX):
+            try:
+                ray.kill(ray.get_actor(a["name"], namespace=namespace), no_restart=True)
+            except ValueError:  # gone meanwhile
+                pass
 
 
 def start_control_plane(config: ServeConfig) -> Any:
@@ -68,9 +85,9 @@ async def start_scaled_out(config: ServeConfig) -> ScaledOut:
         frontends = [launch_frontend(config, f"f{i}", i) for i in range(config.server.frontends)]
         infos = list(await asyncio.gather(*(f.start.remote(control_plane) for f in frontends)))
     except BaseException:
-        await ScaledOut(control_plane, frontends, []).stop()
+        await ScaledOut(control_plane, frontends, [], config.ray.namespace).stop()
         raise
-    return ScaledOut(control_plane, frontends, infos)
+    return ScaledOut(control_plane, frontends, infos, config.ray.namespace)
 
 
 async def serve_scaled_out_forever(config: ServeConfig) -> None:
