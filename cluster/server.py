@@ -89,7 +89,9 @@ def _pools(config: ServeConfig, transport: TransportConfig | None,
                        "one mixed worker per %d GPU(s)", num_gpus, config.pools.num_prefill, config.pools.num_decode,
                        p.tp("decode", config.engine))
     config = dataclasses.replace(config, pools=p)
-    health, waits = config.health, (config.worker, config.loop)
+    worker = config.worker if config.worker.max_queued else \
+        dataclasses.replace(config.worker, max_queued=config.admission.max_waiting_per_worker)
+    health, waits = config.health, (worker, config.loop)
 
     def spec(cls: type, role: str, with_transport: bool) -> ActorSpec:
         # A worker of tensor-parallel size N holds N GPUs of one node (one Ray actor: its

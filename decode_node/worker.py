@@ -16,6 +16,7 @@ import logging
 from pdserve.decode_node.outbox import Outboxes
 from pdserve.engine.config import EngineConfig, WorkerConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.kv_handoff import NoCapacity
 from pdserve.engine.loop import LoopConfig, LoopWorker, log_failure
 from pdserve.engine.messages import KVTransferInfo, WorkerRequest, request_owner
 from pdserve.engine.outputs import TokenDelta
@@ -72,6 +73,8 @@ class DecodeWorker(LoopWorker):
                 self.kv_readers.forget(owner)
                 ids = await self.loop.call(lambda e: [r for r in e.core.requests if request_owner(r) == owner])
                 ids += [r for r in self._landing if request_owner(r) == owner and r not in ids]
+                if not ids:  # only its aborted requests' last deltas were left for it
+                    continue
                 logger.warning("decode worker %s: frontend %r polled nothing for %g s (its lease): aborting its "
                                "%d request(s)", self.worker_id, owner, self._config.frontend_lease_s, len(ids))
                 self.lease_aborts[owner] = self.lease_aborts.get(owner, 0) + len(ids)
@@ -80,10 +83,21 @@ class DecodeWorker(LoopWorker):
                         await self.abort(rid)
 
     async def submit(self, req: WorkerRequest) -> None:
-        """Prefill and decode here (colocated mode)."""
+        """Prefill and decode here (colocated mode). Raises NoCapacity when `max_num_seqs`
+        sequences run and `WorkerConfig.max_queued` more wait (every frontend's together: each
+        frontend's own count is only its share)."""
         self._running()
         self._outboxes.seen(request_owner(req.request_id))
-        await self.loop.call(lambda e: e.add_worker_request(req))
+        await self.loop.call(lambda e: self._admit_queued(e, req))
+
+    def _admit_queued(self, engine: Engine, req: WorkerRequest) -> None:
+        bound = self._config.max_queued
+        if bound:
+            scheduler = engine.scheduler
+            max_num_seqs = engine.config.scheduler.max_num_seqs
+            if scheduler.num_seats_taken + len(scheduler.waiting) >= max_num_seqs + bound:
+                raise NoCapacity(f"{max_num_seqs} sequences run and {bound} wait (worker.max_queued)")
+        engine.add_worker_request(req)
 
     async def reserve(self, req: WorkerRequest) -> None:
         """Take blocks for the prompt and start expecting its KV. Raises NoCapacity or ValueError

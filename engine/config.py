@@ -325,16 +325,22 @@ class WorkerConfig:
         decode worker or read a worker's load for this long is taken for dead: its requests
         there are aborted (seats and blocks freed) and its outbox and KV-event cursor dropped.
         A live frontend reads every worker's load every `coordinator.load_refresh_s`.
+    max_queued: a colocated worker's bound on the requests it queues beyond its `max_num_seqs`
+        running, whichever frontends sent them (beyond it `submit` refuses with NoCapacity);
+        0: `admission.max_waiting_per_worker` (`pdserve serve` fills it in).
     """
 
     delta_wait_s: float = 0.5
     abort_landing_wait_s: float = 5.0
     frontend_lease_s: float = 10.0
+    max_queued: int = 0
 
     def __post_init__(self) -> None:
         for name in ("delta_wait_s", "abort_landing_wait_s", "frontend_lease_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_queued < 0:
+            raise ValueError(f"WorkerConfig.max_queued must be >= 0, got {self.max_queued}")
 
 
 @dataclass(frozen=True, slots=True)

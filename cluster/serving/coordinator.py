@@ -258,6 +258,8 @@ class _Attempt:
         submitted = time.perf_counter()
         try:
             await seat.worker.actor.submit.remote(self._req)
+        except NoCapacity as e:  # other frontends fill its queue: this one's view of it was stale
+            raise _NoRoom(f"worker {seat.worker.worker_id}: {cause(e)}") from e
         except ACTOR_LOST as e:
             await self._workers.lost(seat.worker)
             raise WorkerLost(f"worker {seat.worker.worker_id} was lost") from e

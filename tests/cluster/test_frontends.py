@@ -173,22 +173,46 @@ def test_a_sigkilled_frontend_ends_only_its_own_streams_and_its_seats_are_releas
             got[name] = e
             started[name].set()
 
+    def http_stream() -> None:
+        """An OpenAI streamed completion on the victim frontend's HTTP port."""
+        import openai
+
+        n = 0
+        try:
+            with openai.OpenAI(base_url=f"http://127.0.0.1:{f0.http_port}/v1", api_key="unused", max_retries=0,
+                               timeout=600) as client:
+                model = client.models.list().data[0].id
+                for _ in client.completions.create(model=model, prompt=victim_prompt, max_tokens=8000 - 60,
+                                                   temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                    n += 1
+                    if n >= 4:
+                        started["http"].set()
+            got["http"] = "ended"  # the stream ended as if complete: the cut was not seen
+        except Exception as e:  # noqa: BLE001 - the cut, as the client library reports it
+            got["http"] = e
+            started["http"].set()
+
+    started["http"] = threading.Event()
     threads = [threading.Thread(target=stream, args=("survivor", f1, survivor_prompt, survivor_params)),
-               threading.Thread(target=stream, args=("victim", f0, victim_prompt, victim_params))]
+               threading.Thread(target=stream, args=("victim", f0, victim_prompt, victim_params)),
+               threading.Thread(target=http_stream)]
     for t in threads:
         t.start()
-    assert started["victim"].wait(120) and started["survivor"].wait(120)
+    assert all(e.wait(120) for e in started.values())
     os.kill(f0.pid, signal.SIGKILL)
     for t in threads:
         t.join(600)
-    # Its own client sees the connection end; the other frontend's stream is untouched.
+    # Its own clients see the connection end (gRPC UNAVAILABLE, the HTTP stream cut); the other
+    # frontend's stream is untouched.
     assert isinstance(got["victim"], grpc.RpcError) and got["victim"].code() == grpc.StatusCode.UNAVAILABLE
+    assert isinstance(got["http"], Exception), got["http"]
     assert got["survivor"] == (list(want.token_ids), want.text)
     # The decode worker aborts the dead frontend's request once its lease runs out: seats and blocks free.
     decode = cluster.worker("decode-0")
-    wait_until(lambda: ray.get(decode.expired_leases.remote(), timeout=30).get(f0.frontend_id, 0) >= 1,
-               LEASE_BOUND_S, "the decode worker to abort the dead frontend's request")
+    wait_until(lambda: ray.get(decode.expired_leases.remote(), timeout=30).get(f0.frontend_id, 0) >= 2,
+               LEASE_BOUND_S, "the decode worker to abort the dead frontend's requests")
     wait_until(lambda: _idle(cluster), LEASE_BOUND_S, "the decode worker to free the dead frontend's seats and blocks")
+    assert ray.get(decode.expired_leases.remote(), timeout=30) == {f0.frontend_id: 2}  # its two, nobody else's
 
     # Its client retries on the other frontend and is served.
     retry = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
