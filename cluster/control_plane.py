@@ -96,9 +96,11 @@ class ControlPlane:
         if fingerprint != self._fingerprint:
             self._fingerprint = fingerprint
             self._version += 1
-        lease = self.config.worker.frontend_lease_s
+        # A frontend heartbeats every `ControlPlaneLink.wait_s` at most; one silent for three
+        # leases is gone (a busy frontend on a loaded host may miss a beat or two).
+        silent_s = 3 * self.config.worker.frontend_lease_s
         now = time.monotonic()
-        frontends = tuple(f for f, seen in self._frontends.values() if now - seen <= lease)
+        frontends = tuple(f for f, seen in self._frontends.values() if now - seen <= silent_s)
         workers = tuple(dataclasses.replace(w, load=None) for w in self.worker_set.workers(gone=False))
         return Membership(self.incarnation, self._version, members, workers, frontends)
 

@@ -45,7 +45,11 @@ def init_ray(address: str | None, node_ip_address: str, **options: Any) -> None:
                "logging_level": logging.WARNING, **options}
     with _working_directory(neutral_directory()):
         if address:
-            ray.init(address=address, **options)
+            # Joining a cluster on this host's loopback (`pdserve frontend --join 127.0.0.1:port`):
+            # Ray would rewrite the address to the probed one, where that GCS does not listen.
+            host = address.rpartition(":")[0]
+            with _keep_loopback_node_ip(node_ip_address if host in ("127.0.0.1", "localhost") else "0.0.0.0"):
+                ray.init(address=address, **options)
             return
         _start_local(node_ip_address, options)
 

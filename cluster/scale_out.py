@@ -95,8 +95,9 @@ async def serve_scaled_out_forever(config: ServeConfig) -> None:
     for f in scaled.infos:
         http = f", OpenAI HTTP API on http://{f.host}:{f.http_port}/v1" if f.http_port else ""
         print(f"pdserve: frontend {f.frontend_id} (pid {f.pid}): gRPC on {f.host}:{f.port}{http}", flush=True)
+    address = ray.get_runtime_context().gcs_address
     print(f"pdserve: serving with {len(scaled.infos)} frontend(s) (control plane {CONTROL_PLANE_NAME!r} in Ray "
-          f"namespace {config.ray.namespace!r}; more join with `pdserve frontend --join ADDRESS --namespace "
+          f"namespace {config.ray.namespace!r}; more join with `pdserve frontend --join {address} --namespace "
           f"{config.ray.namespace}`); Ctrl-C stops", flush=True)
     await _until_signal()
     await scaled.stop()

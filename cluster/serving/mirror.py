@@ -116,7 +116,7 @@ class ControlPlaneLink:
     frontend's heartbeat carried on each poll, lost workers reported. Survives the control
     plane's death: the mirrors keep the last membership until it answers again."""
 
-    def __init__(self, actor: Any, me: FrontendInfo | None, mirrors: list[MirrorPool], wait_s: float = 5.0,
+    def __init__(self, actor: Any, me: FrontendInfo | None, mirrors: list[MirrorPool], wait_s: float = 2.0,
                  retry_s: float = 1.0) -> None:
         self.actor = actor
         self.me = me

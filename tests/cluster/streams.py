@@ -93,6 +93,7 @@ def serve_process(command: list[str], cwd: Path | None = None,
             line = proc.stdout.readline()
             lines.append(line)
             if line.startswith("pdserve: serving"):
+                proc.serving_line = line  # what it said (e.g. the address that frontends join)
                 break
             if not line and proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"pdserve serve did not start (exit {proc.poll()}):\n{''.join(lines[-60:])}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -111,8 +113,27 @@ def test_pdserve_serve_with_two_frontends_lists_them_serves_on_each_and_stops_th
         assert all(psutil.pid_exists(pid) for pid in pids) and proc.pid not in pids
         for i in range(2):
             assert collect(f"127.0.0.1:{port + i}", prompt, params).token_ids == want
+        # `pdserve frontend --join ADDRESS --namespace NS`, as the serving line says, from a process of its own.
+        join_command = re.search(r"pdserve frontend --join (\S+) --namespace (\S+)`", proc.serving_line)
+        assert join_command, proc.serving_line
+        joined_port = free_port()
+        joined = subprocess.Popen([*cli, "frontend", "--join", join_command[1], "--namespace", join_command[2],
+                                   "--port", str(joined_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, start_new_session=True)
+        try:
+            wait_until(lambda: _listed_frontends(port, token) == 3, 180, "the joined frontend to be listed")
+            assert collect(f"127.0.0.1:{joined_port}", prompt, params).token_ids == want
+        finally:
+            joined.send_signal(signal.SIGTERM)
+            output = joined.communicate(timeout=60)[0]
+        assert joined.returncode == 0, output[-3000:]
     assert proc.returncode == 0
     wait_until(lambda: not any(psutil.pid_exists(pid) for pid in pids), 30, "the frontend processes to end")
+
+
+def _listed_frontends(port: int, token: Path) -> int:
+    with AdminClient(f"127.0.0.1:{port}", ClientCredentials(api_key=token.read_text())) as admin:
+        return len(admin.listing().frontends)
 
 
 def _idle(cluster: Cluster) -> bool:
@@ -140,10 +161,11 @@ def test_two_frontends_serve_at_once_with_one_engines_greedy_tokens(cluster, eng
         t.join(300)
     assert [results[i] for i in range(4)] == want
     with cluster.admin(f1) as admin:
-        listing = admin.listing()
-    assert {(f.id, f.pid, f.port, f.http_port) for f in listing.frontends} == \
-        {(f.frontend_id, f.pid, f.port, f.http_port) for f in (f0, f1)}
-    assert sorted(w.name for w in listing.workers) == ["decode-0", "prefill-0"]
+        want_listed = {(f.frontend_id, f.pid, f.port, f.http_port) for f in (f0, f1)}
+        # The listing is f1's copy of the control plane's registry: fresh within a heartbeat or two.
+        wait_until(lambda: {(f.id, f.pid, f.port, f.http_port) for f in admin.listing().frontends} == want_listed,
+                   30, "f1 to list both frontends")
+        assert sorted(w.name for w in admin.listing().workers) == ["decode-0", "prefill-0"]
     wait_until(lambda: _idle(cluster), 60, "the decode worker to free every block")
 
 
@@ -227,8 +249,8 @@ def test_a_sigkilled_frontend_ends_only_its_own_streams_and_its_seats_are_releas
     assert collect(target(fresh), victim_prompt, retry).token_ids == \
         engine.generate([victim_prompt], retry)[0].token_ids
     with cluster.admin(fresh) as admin:
-        wait_until(lambda: {f.id for f in admin.listing().frontends} == {"f1", fresh.frontend_id}, LEASE_BOUND_S,
-                   "the listing to show f1 and the new frontend only")
+        wait_until(lambda: {f.id for f in admin.listing().frontends} == {"f1", fresh.frontend_id},
+                   3 * 10 + LEASE_BOUND_S, "the listing to show f1 and the new frontend only")
 
 
 def test_serving_goes_on_while_the_control_plane_is_dead_and_its_restart_adopts_the_workers(cluster, engine,
