@@ -45,6 +45,7 @@ def init_ray(address: str | None, node_ip_address: str, **options: Any) -> None:
                "logging_level": logging.WARNING, **options}
     with _working_directory(neutral_directory()):
         if address:
+            _token_auth_as_a_local_start_would()
             # Joining a cluster on this host's loopback (`pdserve frontend --join 127.0.0.1:port`):
             # Ray would rewrite the address to the probed one, where that GCS does not listen.
             host = address.rpartition(":")[0]
@@ -52,6 +53,15 @@ def init_ray(address: str | None, node_ip_address: str, **options: Any) -> None:
                 ray.init(address=address, **options)
             return
         _start_local(node_ip_address, options)
+
+
+def _token_auth_as_a_local_start_would() -> None:
+    """A process joining a cluster speaks Ray's token auth when this host has a token and
+    RAY_AUTH_MODE is unset, as `ray.init()` of a local cluster decides (it does not for a join:
+    `pdserve frontend --join` beside a `pdserve serve` of this host would be refused)."""
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def _start_local(node_ip_address: str, options: dict[str, Any]) -> None:

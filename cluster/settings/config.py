@@ -298,6 +298,14 @@ class ServeConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
 
+    def __post_init__(self) -> None:
+        # A frontend's polls and load reads renew its lease: each must come well inside it.
+        longest = max(self.coordinator.poll_wait_s, self.coordinator.load_refresh_s)
+        if not self.worker.frontend_lease_s > 2 * longest:
+            raise ValueError(f"worker.frontend_lease_s ({self.worker.frontend_lease_s:g} s) must exceed twice "
+                             f"coordinator.poll_wait_s and load_refresh_s ({longest:g} s): live frontends would "
+                             "lose their requests")
+
     def engine_for(self, role: str) -> EngineConfig:
         """The engine config of the workers of `role`: the pool's tensor-parallel size; a prefill
         worker's without speculation (it computes prompts and their first token: nothing to draft),
