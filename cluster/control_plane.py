@@ -37,9 +37,12 @@ POLL_STEP_S = 0.2  # how often a membership long poll looks for a change
 
 
 class ControlPlane:
-    def __init__(self, config: ServeConfig, metrics_port: int = 0) -> None:
+    def __init__(self, config: ServeConfig, metrics_port: int = 0, secret: bytes | None = None) -> None:
+        """`secret`: the workers' cluster secret, chosen once by the driver: a restarted control
+        plane's new workers must share it with the adopted ones (None: `cluster_secret()`)."""
         self.config = config
         self.metrics_port = metrics_port
+        self.secret = secret
         self.incarnation = uuid.uuid4().hex  # fresh at each (re)start: the frontends resync
         self._version = 0
         self._fingerprint: tuple | None = None
@@ -56,7 +59,7 @@ class ControlPlane:
 
     async def _start(self) -> None:
         config = self.config
-        prefill, decode = build_pools(config, config.ray.namespace)
+        prefill, decode = build_pools(config, config.ray.namespace, self.secret)
         await self._adopt([p for p in (prefill, decode) if p is not None])
         metrics = Metrics()
         self.worker_set = WorkerSet(prefill, decode, config.pools.routing, config.engine.cache.block_size, metrics,

@@ -20,6 +20,7 @@ from pdserve.cluster.server import ApiSetup, check_splits_of
 from pdserve.cluster.serving.mirror import FrontendInfo
 from pdserve.cluster.serving.pools import WORKER_NAME_PREFIX
 from pdserve.cluster.settings.config import ServeConfig
+from pdserve.cluster.settings.secrets import cluster_secret
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def start_control_plane(config: ServeConfig) -> Any:
     metrics_port = config.server.metrics_port + config.server.frontends if config.server.metrics_port else 0
     cls = ray.remote(ControlPlane)
     return cls.options(name=CONTROL_PLANE_NAME, namespace=config.ray.namespace, max_restarts=-1, num_cpus=0,
-                       max_concurrency=1000).remote(config, metrics_port)
+                       max_concurrency=1000).remote(config, metrics_port, cluster_secret())
 
 
 def launch_frontend(config: ServeConfig, frontend_id: str, index: int) -> Any:

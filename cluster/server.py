@@ -204,11 +204,13 @@ def check_splits_of(config: ServeConfig, setup: ApiSetup) -> None:
                      config.engine.parallel.enable_expert_parallel)
 
 
-def build_pools(config: ServeConfig, namespace: str | None = None) -> tuple[Pool | None, Pool]:
-    """The pools of `config` (not started); `namespace`: a control plane's (detached, named workers)."""
+def build_pools(config: ServeConfig, namespace: str | None = None, secret: bytes | None = None
+                ) -> tuple[Pool | None, Pool]:
+    """The pools of `config` (not started); `namespace`: a control plane's (detached, named workers);
+    `secret`: the workers' cluster secret (None: `cluster_secret()`)."""
     transport = None
     if config.pools.mode == "disaggregated":
-        transport = TransportConfig.of(config.kv_transport, cluster_secret(), config.ray.node_ip_address)
+        transport = TransportConfig.of(config.kv_transport, secret or cluster_secret(), config.ray.node_ip_address)
     return _pools(config, transport, namespace)
 
 
