@@ -269,7 +269,11 @@ def test_serving_goes_on_while_the_control_plane_is_dead_and_its_restart_adopts_
     with cluster.admin(f1) as admin:
         wait_until(lambda: sorted(w.name for w in admin.listing().workers) == ["decode-0", "prefill-0"], 60,
                    "the restarted control plane to list the adopted workers")
-    assert collect(target(f1), prompt, params).token_ids == engine.generate([prompt], params)[0].token_ids
+        assert collect(target(f1), prompt, params).token_ids == engine.generate([prompt], params)[0].token_ids
+        # Elastic changes go through a frontend to the control plane again; its worker ids go on after
+        # the adopted ones, and every frontend's copy follows.
+        assert admin.add_worker("decode", timeout_s=300).name == "decode-1"
+        wait_until(lambda: "decode-1" in {w.name for w in admin.listing().workers}, 30, "f1 to list decode-1")
 
 
 def _answers(actor: Any, old_pid: int) -> bool:
