@@ -31,7 +31,9 @@ from pdserve.cluster.bench.backends import GrpcBackend, RequestResult
 from pdserve.cluster.bench.dataset import random_requests
 from pdserve.cluster.clients.credentials import ClientCredentials
 from pdserve.cluster.server import start_server
+from pdserve.cluster.serving.coordinator import DISAGGREGATED_HOPS, Coordinator, RequestReport
 from pdserve.cluster.settings.config import config_from_dict
+from pdserve.engine.messages import WorkerRequest
 
 KEYS = {"a": "bench-key-a", "b": "bench-key-b"}
 
@@ -39,6 +41,29 @@ KEYS = {"a": "bench-key-a", "b": "bench-key-b"}
 def _ms(results: list[RequestResult], q: float) -> float:
     ttfts = [r.ttft for r in results if r.ok]
     return float(np.percentile(ttfts, q)) * 1000 if ttfts else float("nan")
+
+
+class _HopRecorder:
+    """The frontend's coordinator, keeping each request's report (its first token's hops,
+    `RequestReport.hops`) by priority, so that a class's TTFT can be taken apart hop by hop."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+        self.reports: list[tuple[int, RequestReport]] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._coordinator, name)
+
+    def generate(self, req: WorkerRequest, report: RequestReport | None = None):  # noqa: ANN201 - the wrapped one's
+        if report is not None:
+            self.reports.append((req.params.priority, report))
+        return self._coordinator.generate(req, report)
+
+    def hops_ms(self, priority: int) -> dict[str, tuple[float, float]]:
+        """Hop -> (mean, max) ms over the recorded requests of `priority` that had a first token."""
+        hops = [r.hops for p, r in self.reports if p == priority and "seat" in r.hops]
+        return {h: (float(np.mean([x.get(h, 0.0) for x in hops])) * 1000, max(x.get(h, 0.0) for x in hops) * 1000)
+                for h in DISAGGREGATED_HOPS if hops}
 
 
 async def _stream(backend: GrpcBackend, requests: list, every_s: float, until: float) -> list[RequestResult]:
@@ -62,6 +87,8 @@ async def _run(args: argparse.Namespace, policy: bool, tenants_file: str) -> dic
                                           "scheduler": {"max_num_seqs": args.seats,
                                                         "policy": "priority" if policy else "fcfs"}}})
     server = await start_server(config)
+    recorder = _HopRecorder(server.frontend.coordinator)
+    server.frontend.coordinator = recorder
     target = f"127.0.0.1:{server.port}"
 
     def backend(tenant: str, priority: int) -> GrpcBackend:
@@ -80,6 +107,8 @@ async def _run(args: argparse.Namespace, policy: bool, tenants_file: str) -> dic
         capacity_rps = sum(r.ok for r in done) / (time.perf_counter() - start)
         asks = random_requests(args.num_interactive, args.prompt_len, out, vocab, seed=2)
         alone = await _stream(interactive, asks, args.interactive_every_s, float("inf"))
+        hops_alone = recorder.hops_ms(-1 if policy else 0)
+        recorder.reports.clear()
         until = time.perf_counter() + args.duration_s
         every_s = 1.0 / (args.flood_factor * capacity_rps) * len(KEYS)  # each tenant half the flood
         floods = [_stream(flood[t], random_requests(10_000, args.prompt_len, out, vocab, seed=3 + i), every_s, until)
@@ -93,7 +122,8 @@ async def _run(args: argparse.Namespace, policy: bool, tenants_file: str) -> dic
     tokens = {t: sum(r.output_tokens for r in rs) for t, rs in zip(KEYS, flooded)}
     refused = {t: sum(bool(r.error) for r in rs) for t, rs in zip(KEYS, flooded)}
     return {"capacity_rps": capacity_rps, "alone": alone, "loaded": loaded, "flood": [r for rs in flooded for r in rs],
-            "tokens": tokens, "refused": refused}
+            "tokens": tokens, "refused": refused, "hops_alone": hops_alone,
+            "hops_loaded": recorder.hops_ms(-1 if policy else 0)}
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -121,6 +151,16 @@ async def main_async(args: argparse.Namespace) -> None:
     for policy, r in rows:
         errors = sorted({str(x.error)[:100] for x in r["loaded"] if x.error})
         print(f"interactive refusals, {'priority + tenants' if policy else 'fcfs'}: {errors or '-'}")
+    print("\nWhere the first token's time goes, mean / max ms per hop (fcfs: every request; with the policy: the "
+          "interactive class's); the rest of the TTFT is the frontend's and the first delta's way out")
+    print("| policy | phase | " + " | ".join(DISAGGREGATED_HOPS) + " |")
+    print("|---|---|" + "---:|" * len(DISAGGREGATED_HOPS))
+    for policy, r in rows:
+        for phase in ("alone", "loaded"):
+            hops = r[f"hops_{phase}"]
+            print(f"| {'priority + tenants' if policy else 'fcfs'} | {phase} | "
+                  + " | ".join(f"{hops[h][0]:.0f} / {hops[h][1]:.0f}" if h in hops else "-" for h in DISAGGREGATED_HOPS)
+                  + " |")
 
 
 def main() -> None:
