@@ -106,6 +106,7 @@ async def _run(args: argparse.Namespace, policy: bool, tenants_file: str) -> dic
         done = await asyncio.gather(*(flood["a"].send(r, 600) for r in batch))
         capacity_rps = sum(r.ok for r in done) / (time.perf_counter() - start)
         asks = random_requests(args.num_interactive, args.prompt_len, out, vocab, seed=2)
+        recorder.reports.clear()  # the warm-up's and the capacity batch's
         alone = await _stream(interactive, asks, args.interactive_every_s, float("inf"))
         hops_alone = recorder.hops_ms(-1 if policy else 0)
         recorder.reports.clear()

@@ -47,6 +47,7 @@ class KVClaim:
 
     num_blocks: int
     reserved_at: float | None = None  # when the worker confirmed the reservation (event-loop time)
+    priority: int = 0  # the request's (`SamplingParams.priority`, lower first)
 
 
 @dataclass(slots=True)

@@ -2,7 +2,8 @@
 
 A disaggregated request waits here, first come first served, for a decode worker with a free
 running seat and the free KV blocks to reserve its prompt (`WorkerState.kv_headroom`: its last
-load, less the reservations that may not show in it yet); beyond a bounded queue
+load, less the reservations that may not show in it yet) or, where the decode engines preempt
+by priority, a running seat that a request of lower priority gives up there; beyond a bounded queue
 (`max_queued()`) it is refused at once, and the service admits no more than `capacity()` (seats
 plus the queue). A colocated request takes its seat at once and queues in its worker's
 scheduler; a prefill worker's requests are seated there while it computes them. `SeatLine` is
@@ -33,13 +34,14 @@ def may_wait(pool: Pool, migrated: bool, give_up: float) -> bool:
 
 class SeatLine:
     def __init__(self, decode: Pool, policy: RoutingPolicy, block_size: int, seats_per_worker: int,
-                 max_waiting_per_worker: int, config: CoordinatorConfig) -> None:
+                 max_waiting_per_worker: int, config: CoordinatorConfig, preempt: bool = False) -> None:
         self.decode = decode
         self.policy = policy  # which of the workers that fit takes the head of the line
         self.block_size = block_size
         self.seats_per_worker = seats_per_worker  # the decode engines' max_num_seqs
         self.max_waiting_per_worker = max_waiting_per_worker
         self.config = config
+        self.preempt = preempt  # the decode engines' policy is "priority": `Scheduler.can_seat`
         # Requests waiting for a decode seat, in order: the head takes the next one that fits.
         self._line: collections.deque[asyncio.Event] = collections.deque()
         self._priority: dict[asyncio.Event, int] = {}  # each waiting request's (lower first)
@@ -65,11 +67,21 @@ class SeatLine:
         blocks as they come; the engine preempts where they run out, as vLLM's does)."""
         return -(-num_prompt_tokens // self.block_size)
 
-    def fits(self, worker: Worker, need: int) -> bool:
-        """Whether `worker` has a running seat and `need` KV blocks to reserve. A worker whose
-        load is not known yet is tried: its engine's reservation decides."""
-        headroom = worker.state.kv_headroom()
-        return worker.state.inflight < self.seats_per_worker and (headroom is None or need <= headroom)
+    def fits(self, worker: Worker, need: int, priority: int = 0) -> bool:
+        """Whether `worker` has a running seat for a request of `priority` and `need` KV blocks
+        to reserve. A worker whose load is not known yet is tried: its engine's reservation
+        decides. With `preempt` a seat held by a request of lower priority counts as free: its
+        engine preempts that one (`Scheduler.can_seat`, the same rule), which waits there, so
+        at most `min(seats_per_worker, max_waiting_per_worker)` more are seated."""
+        state = worker.state
+        headroom = state.kv_headroom()
+        if headroom is not None and need > headroom:
+            return False
+        if state.inflight < self.seats_per_worker:
+            return True
+        return (self.preempt and state.inflight < self.seats_per_worker + min(self.seats_per_worker,
+                                                                             self.max_waiting_per_worker)
+                and sum(c.priority <= priority for c in state.claims.values()) < self.seats_per_worker)
 
     async def take(self, request_id: str, need: int, front: bool, migrated: bool, give_up: float,
                    prompt: PromptBlocks, priority: int = 0) -> Worker:
@@ -98,11 +110,11 @@ class SeatLine:
                     serving = self.decode.serving()
                     if not serving and not may_wait(self.decode, migrated, give_up):
                         raise WorkerUnavailable("no healthy decode worker")
-                    free = [w for w in serving if self.fits(w, need)]
+                    free = [w for w in serving if self.fits(w, need, priority)]
                     if free:
                         state = self.policy.choose([w.state for w in free], prompt)
                         worker = next(w for w in free if w.state is state)
-                        self.seat(worker, request_id, need)
+                        self.seat(worker, request_id, need, priority)
                         return worker
                 # Refused when `max_queued()` others are ahead: one of higher priority goes ahead of
                 # the lower ones instead (the frontend refuses those: cluster/api/admission.py).
@@ -118,13 +130,13 @@ class SeatLine:
             del self._priority[me]
             self.wake()
 
-    def seat(self, worker: Worker, request_id: str, need: int | None = None) -> None:
+    def seat(self, worker: Worker, request_id: str, need: int | None = None, priority: int = 0) -> None:
         """`request_id` runs on `worker`, a worker of either pool (chosen with no await since:
         the seat is its own), with a claim on `need` KV blocks (a decode reservation) until the
         worker's load shows it."""
         worker.state.inflight += 1
         if need is not None:
-            worker.state.claims[request_id] = KVClaim(need)
+            worker.state.claims[request_id] = KVClaim(need, priority=priority)
 
     def reserved(self, worker: Worker, request_id: str) -> None:
         """`worker`'s engine holds `request_id`'s blocks: its loads asked for from now on show them."""

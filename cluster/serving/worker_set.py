@@ -72,7 +72,7 @@ class RoleSummary:
 class WorkerSet:
     def __init__(self, prefill: Pool | None, decode: Pool, routing: str, block_size: int, metrics: Metrics,
                  seats_per_worker: int, max_waiting_per_worker: int, config: CoordinatorConfig | None = None,
-                 router: RouterConfig | None = None) -> None:
+                 router: RouterConfig | None = None, preempt_seats: bool = False) -> None:
         self.prefill = prefill  # None: colocated, decode workers prefill themselves
         self.decode = decode
         self.metrics = metrics
@@ -82,7 +82,9 @@ class WorkerSet:
         self.policy = make_policy(routing, self.kv_index, router)  # `routing` places prefills
         self.decode_policy = make_policy("prefix_aware" if routing == "prefix_aware" else "least_load",
                                          self.kv_index, router)
-        self.seats = SeatLine(decode, self.decode_policy, block_size, seats_per_worker, max_waiting_per_worker, config)
+        # preempt_seats: the decode engines preempt by priority (`SeatLine.preempt`).
+        self.seats = SeatLine(decode, self.decode_policy, block_size, seats_per_worker, max_waiting_per_worker, config,
+                              preempt_seats)
         self.streams = TokenStreams(decode, config.poll_wait_s)
         for pool in self.pools():
             pool.on_lost = self._lost

@@ -29,10 +29,10 @@ def _load(num_free_blocks: int, num_blocks: int = 10, num_running: int = 0) -> E
                       prefix_hit_tokens=0, num_preemptions=0)
 
 
-def _line(num_blocks: int = 10, seats: int = 4, max_waiting: int = 2) -> SeatLine:
+def _line(num_blocks: int = 10, seats: int = 4, max_waiting: int = 2, preempt: bool = False) -> SeatLine:
     decode = Pool("decode", 1, None)
     decode.workers = [Worker("decode", None, WorkerState("decode-0", load=_load(num_blocks, num_blocks)), None)]
-    return SeatLine(decode, LeastLoad(), BLOCK, seats, max_waiting, CoordinatorConfig())
+    return SeatLine(decode, LeastLoad(), BLOCK, seats, max_waiting, CoordinatorConfig(), preempt)
 
 
 async def _seat(c: SeatLine, rid: str, need: int, front: bool = False, priority: int = 0) -> Worker:
@@ -176,6 +176,37 @@ def test_requests_wait_in_priority_order_then_arrival():
         await _settle()
         assert high.done() and not low.done()
         low.cancel()
+        await _settle()
+
+    asyncio.run(scenario())
+
+
+def test_where_engines_preempt_a_higher_priority_request_takes_a_lower_ones_seat():
+    """With the decode engines' priority policy a seat held by a request of lower priority is
+    free to one of higher priority (the engine preempts the other, `Scheduler.can_seat`): no
+    more than `seats` of a priority or higher, no more than min(seats, max_waiting) beyond the seats."""
+    async def scenario() -> None:
+        c = _line(num_blocks=100, seats=2, max_waiting=1, preempt=True)
+        worker = await _seat(c, "low0", 2, priority=1)
+        await _seat(c, "low1", 2, priority=1)
+        same = asyncio.create_task(_seat(c, "same", 2, priority=1))
+        await _settle()
+        assert not same.done(), "a seat held at its own priority is not free to it"
+        same.cancel()
+        await _settle()
+        assert await _seat(c, "high", 2, priority=0) is worker and worker.state.inflight == 3
+        high2 = asyncio.create_task(_seat(c, "high2", 2, priority=-1))
+        await _settle()
+        assert not high2.done(), "beyond min(seats, max_waiting) over the seats, it waits"
+        c.free(worker, "low0")
+        await _settle()
+        assert high2.done() and worker.state.inflight == 3
+        fcfs = _line(num_blocks=100, seats=1, max_waiting=1)
+        await _seat(fcfs, "low", 2, priority=1)
+        high = asyncio.create_task(_seat(fcfs, "high", 2, priority=-1))
+        await _settle()
+        assert not high.done(), "engines that do not preempt: a seat is free only once its request ends"
+        high.cancel()
         await _settle()
 
     asyncio.run(scenario())
