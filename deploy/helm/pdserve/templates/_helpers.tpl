@@ -85,6 +85,12 @@ GPUs per worker over its tensor-parallel size. */}}
 {{- if .Values.auth.adminTokenSecret -}}
 {{- $_ := set (get $cfg "server") "admin_token_file" (printf "/etc/pdserve-admin-token/%s" .Values.auth.adminTokenSecretKey) -}}
 {{- end -}}
+{{- if .Values.auth.tenantsSecret -}}
+{{- if (get $cfg "server").tenants_file -}}
+{{- fail "config.server.tenants_file and auth.tenantsSecret both name the tenants file: give one" -}}
+{{- end -}}
+{{- $_ := set (get $cfg "server") "tenants_file" (printf "/etc/pdserve-tenants/%s" .Values.auth.tenantsSecretKey) -}}
+{{- end -}}
 {{- $_ := set $cfg "ray" (dict "address" "auto" "node_ip_address" (include "pdserve.podIpPlaceholder" .)) -}}
 {{- toYaml $cfg -}}
 {{- end -}}
