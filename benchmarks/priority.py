@@ -33,6 +33,7 @@ from pdserve.cluster.clients.credentials import ClientCredentials
 from pdserve.cluster.server import start_server
 from pdserve.cluster.serving.coordinator import DISAGGREGATED_HOPS, Coordinator, RequestReport
 from pdserve.cluster.settings.config import config_from_dict
+from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant
 from pdserve.engine.messages import WorkerRequest
 
 KEYS = {"a": "bench-key-a", "b": "bench-key-b"}
@@ -54,10 +55,11 @@ class _HopRecorder:
     def __getattr__(self, name: str) -> object:
         return getattr(self._coordinator, name)
 
-    def generate(self, req: WorkerRequest, report: RequestReport | None = None):  # noqa: ANN201 - the wrapped one's
+    def generate(self, req: WorkerRequest, report: RequestReport | None = None,  # noqa: ANN201 - the wrapped one's
+                 tenant: Tenant = DEFAULT_TENANT):
         if report is not None:
             self.reports.append((req.params.priority, report))
-        return self._coordinator.generate(req, report)
+        return self._coordinator.generate(req, report, tenant)
 
     def hops_ms(self, priority: int) -> dict[str, tuple[float, float]]:
         """Hop -> (mean, max) ms over the recorded requests of `priority` that had a first token."""

@@ -28,6 +28,7 @@ from pdserve.cluster.serving.router import PromptBlocks, make_policy
 from pdserve.cluster.serving.seats import Seat, SeatLine, may_wait
 from pdserve.cluster.serving.token_streams import StreamQueue, TokenStreams
 from pdserve.cluster.settings.config import CoordinatorConfig, RouterConfig
+from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant
 from pdserve.engine.outputs import EngineLoad
 
 logger = logging.getLogger(__name__)
@@ -144,11 +145,12 @@ class WorkerSet:
         return Seat(worker, request_id, self.seats)
 
     async def take_decode_seat(self, request_id: str, num_prompt_tokens: int, front: bool, migrated: bool,
-                               give_up: float, prompt: PromptBlocks, priority: int = 0) -> Seat:
+                               give_up: float, prompt: PromptBlocks, priority: int = 0,
+                               tenant: Tenant = DEFAULT_TENANT) -> Seat:
         """A decode seat with a claim on the blocks of the prompt's KV (`SeatLine.take`), in
-        `priority` order."""
+        `priority` order and, within one, by `tenant`'s weighted share of the seats."""
         need = self.seats.kv_need(num_prompt_tokens)
-        worker = await self.seats.take(request_id, need, front, migrated, give_up, prompt, priority)
+        worker = await self.seats.take(request_id, need, front, migrated, give_up, prompt, priority, tenant)
         return Seat(worker, request_id, self.seats)
 
     def open_stream(self, seat: Seat) -> StreamQueue:
