@@ -76,17 +76,23 @@ class SeatLine:
         """Whether `worker` has a running seat for a request of `priority` and `need` KV blocks
         to reserve. A worker whose load is not known yet is tried: its engine's reservation
         decides. With `preempt` a seat held by a request of lower priority counts as free: its
-        engine preempts that one (`Scheduler.can_seat`, the same rule), which waits there, so
-        at most `min(seats_per_worker, max_waiting_per_worker)` more are seated."""
+        engine preempts that one (`Scheduler.can_seat`, the same rule), which waits there
+        holding its seat. At most `over_seats()` are seated so beyond the seats."""
         state = worker.state
         headroom = state.kv_headroom()
         if headroom is not None and need > headroom:
             return False
         if state.inflight < self.seats_per_worker:
             return True
-        return (self.preempt and state.inflight < self.seats_per_worker + min(self.seats_per_worker,
-                                                                             self.max_waiting_per_worker)
+        return (self.preempt and state.inflight < self.seats_per_worker + self.over_seats()
                 and sum(c.priority <= priority for c in state.claims.values()) < self.seats_per_worker)
+
+    def over_seats(self) -> int:
+        """Requests a decode worker seats beyond its running seats, in the places of preempted
+        ones (`fits`): fewer than its queue, so that a full server always holds a request that
+        has no token yet, which a higher-priority arrival may displace (`cluster/api/admission.py`),
+        and no more than the engine's own bound (`max_num_seqs`)."""
+        return min(self.seats_per_worker, self.max_waiting_per_worker - 1) if self.preempt else 0
 
     async def take(self, request_id: str, need: int, front: bool, migrated: bool, give_up: float,
                    prompt: PromptBlocks, priority: int = 0, tenant: Tenant = DEFAULT_TENANT) -> Worker:

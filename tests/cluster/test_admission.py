@@ -187,9 +187,9 @@ def test_requests_wait_in_priority_order_then_arrival():
 def test_where_engines_preempt_a_higher_priority_request_takes_a_lower_ones_seat():
     """With the decode engines' priority policy a seat held by a request of lower priority is
     free to one of higher priority (the engine preempts the other, `Scheduler.can_seat`): no
-    more than `seats` of a priority or higher, no more than min(seats, max_waiting) beyond the seats."""
+    more than `seats` of a priority or higher, fewer beyond the seats than the queue holds."""
     async def scenario() -> None:
-        c = _line(num_blocks=100, seats=2, max_waiting=1, preempt=True)
+        c = _line(num_blocks=100, seats=2, max_waiting=2, preempt=True)
         worker = await _seat(c, "low0", 2, priority=1)
         await _seat(c, "low1", 2, priority=1)
         same = asyncio.create_task(_seat(c, "same", 2, priority=1))
@@ -200,7 +200,7 @@ def test_where_engines_preempt_a_higher_priority_request_takes_a_lower_ones_seat
         assert await _seat(c, "high", 2, priority=0) is worker and worker.state.inflight == 3
         high2 = asyncio.create_task(_seat(c, "high2", 2, priority=-1))
         await _settle()
-        assert not high2.done(), "beyond min(seats, max_waiting) over the seats, it waits"
+        assert not high2.done(), "beyond max_waiting - 1 over the seats, it waits"
         c.free(worker, "low0")
         await _settle()
         assert high2.done() and worker.state.inflight == 3
