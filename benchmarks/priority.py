@@ -11,9 +11,11 @@ request every `--interactive-every-s`) beside a batch flood at `--flood-factor` 
 half of it from each tenant. With the policy the interactive requests have priority -1, the
 flood 1, and the engines preempt by priority (`engine.scheduler.policy` "priority"); without
 it every request has priority 0 (fcfs) and no tenants file is given. Prints each class's TTFT
-p50/p99 (and the interactive stream's alone, unloaded) and refusals, and each tenant's share
-of the flood's output tokens. The issue's goals: the interactive TTFT p99 under the flood
-within 2x its unloaded p99; each tenant within 10% of half the tokens.
+p50/p99 (and the interactive stream's alone, unloaded) and refusals, each tenant's share of
+the flood's output tokens and of all (the interactive stream is tenant `a`'s), and where the
+interactive class's first token spends its time, hop by hop. The issue's goals: the
+interactive TTFT p99 under the flood within 2x its unloaded p99; each tenant within 10% of
+half the tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from pdserve.cluster.bench.backends import GrpcBackend, RequestResult
 from pdserve.cluster.bench.dataset import random_requests
 from pdserve.cluster.clients.credentials import ClientCredentials
 from pdserve.cluster.server import start_server
+from pdserve.cluster.serving.coordinator import DISAGGREGATED_HOPS, Coordinator, RequestReport
 from pdserve.cluster.settings.config import config_from_dict
+from pdserve.engine.messages import WorkerRequest
 
 KEYS = {"a": "bench-key-a", "b": "bench-key-b"}
 
@@ -39,6 +43,30 @@ KEYS = {"a": "bench-key-a", "b": "bench-key-b"}
 def _ms(results: list[RequestResult], q: float) -> float:
     ttfts = [r.ttft for r in results if r.ok]
     return float(np.percentile(ttfts, q)) * 1000 if ttfts else float("nan")
+
+
+class _HopRecorder:
+    """The frontend's coordinator, keeping each request's report (its first token's hops,
+    `RequestReport.hops`) by priority, so that a class's TTFT can be taken apart hop by hop."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+        self.reports: list[tuple[int, RequestReport]] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._coordinator, name)
+
+    def generate(self, req: WorkerRequest, report: RequestReport | None = None,  # noqa: ANN201 - the wrapped one's
+                 *args: object):
+        if report is not None:
+            self.reports.append((req.params.priority, report))
+        return self._coordinator.generate(req, report, *args)
+
+    def hops_ms(self, priority: int) -> dict[str, tuple[float, float]]:
+        """Hop -> (mean, max) ms over the recorded requests of `priority` that had a first token."""
+        hops = [r.hops for p, r in self.reports if p == priority and "seat" in r.hops]
+        return {h: (float(np.mean([x.get(h, 0.0) for x in hops])) * 1000, max(x.get(h, 0.0) for x in hops) * 1000)
+                for h in DISAGGREGATED_HOPS if hops}
 
 
 async def _stream(backend: GrpcBackend, requests: list, every_s: float, until: float) -> list[RequestResult]:
@@ -62,6 +90,8 @@ async def _run(args: argparse.Namespace, policy: bool, tenants_file: str) -> dic
                                           "scheduler": {"max_num_seqs": args.seats,
                                                         "policy": "priority" if policy else "fcfs"}}})
     server = await start_server(config)
+    recorder = _HopRecorder(server.frontend.coordinator)
+    server.frontend.coordinator = recorder
     target = f"127.0.0.1:{server.port}"
 
     def backend(tenant: str, priority: int) -> GrpcBackend:
@@ -79,7 +109,10 @@ async def _run(args: argparse.Namespace, policy: bool, tenants_file: str) -> dic
         done = await asyncio.gather(*(flood["a"].send(r, 600) for r in batch))
         capacity_rps = sum(r.ok for r in done) / (time.perf_counter() - start)
         asks = random_requests(args.num_interactive, args.prompt_len, out, vocab, seed=2)
+        recorder.reports.clear()  # the warm-up's and the capacity batch's
         alone = await _stream(interactive, asks, args.interactive_every_s, float("inf"))
+        hops_alone = recorder.hops_ms(-1 if policy else 0)
+        recorder.reports.clear()
         until = time.perf_counter() + args.duration_s
         every_s = 1.0 / (args.flood_factor * capacity_rps) * len(KEYS)  # each tenant half the flood
         floods = [_stream(flood[t], random_requests(10_000, args.prompt_len, out, vocab, seed=3 + i), every_s, until)
@@ -91,9 +124,11 @@ async def _run(args: argparse.Namespace, policy: bool, tenants_file: str) -> dic
         await server.stop()
         ray.shutdown()
     tokens = {t: sum(r.output_tokens for r in rs) for t, rs in zip(KEYS, flooded)}
+    served = dict(tokens, a=tokens["a"] + sum(r.output_tokens for r in loaded))  # the interactive stream is a's
     refused = {t: sum(bool(r.error) for r in rs) for t, rs in zip(KEYS, flooded)}
     return {"capacity_rps": capacity_rps, "alone": alone, "loaded": loaded, "flood": [r for rs in flooded for r in rs],
-            "tokens": tokens, "refused": refused}
+            "tokens": tokens, "served": served, "refused": refused, "hops_alone": hops_alone,
+            "hops_loaded": recorder.hops_ms(-1 if policy else 0)}
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -106,21 +141,34 @@ async def main_async(args: argparse.Namespace) -> None:
           f"{args.duration_s:g} s, prompts {args.prompt_len} tokens, outputs {args.output_len}, model {args.model}; "
           f"load average {os.getloadavg()[0]:.1f} at the end")
     print("| policy | capacity req/s | interactive alone TTFT p50/p99 ms | interactive under flood p50/p99 ms "
-          "| interactive refused | flood TTFT p50/p99 ms | flood refused a/b | flood tokens a/b (a's share) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| interactive refused | flood TTFT p50/p99 ms | flood refused a/b | flood tokens a/b (a's share) "
+          "| all tokens a/b (a's share) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for policy, r in rows:
         tokens, refused = r["tokens"], r["refused"]
         share = tokens["a"] / max(1, tokens["a"] + tokens["b"])
+        served = r["served"]
+        all_share = served["a"] / max(1, served["a"] + served["b"])
         loaded = r["loaded"]
         print(f"| {'priority + tenants' if policy else 'fcfs'} | {r['capacity_rps']:.2f} "
               f"| {_ms(r['alone'], 50):.0f} / {_ms(r['alone'], 99):.0f} "
               f"| {_ms(loaded, 50):.0f} / {_ms(loaded, 99):.0f} "
               f"| {sum(bool(x.error) for x in loaded)} of {len(loaded)} "
               f"| {_ms(r['flood'], 50):.0f} / {_ms(r['flood'], 99):.0f} | {refused['a']} / {refused['b']} "
-              f"| {tokens['a']} / {tokens['b']} ({share:.0%}) |")
+              f"| {tokens['a']} / {tokens['b']} ({share:.0%}) | {served['a']} / {served['b']} ({all_share:.0%}) |")
     for policy, r in rows:
         errors = sorted({str(x.error)[:100] for x in r["loaded"] if x.error})
         print(f"interactive refusals, {'priority + tenants' if policy else 'fcfs'}: {errors or '-'}")
+    print("\nWhere the first token's time goes, mean / max ms per hop (fcfs: every request; with the policy: the "
+          "interactive class's); the rest of the TTFT is the frontend's and the first delta's way out")
+    print("| policy | phase | " + " | ".join(DISAGGREGATED_HOPS) + " |")
+    print("|---|---|" + "---:|" * len(DISAGGREGATED_HOPS))
+    for policy, r in rows:
+        for phase in ("alone", "loaded"):
+            hops = r[f"hops_{phase}"]
+            print(f"| {'priority + tenants' if policy else 'fcfs'} | {phase} | "
+                  + " | ".join(f"{hops[h][0]:.0f} / {hops[h][1]:.0f}" if h in hops else "-" for h in DISAGGREGATED_HOPS)
+                  + " |")
 
 
 def main() -> None:

@@ -223,7 +223,8 @@ async def start_server(config: ServeConfig) -> Server:
     metrics = Metrics()
     worker_set = WorkerSet(prefill, decode, config.pools.routing, config.engine.cache.block_size, metrics,
                            config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker,
-                           config.coordinator, config.router)
+                           config.coordinator, config.router,
+                           preempt_seats=config.engine.scheduler.policy == "priority")
     await worker_set.start(config.health.interval_s)
     coordinator = Coordinator(worker_set, config.engine.cache.block_size, metrics, config.coordinator)
     processor = setup.processor(config, await worker_set.max_model_len())

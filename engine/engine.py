@@ -143,11 +143,12 @@ class Engine:
         is checked, as by `add_worker_request`), whose KV another worker will write.
 
         Returns the block ids (in position order). Raises ValueError (BadWorkerRequest, or an
-        id in use) and NoCapacity when seats or blocks are short.
+        id in use) and NoCapacity when seats or blocks are short. Under the priority policy a
+        request may take the seat of a running one of lower priority, which the next step preempts.
         """
         self._check(req)
         self._check_unused(req.request_id)
-        self.handoff.check_seat()
+        self.handoff.check_seat(req.params.priority)
         seq = self._sequence(req)
         block_ids = self.handoff.reserve(seq)
         self.core.adopt(seq)

@@ -73,11 +73,13 @@ class KVHandoff:
 
     # Decode role: waiting for remote KV, then landing ---------------------
 
-    def check_seat(self) -> None:
-        """NoCapacity when every sequence seat is taken."""
-        max_num_seqs = self.config.scheduler.max_num_seqs
-        if self._scheduler.num_seats_taken >= max_num_seqs:
-            raise NoCapacity(f"all {max_num_seqs} sequence slots are taken")
+    def check_seat(self, priority: int = 0) -> None:
+        """NoCapacity unless a sequence of `priority` may take a seat (`Scheduler.can_seat`: a
+        free one, or under the priority policy one that a lower-priority sequence gives up)."""
+        if not self._scheduler.can_seat(priority):
+            raise NoCapacity(f"all {self.config.scheduler.max_num_seqs} sequence slots are taken"
+                             + (" by requests of this priority or a higher one"
+                                if self.config.scheduler.policy == "priority" else ""))
 
     def reserve(self, seq: Sequence) -> list[int]:
         """Blocks for `seq`'s tokens, which another worker writes (NoCapacity when short): their

@@ -10,9 +10,12 @@ blocks are freed and it is recomputed later.
 Requests have a priority (`SamplingParams.priority`, lower first, vLLM's): sequences wait
 in priority order, arrival order within one priority. With `SchedulerConfig.policy`
 "priority" (vLLM's `--scheduling-policy priority`) a preemption takes the lowest-priority
-running sequence (the youngest among them) instead of the youngest, and a waiting sequence
+running sequence (the youngest among them) instead of the youngest, a waiting sequence
 that cannot be admitted (no seat, or too few blocks for its first chunk) preempts running
-ones of lower priority until it can be.
+ones of lower priority until it can be, a lower-priority prompt being computed in chunks
+skips the steps in which a higher-priority one waits, and a decode worker may seat a received
+sequence over `max_num_seqs` in the place of a lower-priority one (`can_seat`), which the next
+step preempts.
 
 The scheduler owns every sequence of the node through its whole life, disaggregated
 ones included (as vLLM's WAITING_FOR_REMOTE_KVS): waiting, running, receiving (a
@@ -91,8 +94,23 @@ class Scheduler:
 
     @property
     def num_seats_taken(self) -> int:
-        """Sequences holding one of `max_num_seqs` seats: running, and receiving their KV."""
-        return len(self.running) + len(self.receiving)
+        """Sequences holding one of `max_num_seqs` seats: running, receiving their KV, and
+        waiting (on a decode worker, only preempted ones, which go on when a seat is free)."""
+        return len(self.running) + len(self.receiving) + len(self.waiting)
+
+    def can_seat(self, priority: int) -> bool:
+        """Whether a sequence of `priority` may take a seat (`reserve` on a decode worker): one
+        is free, or, under the priority policy, fewer than `max_num_seqs` of the seated ones are
+        of its priority or a higher one (those of lower priority give theirs up: `schedule`
+        preempts the lowest while more than `max_num_seqs` run). Seats stay bounded: at most
+        `max_num_seqs` are taken beyond `max_num_seqs` so."""
+        seated, cap = self.num_seats_taken, self.config.max_num_seqs
+        if seated < cap:
+            return True
+        if self.config.policy != "priority" or seated >= 2 * cap:
+            return False
+        mine = [*self.running, *self.receiving, *self.waiting]
+        return sum(s.params.priority <= priority for s in mine) < cap
 
     # Disaggregation ------------------------------------------------------
 
@@ -166,6 +184,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         if self.config.policy == "priority":
+            self._preempt_over_seats(batch)
             self._preempt_for_waiting(batch, budget)
         num_for_priority = len(batch.preempted)
         budget = self._schedule_running(batch, budget)
@@ -179,6 +198,15 @@ class Scheduler:
         if self.config.policy == "priority":
             return max(reversed(self.running), key=lambda s: s.params.priority)
         return self.running[-1]
+
+    def _preempt_over_seats(self, batch: ScheduledBatch) -> None:
+        """Preempt the lowest-priority running sequences while more than `max_num_seqs` run
+        (received ones of a higher priority took their seats: `can_seat`)."""
+        while len(self.running) > self.config.max_num_seqs:
+            victim = self._victim()
+            self.running.remove(victim)
+            self._preempt(victim)
+            batch.preempted.append(victim)
 
     def _preempt_for_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         """Preempt lower-priority running sequences while the first waiting one cannot be admitted."""
@@ -195,11 +223,19 @@ class Scheduler:
             self._preempt(victim)
             batch.preempted.append(victim)
 
+    def _yields_prompt(self, seq: Sequence) -> bool:
+        """Under the priority policy, a prompt being computed in chunks waits a step for a waiting
+        sequence of higher priority (keeping its blocks), so that a long low-priority prompt
+        does not hold every step's budget while the other waits for its first token."""
+        return (self.config.policy == "priority" and bool(self.waiting)
+                and seq.num_computed_tokens < seq.num_prompt_tokens
+                and self.waiting[0].params.priority < seq.params.priority)
+
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.finishing:
+            if seq.finishing or self._yields_prompt(seq):
                 i += 1
                 continue
             num_new = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)

@@ -133,7 +133,7 @@ class Frontend:
         self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         status = Status.OK
         try:
-            async for delta in self._stream(worker_req, request, start, deadline, report):
+            async for delta in self._stream(worker_req, request, start, deadline, report, tenant):
                 self.admission.started(queued)
                 yield delta
         except TimeoutError as e:
@@ -172,13 +172,13 @@ class Frontend:
             self.count(status)
 
     async def _stream(self, req: WorkerRequest, request: ProcessedRequest, start: float, deadline: float,
-                      report: RequestReport) -> AsyncIterator[TextDelta]:
+                      report: RequestReport, tenant: Tenant) -> AsyncIterator[TextDelta]:
         # The deadline bounds each wait for the workers, not the caller's time between deltas:
         # a timeout scope around a `yield` would cancel whichever task is consuming the stream.
         stream = self.processor.output_stream(request)
         num_generated = 0
         last = None
-        deltas = self.coordinator.generate(req, report)
+        deltas = self.coordinator.generate(req, report, tenant)
         try:
             while True:
                 async with asyncio.timeout_at(deadline):

@@ -30,6 +30,7 @@ from pdserve.cluster.serving.seats import Seat
 from pdserve.cluster.serving.token_streams import take_coalesced
 from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.cluster.settings.config import CoordinatorConfig
+from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant
 from pdserve.engine.kv_handoff import NoCapacity
 from pdserve.engine.messages import KVTransferInfo, WorkerRequest
 from pdserve.engine.outputs import TokenDelta
@@ -117,7 +118,8 @@ class Coordinator:
         """Requests the pools take at once (`SeatLine.capacity`): what the frontends admit."""
         return self._workers.capacity()
 
-    async def generate(self, req: WorkerRequest, report: RequestReport | None = None) -> AsyncIterator[TokenDelta]:
+    async def generate(self, req: WorkerRequest, report: RequestReport | None = None,
+                       tenant: Tenant = DEFAULT_TENANT) -> AsyncIterator[TokenDelta]:
         """Yields the request's token deltas; the last one has a finish reason.
 
         A request whose worker is lost (decode worker mid-stream, prefill worker, or its KV
@@ -127,7 +129,8 @@ class Coordinator:
         caller's stream neither repeats nor drops a token; greedy output is the same as an
         undisturbed run's. At most `config.max_migrations` times, then WorkerUnavailable.
 
-        `report`, if given, is filled in as the request runs (its KV transfers).
+        `report`, if given, is filled in as the request runs (its KV transfers). `tenant`: whose
+        request it is (its share of the decode seats among requests of its priority).
 
         Raises WorkerUnavailable (TransportRefused: the pair's KV transport is refused),
         Overloaded or ValueError. Closing the iterator early (client cancel, deadline) aborts
@@ -141,7 +144,7 @@ class Coordinator:
         num_cached: int | None = None
         for attempt in itertools.count():
             run = req if attempt == 0 else _continuation(req, generated, attempt)
-            one = _Attempt(self, run, migrated=num_lost > 0, retried=attempt > 0, report=report)
+            one = _Attempt(self, run, migrated=num_lost > 0, retried=attempt > 0, report=report, tenant=tenant)
             try:
                 # aclosing: a caller that stops early ends the attempt (and its cleanup) at once.
                 async with contextlib.aclosing(one.run()) as deltas:
@@ -184,7 +187,7 @@ class _Attempt:
     for a seat at the head of the queue."""
 
     def __init__(self, coordinator: Coordinator, req: WorkerRequest, migrated: bool, retried: bool,
-                 report: RequestReport | None) -> None:
+                 report: RequestReport | None, tenant: Tenant = DEFAULT_TENANT) -> None:
         self._coordinator = coordinator
         self._workers = coordinator._workers
         self._config = coordinator._config
@@ -192,6 +195,7 @@ class _Attempt:
         self._migrated = migrated
         self._retried = retried
         self._report = report
+        self._tenant = tenant
         self._hops: dict[str, float] = {} if report is None or migrated else report.hops
         self._seat: Seat | None = None  # the decode seat, once taken
         self._admitting: asyncio.Future[None] | None = None
@@ -208,7 +212,7 @@ class _Attempt:
         else:
             seat = await self._workers.take_decode_seat(req.request_id, len(req.prompt_token_ids), self._retried,
                                                         self._migrated, give_up, prompt,
-                                                        req.params.priority)
+                                                        req.params.priority, self._tenant)
         self._seat = seat
         self._hops["seat"] = time.perf_counter() - started
         queue = self._workers.open_stream(seat)

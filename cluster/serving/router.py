@@ -47,6 +47,8 @@ class KVClaim:
 
     num_blocks: int
     reserved_at: float | None = None  # when the worker confirmed the reservation (event-loop time)
+    priority: int = 0  # the request's (`SamplingParams.priority`, lower first)
+    tenant: str = ""  # the request's tenant's name (`cluster/settings/tenants.py`)
 
 
 @dataclass(slots=True)

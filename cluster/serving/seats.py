@@ -2,7 +2,8 @@
 
 A disaggregated request waits here, first come first served, for a decode worker with a free
 running seat and the free KV blocks to reserve its prompt (`WorkerState.kv_headroom`: its last
-load, less the reservations that may not show in it yet); beyond a bounded queue
+load, less the reservations that may not show in it yet) or, where the decode engines preempt
+by priority, a running seat that a request of lower priority gives up there; beyond a bounded queue
 (`max_queued()`) it is refused at once, and the service admits no more than `capacity()` (seats
 plus the queue). A colocated request takes its seat at once and queues in its worker's
 scheduler; a prefill worker's requests are seated there while it computes them. `SeatLine` is
@@ -15,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 from dataclasses import dataclass
 
 from pdserve.cluster.serving.errors import Overloaded, WorkerUnavailable
 from pdserve.cluster.serving.pools import Pool, Worker
 from pdserve.cluster.serving.router import KVClaim, PromptBlocks, RoutingPolicy
 from pdserve.cluster.settings.config import CoordinatorConfig
+from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant
 
 
 def may_wait(pool: Pool, migrated: bool, give_up: float) -> bool:
@@ -33,16 +36,20 @@ def may_wait(pool: Pool, migrated: bool, give_up: float) -> bool:
 
 class SeatLine:
     def __init__(self, decode: Pool, policy: RoutingPolicy, block_size: int, seats_per_worker: int,
-                 max_waiting_per_worker: int, config: CoordinatorConfig) -> None:
+                 max_waiting_per_worker: int, config: CoordinatorConfig, preempt: bool = False) -> None:
         self.decode = decode
         self.policy = policy  # which of the workers that fit takes the head of the line
         self.block_size = block_size
         self.seats_per_worker = seats_per_worker  # the decode engines' max_num_seqs
         self.max_waiting_per_worker = max_waiting_per_worker
         self.config = config
-        # Requests waiting for a decode seat, in order: the head takes the next one that fits.
+        self.preempt = preempt  # the decode engines' policy is "priority": `Scheduler.can_seat`
+        # Requests waiting for a decode seat, in order: the head (`_head`) takes the next one that fits.
         self._line: collections.deque[asyncio.Event] = collections.deque()
         self._priority: dict[asyncio.Event, int] = {}  # each waiting request's (lower first)
+        self._tenant: dict[asyncio.Event, Tenant] = {}  # each waiting request's
+        self._retried: set[asyncio.Event] = set()  # waiting retried requests: they keep their place
+        self._seated: collections.Counter[str] = collections.Counter()  # decode seats by tenant name
 
     def capacity(self) -> int:
         """Requests the pools take at once: per serving decode worker (healthy, not draining),
@@ -65,26 +72,46 @@ class SeatLine:
         blocks as they come; the engine preempts where they run out, as vLLM's does)."""
         return -(-num_prompt_tokens // self.block_size)
 
-    def fits(self, worker: Worker, need: int) -> bool:
-        """Whether `worker` has a running seat and `need` KV blocks to reserve. A worker whose
-        load is not known yet is tried: its engine's reservation decides."""
-        headroom = worker.state.kv_headroom()
-        return worker.state.inflight < self.seats_per_worker and (headroom is None or need <= headroom)
+    def fits(self, worker: Worker, need: int, priority: int = 0) -> bool:
+        """Whether `worker` has a running seat for a request of `priority` and `need` KV blocks
+        to reserve. A worker whose load is not known yet is tried: its engine's reservation
+        decides. With `preempt` a seat held by a request of lower priority counts as free: its
+        engine preempts that one (`Scheduler.can_seat`, the same rule), which waits there
+        holding its seat. At most `over_seats()` are seated so beyond the seats."""
+        state = worker.state
+        headroom = state.kv_headroom()
+        if headroom is not None and need > headroom:
+            return False
+        if state.inflight < self.seats_per_worker:
+            return True
+        return (self.preempt and state.inflight < self.seats_per_worker + self.over_seats()
+                and sum(c.priority <= priority for c in state.claims.values()) < self.seats_per_worker)
+
+    def over_seats(self) -> int:
+        """Requests a decode worker seats beyond its running seats, in the places of preempted
+        ones (`fits`): fewer than its queue, so that a full server always holds a request that
+        has no token yet, which a higher-priority arrival may displace (`cluster/api/admission.py`),
+        and no more than the engine's own bound (`max_num_seqs`)."""
+        return min(self.seats_per_worker, self.max_waiting_per_worker - 1) if self.preempt else 0
 
     async def take(self, request_id: str, need: int, front: bool, migrated: bool, give_up: float,
-                   prompt: PromptBlocks, priority: int = 0) -> Worker:
+                   prompt: PromptBlocks, priority: int = 0, tenant: Tenant = DEFAULT_TENANT) -> Worker:
         """A decode worker with a free running seat and `need` KV blocks to reserve (`fits`),
         seated there with its claim on the blocks; of those that fit, the policy picks for
         `prompt` (prefix-aware: the one holding its prefix wins a close call). Requests wait
         for one in priority order (lower first), arrival order within one priority (`front`:
-        ahead of all of its priority, a retried one); one that would wait
+        ahead of all of its priority, a retried one), except that of the requests of the head's
+        priority the one whose `tenant` holds the fewest decode seats for its weight goes
+        first (`_head`: a weighted fair share); one that would wait
         behind `max_queued()` others is refused at once (Overloaded). The head re-checks
         whenever a seat or blocks are freed, the load is read, or `config.seat_recheck_s`
         passed (a replaced worker's seats). A draining worker takes no one. With no serving
         decode worker, waits while
         `may_wait`, then WorkerUnavailable."""
         me = asyncio.Event()
-        self._priority[me] = priority
+        self._priority[me], self._tenant[me] = priority, tenant
+        if front:
+            self._retried.add(me)
         line, rank = self._line, self._priority
         if front:
             at = next((i for i, e in enumerate(line) if rank[e] >= priority), len(line))
@@ -94,15 +121,15 @@ class SeatLine:
         waited = front  # a retried request is never refused
         try:
             while True:
-                if self._line[0] is me:
+                if self._head() is me:
                     serving = self.decode.serving()
                     if not serving and not may_wait(self.decode, migrated, give_up):
                         raise WorkerUnavailable("no healthy decode worker")
-                    free = [w for w in serving if self.fits(w, need)]
+                    free = [w for w in serving if self.fits(w, need, priority)]
                     if free:
                         state = self.policy.choose([w.state for w in free], prompt)
                         worker = next(w for w in free if w.state is state)
-                        self.seat(worker, request_id, need)
+                        self.seat(worker, request_id, need, priority, tenant)
                         return worker
                 # Refused when `max_queued()` others are ahead: one of higher priority goes ahead of
                 # the lower ones instead (the frontend refuses those: cluster/api/admission.py).
@@ -115,16 +142,19 @@ class SeatLine:
                     await asyncio.wait_for(me.wait(), self.config.seat_recheck_s)
         finally:
             self._line.remove(me)
-            del self._priority[me]
+            del self._priority[me], self._tenant[me]
+            self._retried.discard(me)
             self.wake()
 
-    def seat(self, worker: Worker, request_id: str, need: int | None = None) -> None:
+    def seat(self, worker: Worker, request_id: str, need: int | None = None, priority: int = 0,
+             tenant: Tenant = DEFAULT_TENANT) -> None:
         """`request_id` runs on `worker`, a worker of either pool (chosen with no await since:
         the seat is its own), with a claim on `need` KV blocks (a decode reservation) until the
         worker's load shows it."""
         worker.state.inflight += 1
         if need is not None:
-            worker.state.claims[request_id] = KVClaim(need)
+            worker.state.claims[request_id] = KVClaim(need, priority=priority, tenant=tenant.name)
+            self._seated[tenant.name] += 1
 
     def reserved(self, worker: Worker, request_id: str) -> None:
         """`worker`'s engine holds `request_id`'s blocks: its loads asked for from now on show them."""
@@ -136,13 +166,25 @@ class SeatLine:
         """`request_id`'s seat and claim on `worker` are free (the worker has let them go); the
         head of the line looks again."""
         worker.state.inflight -= 1
-        worker.state.claims.pop(request_id, None)
+        claim = worker.state.claims.pop(request_id, None)
+        if claim is not None:
+            self._seated[claim.tenant] -= 1
         self.wake()
 
     def wake(self) -> None:
         """Have the request at the head of the queue look for a seat again."""
         if self._line:
-            self._line[0].set()
+            self._head().set()
+
+    def _head(self) -> asyncio.Event:
+        """The request that takes the next seat: the first in line (a retried one keeps its
+        place) or, of those of the first one's priority, the first whose tenant holds the
+        fewest decode seats for its weight."""
+        first = self._line[0]
+        if first in self._retried:
+            return first
+        same = itertools.takewhile(lambda e: self._priority[e] == self._priority[first], self._line)
+        return min(same, key=lambda e: self._seated[self._tenant[e].name] / self._tenant[e].weight)
 
 
 @dataclass(eq=False, slots=True)

@@ -28,6 +28,7 @@ from pdserve.cluster.serving.router import PromptBlocks, make_policy
 from pdserve.cluster.serving.seats import Seat, SeatLine, may_wait
 from pdserve.cluster.serving.token_streams import StreamQueue, TokenStreams
 from pdserve.cluster.settings.config import CoordinatorConfig, RouterConfig
+from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant
 from pdserve.engine.outputs import EngineLoad
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class RoleSummary:
 class WorkerSet:
     def __init__(self, prefill: Pool | None, decode: Pool, routing: str, block_size: int, metrics: Metrics,
                  seats_per_worker: int, max_waiting_per_worker: int, config: CoordinatorConfig | None = None,
-                 router: RouterConfig | None = None, reader: str = "") -> None:
+                 router: RouterConfig | None = None, reader: str = "", preempt_seats: bool = False) -> None:
         self.prefill = prefill  # None: colocated, decode workers prefill themselves
         self.decode = decode
         self.metrics = metrics
@@ -82,7 +83,9 @@ class WorkerSet:
         self.policy = make_policy(routing, self.kv_index, router)  # `routing` places prefills
         self.decode_policy = make_policy("prefix_aware" if routing == "prefix_aware" else "least_load",
                                          self.kv_index, router)
-        self.seats = SeatLine(decode, self.decode_policy, block_size, seats_per_worker, max_waiting_per_worker, config)
+        # preempt_seats: the decode engines preempt by priority (`SeatLine.preempt`).
+        self.seats = SeatLine(decode, self.decode_policy, block_size, seats_per_worker, max_waiting_per_worker, config,
+                              preempt_seats)
         # Whose view this is: a frontend's id (its streams and KV-event cursor on the workers), or
         # the control plane's; "" for a single server's.
         self.reader = reader
@@ -145,11 +148,12 @@ class WorkerSet:
         return Seat(worker, request_id, self.seats)
 
     async def take_decode_seat(self, request_id: str, num_prompt_tokens: int, front: bool, migrated: bool,
-                               give_up: float, prompt: PromptBlocks, priority: int = 0) -> Seat:
+                               give_up: float, prompt: PromptBlocks, priority: int = 0,
+                               tenant: Tenant = DEFAULT_TENANT) -> Seat:
         """A decode seat with a claim on the blocks of the prompt's KV (`SeatLine.take`), in
-        `priority` order."""
+        `priority` order and, within one, by `tenant`'s weighted share of the seats."""
         need = self.seats.kv_need(num_prompt_tokens)
-        worker = await self.seats.take(request_id, need, front, migrated, give_up, prompt, priority)
+        worker = await self.seats.take(request_id, need, front, migrated, give_up, prompt, priority, tenant)
         return Seat(worker, request_id, self.seats)
 
     def open_stream(self, seat: Seat) -> StreamQueue:

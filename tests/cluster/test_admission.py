@@ -14,6 +14,7 @@ from pdserve.cluster.serving.pools import Pool, Worker
 from pdserve.cluster.serving.router import KVClaim, LeastLoad, PrefixAware, PromptBlocks, WorkerState
 from pdserve.cluster.serving.seats import SeatLine
 from pdserve.cluster.settings.config import CoordinatorConfig
+from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant
 from pdserve.engine.kv.events import BlockStored, KVEventBatch
 from pdserve.engine.messages import WorkerRequest
 from pdserve.engine.outputs import EngineLoad
@@ -29,15 +30,17 @@ def _load(num_free_blocks: int, num_blocks: int = 10, num_running: int = 0) -> E
                       prefix_hit_tokens=0, num_preemptions=0)
 
 
-def _line(num_blocks: int = 10, seats: int = 4, max_waiting: int = 2) -> SeatLine:
+def _line(num_blocks: int = 10, seats: int = 4, max_waiting: int = 2, preempt: bool = False) -> SeatLine:
     decode = Pool("decode", 1, None)
     decode.workers = [Worker("decode", None, WorkerState("decode-0", load=_load(num_blocks, num_blocks)), None)]
-    return SeatLine(decode, LeastLoad(), BLOCK, seats, max_waiting, CoordinatorConfig())
+    return SeatLine(decode, LeastLoad(), BLOCK, seats, max_waiting, CoordinatorConfig(), preempt)
 
 
-async def _seat(c: SeatLine, rid: str, need: int, front: bool = False, priority: int = 0) -> Worker:
+async def _seat(c: SeatLine, rid: str, need: int, front: bool = False, priority: int = 0,
+                tenant: Tenant = DEFAULT_TENANT) -> Worker:
     """A seat for `rid` and its claim on `need` blocks, as a disaggregated request takes them."""
-    return await c.take(rid, need, front, False, asyncio.get_running_loop().time() + 60, _prompt(need), priority)
+    return await c.take(rid, need, front, False, asyncio.get_running_loop().time() + 60, _prompt(need), priority,
+                        tenant)
 
 
 def _prompt(num_blocks: int) -> PromptBlocks:
@@ -177,6 +180,78 @@ def test_requests_wait_in_priority_order_then_arrival():
         assert high.done() and not low.done()
         low.cancel()
         await _settle()
+
+    asyncio.run(scenario())
+
+
+def test_where_engines_preempt_a_higher_priority_request_takes_a_lower_ones_seat():
+    """With the decode engines' priority policy a seat held by a request of lower priority is
+    free to one of higher priority (the engine preempts the other, `Scheduler.can_seat`): no
+    more than `seats` of a priority or higher, fewer beyond the seats than the queue holds."""
+    async def scenario() -> None:
+        c = _line(num_blocks=100, seats=2, max_waiting=2, preempt=True)
+        worker = await _seat(c, "low0", 2, priority=1)
+        await _seat(c, "low1", 2, priority=1)
+        same = asyncio.create_task(_seat(c, "same", 2, priority=1))
+        await _settle()
+        assert not same.done(), "a seat held at its own priority is not free to it"
+        same.cancel()
+        await _settle()
+        assert await _seat(c, "high", 2, priority=0) is worker and worker.state.inflight == 3
+        high2 = asyncio.create_task(_seat(c, "high2", 2, priority=-1))
+        await _settle()
+        assert not high2.done(), "beyond max_waiting - 1 over the seats, it waits"
+        c.free(worker, "low0")
+        await _settle()
+        assert high2.done() and worker.state.inflight == 3
+        fcfs = _line(num_blocks=100, seats=1, max_waiting=1)
+        await _seat(fcfs, "low", 2, priority=1)
+        high = asyncio.create_task(_seat(fcfs, "high", 2, priority=-1))
+        await _settle()
+        assert not high.done(), "engines that do not preempt: a seat is free only once its request ends"
+        high.cancel()
+        await _settle()
+
+    asyncio.run(scenario())
+
+
+def test_of_one_priority_the_tenant_with_the_fewest_seats_for_its_weight_goes_first():
+    async def scenario() -> None:
+        a, b, heavy = Tenant("a"), Tenant("b"), Tenant("heavy", weight=4.0)
+        c = _line(num_blocks=100, seats=2, max_waiting=8)
+        worker = await _seat(c, "a0", 2, tenant=a)
+        await _seat(c, "a1", 2, tenant=a)
+        order: list[str] = []
+
+        async def seat(rid: str, tenant: Tenant, priority: int = 0, front: bool = False) -> None:
+            await _seat(c, rid, 2, front, priority, tenant)
+            order.append(rid)
+
+        for rid, tenant, priority in (("a2", a, 0), ("a3", a, 0), ("b0", b, 0), ("b-low", b, 1)):
+            asyncio.create_task(seat(rid, tenant, priority))
+            await _settle()
+        c.free(worker, "a0")  # a holds 1 seat, b none: b's goes before a's earlier ones
+        await _settle()
+        assert order == ["b0"]
+        c.free(worker, "a1")  # a 0, b 1: a's first
+        await _settle()
+        assert order == ["b0", "a2"]
+        retried = asyncio.create_task(seat("a-retried", a, front=True))
+        await _settle()
+        c.free(worker, "a2")  # a retried request keeps its place at the front, whoever's it is
+        await _settle()
+        assert order == ["b0", "a2", "a-retried"]
+        assert retried.done()
+        asyncio.create_task(seat("heavy0", heavy))
+        await _settle()
+        c.free(worker, "b0")  # a 1 seat for weight 1, heavy 0: heavy, though a's waited longer
+        await _settle()
+        assert order[-1] == "heavy0"
+        c.free(worker, "heavy0")
+        c.free(worker, "a-retried")
+        await _settle()
+        assert order[-2:] == ["a3", "b-low"], "a lower priority goes last, whatever its tenant's share"
+        assert c.num_queued == 0
 
     asyncio.run(scenario())
 

@@ -23,7 +23,8 @@ class _NoWorkers:
     def capacity(self) -> int:
         return 0  # no healthy decode worker: no seats
 
-    async def generate(self, req: WorkerRequest, report: object = None) -> AsyncIterator[TokenDelta]:
+    async def generate(self, req: WorkerRequest, report: object = None,
+                       tenant: object = None) -> AsyncIterator[TokenDelta]:
         raise WorkerUnavailable("no healthy decode worker")
         yield  # an async generator, as the coordinator's is
 

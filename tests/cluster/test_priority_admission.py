@@ -36,7 +36,8 @@ class FakeCoordinator:
     def capacity(self) -> int:
         return self._capacity
 
-    async def generate(self, req: WorkerRequest, report: object = None) -> AsyncIterator[TokenDelta]:
+    async def generate(self, req: WorkerRequest, report: object = None,
+                       tenant: object = None) -> AsyncIterator[TokenDelta]:
         p = req.prompt_token_ids[0] - 500
         self.go[p], self.done[p] = asyncio.Event(), asyncio.Event()
         finished = False

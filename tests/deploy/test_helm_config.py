@@ -234,6 +234,33 @@ def test_an_admin_token_from_a_secret(render: Render, tmp_path: Path, monkeypatc
     assert served_config(render(), tmp_path, monkeypatch).server.admin_token_file == ""  # off by default
 
 
+def test_tenants_from_a_secret_and_the_priority_policy(render: Render, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render(sets=("auth.tenantsSecret=pdserve-tenants", "config.engine.scheduler.policy=priority",
+                        "config.admission.max_waiting_per_worker=16"))
+    config = served_config(docs, tmp_path, monkeypatch)
+    assert config.server.tenants_file == "/etc/pdserve-tenants/tenants.yaml"
+    assert config.engine.scheduler.policy == "priority" and config.admission.max_waiting_per_worker == 16
+    mounts = {m["name"]: m for m in head_container(docs)["volumeMounts"]}
+    assert mounts["tenants"]["mountPath"] == "/etc/pdserve-tenants" and mounts["tenants"]["readOnly"]
+    volumes = {v["name"]: v for v in one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["volumes"]}
+    assert volumes["tenants"]["secret"]["secretName"] == "pdserve-tenants"
+    default = served_config(render(), tmp_path, monkeypatch)
+    assert (default.server.tenants_file, default.engine.scheduler.policy) == ("", "fcfs")
+    assert "tenants" not in {m["name"] for m in head_container(render())["volumeMounts"]}
+
+
+def test_a_tenants_file_named_twice_fails(helm: str) -> None:
+    proc = run_helm(helm, *template_args(sets=("auth.tenantsSecret=t", "config.server.tenants_file=/x.yaml")))
+    assert proc.returncode != 0
+    assert "config.server.tenants_file and auth.tenantsSecret both name the tenants file" in proc.stderr, proc.stderr
+
+
+def test_a_bad_policy_is_refused_by_the_schema(helm: str) -> None:
+    proc = run_helm(helm, *template_args(sets=("config.engine.scheduler.policy=lifo",)))
+    assert proc.returncode != 0 and "policy" in proc.stderr, proc.stderr
+
+
 def test_client_certificates_from_a_ca_secret(render: Render, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     docs = render(sets=("auth.tlsSecret=pdserve-tls", "auth.clientCaSecret=pdserve-client-ca"))

@@ -161,6 +161,24 @@ def test_priority_policy_preempts_for_a_higher_priority_arrival():
     assert [s.request_id for s in sched.waiting] == ["low1", "same"]  # the preempted one first of its priority
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_low_priority_prompt_in_chunks_yields_its_steps_to_a_higher_one(policy):
+    sched = make(budget=16, policy=policy)
+    long = seq(40, "long", first=1000, priority=1)
+    sched.add(long)
+    complete(sched, sched.schedule())
+    high = seq(4, "high", first=2000, priority=0)
+    sched.add(high)
+    batch = sched.schedule()
+    if policy == "fcfs":
+        assert batch.seqs == [long] and batch.num_new_tokens == [16], "fcfs: the prompt in progress goes on"
+        return
+    assert batch.seqs == [high] and not batch.preempted, "the low prompt keeps its blocks and waits a step"
+    complete(sched, batch)
+    batch = sched.schedule()  # nobody of higher priority waits: the prompt goes on from where it was
+    assert batch.seqs[0] is long and batch.num_new_tokens[0] == 16 and long.num_computed_tokens == 16
+
+
 def test_priority_policy_preempts_for_blocks_too():
     sched = make(num_blocks=4, budget=64, max_seqs=8, policy="priority")
     low = seq(12, "low", priority=1)
@@ -182,8 +200,8 @@ class Copy:
         return self.done
 
 
-def receiving(sched: Scheduler, n: int, rid: str) -> Sequence:
-    s = seq(n, rid)
+def receiving(sched: Scheduler, n: int, rid: str, first: int = 0, priority: int = 0) -> Sequence:
+    s = seq(n, rid, first, priority)
     assert sched.block_manager.allocate(s, s.num_tokens)
     sched.receive(s)
     return s
@@ -217,6 +235,42 @@ def test_a_receiving_sequence_that_finishes_gives_back_its_seat_and_blocks():
     sched.finish(s, FinishReason.ABORT)
     assert not sched.receiving and sched.num_seats_taken == 0 and sched.pending_copy(s) is None
     assert sched.block_manager.num_free_blocks == 16
+
+
+def test_a_received_sequence_of_higher_priority_takes_the_seat_of_a_lower_one():
+    sched = make(budget=64, max_seqs=2, policy="priority")
+    lows = [receiving(sched, 4, f"low{i}", first=10 * i, priority=1) for i in range(2)]
+    for low in lows:
+        sched.land(low, 7, None)
+    complete(sched, sched.schedule())
+    assert not sched.can_seat(1) and not sched.can_seat(2), "a full worker seats no one of the same priority or lower"
+    assert sched.can_seat(0)
+    high = receiving(sched, 4, "high", first=50, priority=0)
+    sched.land(high, 7, None)
+    batch = sched.schedule()
+    assert batch.preempted == [lows[1]], "the youngest of the lowest priority gives its seat up"
+    assert set(batch.seqs) == {lows[0], high} and list(sched.waiting) == [lows[1]]
+    assert sched.num_seats_taken == 3, "the preempted one keeps a seat: it waits to go on"
+    assert sched.can_seat(0) and not sched.can_seat(1)
+    receiving(sched, 4, "high2", first=60, priority=0)
+    assert not sched.can_seat(-5), "at most max_num_seqs seats are taken beyond max_num_seqs"
+    complete(sched, batch)
+    sched.finish(lows[0], FinishReason.LENGTH)
+    sched.finish(high, FinishReason.LENGTH)
+    sched.land(sched_seq(sched, "high2"), 7, None)
+    batch = sched.schedule()
+    assert lows[1] in batch.seqs and not sched.waiting, "the preempted one goes on once a seat is free"
+
+
+def test_fcfs_seats_no_one_beyond_max_num_seqs():
+    sched = make(budget=64, max_seqs=1)
+    low = receiving(sched, 4, "low", priority=1)
+    sched.land(low, 7, None)
+    assert not sched.can_seat(-5)
+
+
+def sched_seq(sched: Scheduler, rid: str) -> Sequence:
+    return next(s for s in sched.receiving if s.request_id == rid)
 
 
 def test_a_held_sequence_keeps_its_blocks_until_released():

@@ -85,6 +85,12 @@ GPUs per worker over its tensor-parallel size. */}}
 {{- if .Values.auth.adminTokenSecret -}}
 {{- $_ := set (get $cfg "server") "admin_token_file" (printf "/etc/pdserve-admin-token/%s" .Values.auth.adminTokenSecretKey) -}}
 {{- end -}}
+{{- if .Values.auth.tenantsSecret -}}
+{{- if (get $cfg "server").tenants_file -}}
+{{- fail "config.server.tenants_file and auth.tenantsSecret both name the tenants file: give one" -}}
+{{- end -}}
+{{- $_ := set (get $cfg "server") "tenants_file" (printf "/etc/pdserve-tenants/%s" .Values.auth.tenantsSecretKey) -}}
+{{- end -}}
 {{- /* the head's process: the control plane and one frontend (frontends.enabled), else the whole server */ -}}
 {{- $_ := set (get $cfg "server") "control_plane" .Values.frontends.enabled -}}
 {{- $_ := set (get $cfg "server") "frontends" 1 -}}
