@@ -4,6 +4,7 @@ errors to status codes. Its token is checked before a call gets here (`auth.Admi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -46,6 +47,15 @@ class RemoteElastic:
 
     def workers(self) -> list[WorkerInfo]:
         return [] if self.link.membership is None else list(self.link.membership.workers)
+
+    async def refresh(self, timeout_s: float = 2.0) -> None:
+        """The copy brought up to date when the control plane answers within `timeout_s` (a
+        frontend's long poll learns of a worker change at once, of a frontend joining only at
+        its next beat); else the listing is the cached one."""
+        try:
+            await asyncio.wait_for(self.link.refresh(), timeout_s)
+        except Exception:  # noqa: BLE001 - down or restarting: the cache answers
+            logger.info("control plane did not answer a listing: the cached membership answers")
 
     def frontends(self) -> list[FrontendInfo]:
         return [] if self.link.membership is None else list(self.link.membership.frontends)
@@ -93,7 +103,10 @@ class AdminService(pb_grpc.AdminServicer):
         self.elastic = elastic
 
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        frontends = self.elastic.frontends() if isinstance(self.elastic, RemoteElastic) else []
+        frontends = []
+        if isinstance(self.elastic, RemoteElastic):
+            await self.elastic.refresh()
+            frontends = self.elastic.frontends()
         return pb.ListWorkersResponse(workers=[_status(w) for w in self.elastic.workers()],
                                       frontends=[_frontend(f) for f in frontends])
 
