@@ -119,11 +119,12 @@ class CachedReferences:
         return kept["tokens"], logits
 
 
-def fp8_pool_steps(engine, seq, hf_model) -> list[torch.Tensor]:
+def fp8_pool_steps(engine, seq, hf_model, num_positions: int | None = None) -> list[torch.Tensor]:
     """Layer by layer, K then V: how many e4m3 values apart the FP8 pool's entries of `seq`'s
-    computed positions are from what HF computes over the same tokens with its cache rounded
-    to e4m3 as they enter it ([positions, kv_heads, head_dim] each)."""
-    n = seq.num_computed_tokens
+    computed positions (its first `num_positions`) are from what HF computes over the same
+    tokens, in one forward, with its cache rounded to e4m3 as they enter it ([positions,
+    kv_heads, head_dim] each)."""
+    n = num_positions or seq.num_computed_tokens
     cache = hf_fp8_cache(hf_model)
     with torch.no_grad():
         hf_model(torch.tensor([seq.token_ids[:n]]), past_key_values=cache, use_cache=True)

@@ -34,16 +34,19 @@ def test_the_pool_holds_what_hf_computes_with_its_kv_rounded(make_engine, hf_mod
     while not engine.scheduler.running or engine.scheduler.running[0].num_output_tokens < 24:
         engine.step()
     seq = engine.scheduler.running[0]
-    first_chunk, equal, near, total = [], [], 0, 0
+    equal, near, total = [], 0, 0
     for steps in fp8_pool_steps(engine, seq, hf_model):
-        first_chunk.append(float((steps[:chunk] == 0).float().mean()))
         equal.append(int((steps == 0).sum()))
         near += int((steps <= 1).sum())
         total += steps.numel()
     # Layer 0's K/V follow from the embeddings alone: equal but for a boundary case or two.
     assert min(equal[:2]) >= 0.999 * total / len(equal), equal[:2]
-    # The first chunk is one forward in both, its attention over its own rounded K/V: the same
-    # numbers in every layer (a float32 pool matches none of them).
+    # The first chunk is one forward of the same 32 tokens in both, its attention over its own
+    # rounded K/V: the same numbers in every layer (a float32 pool matches none of them). HF's
+    # forward over more tokens would not do: on a CPU with AMX the float32 GEMMs of another
+    # row count differ in the last bits, and deeper layers' values round the other way (92%
+    # equal by layer 29 against HF's 94-token forward, 2026-12-06).
+    first_chunk = [float((steps == 0).float().mean()) for steps in fp8_pool_steps(engine, seq, hf_model, chunk)]
     assert min(first_chunk) >= 0.999, first_chunk
     # Later chunks and decodes attend over the pool in another order of float32 sums than HF's
     # one forward does, and a value on a rounding boundary rounds the other way, more often in
