@@ -68,7 +68,15 @@ def _start_local(node_ip_address: str, options: dict[str, Any]) -> None:
     """A new local cluster, started again if its raylet gave up on its agents: the raylet
     waits a fixed 15 s for the dashboard agent (a Python process) to write its ports and
     exits past it (ray-project/ray#65983), which a loaded machine meets (CI's 2 cores did:
-    Ray then raises that the node "timed out during startup")."""
+    Ray then raises that the node "timed out during startup").
+
+    Its workers run at niceness 0, not Ray's 15: the workers are the server's compute, and
+    at 15 every process of niceness 0 on the cores (the frontend, a client, anything else)
+    takes the CPU from them first (on a 2-core machine with other work, a served decode
+    step of the default model then took ~1.5x its time; a cluster joined by `address`
+    keeps its own setting, `RAY_worker_niceness`)."""
+    system_config = {"worker_niceness": 0, **options.pop("_system_config", {})}
+    options = {**options, "_system_config": system_config}
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         try:
             with _keep_loopback_node_ip(node_ip_address):

@@ -41,7 +41,9 @@ class ModelConfig:
         folder (config.json + *.safetensors), a `.gguf` file, or
         "dummy:<shape>" for random weights of a named shape (see engine.models.arch).
         A relative path is made absolute on construction (`absolute_source`).
-    dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "float16", "bfloat16".
+    dtype: "auto" (bfloat16 on CUDA; on the CPU bfloat16 where it has bf16 matrix
+        instructions, AMX or AVX512-BF16, that oneDNN's matmuls use, else float32:
+        `cpu_bf16_matmul`), "float32", "float16", "bfloat16".
     device: "auto" (CUDA when present), "cpu", "cuda", "cuda:N".
     max_model_len: longest prompt + output; None takes the model's own limit.
     seed: seeds dummy weights and the sampler for requests without a seed.
@@ -84,8 +86,20 @@ class ModelConfig:
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+            return torch.bfloat16 if self.torch_device().type == "cuda" or cpu_bf16_matmul() else torch.float32
         return _DTYPES[self.dtype]
+
+
+def cpu_bf16_matmul() -> str | None:
+    """The bf16 matrix instructions of this processor that torch's CPU matmuls (oneDNN) use,
+    "amx_bf16" or "avx512_bf16", as torch's own cpuinfo reads them; None without either
+    (bf16 there is emulated: slower than float32)."""
+    cpu = torch.cpu
+    if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        return "amx_bf16"
+    if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return "avx512_bf16"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,10 +129,12 @@ class Sampler:
         stream: which of a seeded row's draws this is (see `noise`). On CUDA, rows that only
         need a temperature (no top-k/top-p/min-p, no seed of their own) are drawn in one
         pass over the logits (`kernels.gumbel_argmax`), from a seed the shared generator
-        draws on the device."""
+        draws on the device; on the CPU, by one uniform each (`_inverse_cdf`)."""
         if all(p.greedy for p in params) and not with_probs:
             return logits.argmax(dim=-1), None
-        if logits.is_cuda and not with_probs and all(_plain(p) for p in params):
+        if not with_probs and all(_plain(p) for p in params):
+            if not logits.is_cuda:
+                return self._inverse_cdf(logits, params), None
             temps = on_device([0.0 if p.greedy else p.temperature for p in params], torch.float32, logits.device)
             seed = torch.randint(0, 2**62, (1,), device=logits.device, generator=self._generator)
             return gumbel_argmax(logits, temps, seed), None
@@ -149,6 +151,20 @@ class Sampler:
             one_hot = torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).float()
             probs = torch.where(is_greedy[:, None], one_hot, probs)
         return token_ids, probs
+
+    def _inverse_cdf(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """One draw per row of logits [N, vocab] at its temperature (argmax on greedy rows), on
+        the CPU: the first entry whose cumulative probability passes one uniform of the
+        shared generator (entries of probability 0 are never drawn). One random number a
+        row, where the exponential race takes one per vocabulary entry (a third of a CPU
+        decode step's time at batch 32 on the default model)."""
+        cdf = self._filtered_probs(logits, params).cumsum_(dim=-1)
+        u = torch.rand((logits.shape[0], 1), generator=self._generator, device=logits.device) * cdf[:, -1:]
+        token_ids = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+        if any(p.greedy for p in params):
+            is_greedy = on_device([p.greedy for p in params], torch.bool, logits.device)
+            token_ids = torch.where(is_greedy, logits.argmax(dim=-1), token_ids)
+        return token_ids
 
     def filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """softmax of each row of logits [N, vocab] after row i's temperature, top-k, top-p

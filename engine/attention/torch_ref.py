@@ -33,13 +33,16 @@ _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 @dataclass(slots=True)
 class _Plan:
-    """Gather indices computed once per step, reused by every layer."""
+    """Gather indices computed once per step, reused by every layer. Context is read a whole
+    block at a time (`_context`): a block's rows are one contiguous run of the pool, so the
+    gather copies runs of block_size rows (`_context`; 2-4x faster on the CPU than row by row),
+    and the plan needs no loop over the sequences."""
 
-    decode_slots: torch.Tensor  # [num_decodes, max_len] int64 (padding points at slot 0)
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_len] bool, True = attend
-    # Per prefill chunk, the slots [seq_len - q_len] int64 of its earlier context; None
-    # when it has none (the chunk's own k, v are all it attends to).
-    prefill_context_slots: list[torch.Tensor | None]
+    decode_blocks: torch.Tensor  # [num_decodes, max_blocks] int64, the blocks that hold max_len
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+    # Per prefill chunk, (its blocks, the length) of its earlier context; None when it has
+    # none (the chunk's own k, v are all it attends to).
+    prefill_context: list[tuple[torch.Tensor, int] | None]
 
 
 class TorchAttention:
@@ -47,23 +50,23 @@ class TorchAttention:
         return _TorchStep(meta, pool, scale, _plan(meta, pool.layout.block_size))
 
 
-def _slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    pos = torch.arange(seq_len, device=block_table.device)
-    return block_table[pos // block_size].long() * block_size + pos % block_size
-
-
 def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
-    device = meta.slot_mapping.device
-    lens = meta.decode_seq_lens_host
-    max_len = max(lens, default=0)
-    decode_slots = torch.zeros(len(lens), max_len, dtype=torch.long, device=device)
-    decode_mask = torch.zeros(len(lens), 1, 1, max_len, dtype=torch.bool, device=device)
-    for i, n in enumerate(lens):
-        decode_slots[i, :n] = _slots(meta.decode_block_tables[i], n, block_size)
-        decode_mask[i, ..., :n] = True
-    context_slots = [_slots(meta.prefill_block_tables[i], n - q_len, block_size) if n > q_len else None
-                     for i, (q_len, n) in enumerate(zip(meta.prefill_q_lens_host, meta.prefill_seq_lens_host))]
-    return _Plan(decode_slots, decode_mask, context_slots)
+    num_blocks = -(-max(meta.decode_seq_lens_host, default=0) // block_size)
+    decode_blocks = meta.decode_block_tables[:, :num_blocks].long()
+    pos = torch.arange(num_blocks * block_size, device=decode_blocks.device)
+    decode_mask = (pos < meta.decode_seq_lens[:, None]).view(meta.num_decodes, 1, 1, pos.shape[0])
+    context = [(meta.prefill_block_tables[i, :-(-(n - q_len) // block_size)].long(), n - q_len) if n > q_len else None
+               for i, (q_len, n) in enumerate(zip(meta.prefill_q_lens_host, meta.prefill_seq_lens_host))]
+    return _Plan(decode_blocks, decode_mask, context)
+
+
+def _context(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The rows of `blocks` of cache [num_blocks, block_size, ...], in order, as one tensor
+    [..., len(blocks) * block_size, ...] (a copy: leading dims of blocks kept, the block and
+    offset dims merged). `index_select` of whole blocks copies at memcpy speed on the CPU
+    (2.6x advanced indexing's `cache[blocks]` in bf16)."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
+    return rows.view(*blocks.shape[:-1], -1, *cache.shape[2:])
 
 
 def write_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -119,9 +122,8 @@ class _TorchStep:
             q, k = head_norm(q, k)
         q, k = rope(q, k)
         k_cache, v_cache = self.pool.layer(layer_idx)
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])
+        v_flat = v_cache.view(-1, *v_cache.shape[2:])
         # Attention reads the new k, v as the pool holds them (its dtype may differ from the
         # model's: an FP8 pool's values are rounded, then widened back to q's dtype).
         k = write_slots(k_flat, self.meta.slot_mapping, k).to(q.dtype)
@@ -131,21 +133,22 @@ class _TorchStep:
         nd = self.meta.num_decodes
         if nd:
             # [B, H, 1, D] queries against [B, Hkv, max_len, D] padded context.
-            keys = k_flat[self.plan.decode_slots].to(q.dtype).transpose(1, 2)
-            values = v_flat[self.plan.decode_slots].to(q.dtype).transpose(1, 2)
+            keys = _context(k_cache, self.plan.decode_blocks).to(q.dtype).transpose(1, 2)
+            values = _context(v_cache, self.plan.decode_blocks).to(q.dtype).transpose(1, 2)
             outs.append(F.scaled_dot_product_attention(
                 q[:nd].unsqueeze(2), keys, values, attn_mask=self.plan.decode_mask,
                 scale=self.scale, enable_gqa=True,
             ).squeeze(2))
         start = nd
-        for context_slots, q_len in zip(self.plan.prefill_context_slots, self.meta.prefill_q_lens_host):
+        for context, q_len in zip(self.plan.prefill_context, self.meta.prefill_q_lens_host):
             end = start + q_len
             qs, ks, vs = _heads_first(q[start:end]), _heads_first(k[start:end]), _heads_first(v[start:end])
-            if context_slots is None:
+            if context is None:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                o = _attend_after_context(qs, _heads_first(k_flat[context_slots].to(q.dtype)),
-                                          _heads_first(v_flat[context_slots].to(q.dtype)), ks, vs, self.scale)
+                blocks, n = context
+                o = _attend_after_context(qs, _heads_first(_context(k_cache, blocks)[:n].to(q.dtype)),
+                                          _heads_first(_context(v_cache, blocks)[:n].to(q.dtype)), ks, vs, self.scale)
             outs.append(o.squeeze(0).transpose(0, 1))
             start = end
         # A step of one part (one prompt's chunk) returns it as is: the CPU kernel's output is
@@ -167,16 +170,16 @@ class _TorchStep:
         outs = []
         nd = self.meta.num_decodes
         if nd:
-            latents = flat[self.plan.decode_slots, 0].to(q.dtype)  # [B, max_len, latent_dim]
+            latents = _context(cache, self.plan.decode_blocks).to(q.dtype)  # [B, max_len, latent_dim]
             outs.append(mla_absorbed(q[:nd], latents, self.plan.decode_mask, projection, self.scale))
         start = nd
-        for context_slots, q_len in zip(self.plan.prefill_context_slots, self.meta.prefill_q_lens_host):
+        for context, q_len in zip(self.plan.prefill_context, self.meta.prefill_q_lens_host):
             end = start + q_len
             latents = entries[start:end]
-            context = 0
-            if context_slots is not None:
-                latents = torch.cat((flat[context_slots, 0].to(q.dtype), latents))
-                context = context_slots.shape[0]
-            outs.append(mla_expanded(q[start:end], latents, projection, context, self.scale))
+            n = 0
+            if context is not None:
+                blocks, n = context
+                latents = torch.cat((_context(cache, blocks)[:n].to(q.dtype), latents))
+            outs.append(mla_expanded(q[start:end], latents, projection, n, self.scale))
             start = end
         return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -17,7 +17,7 @@ import torch
 
 from pdserve.engine.attention import backend_for
 from pdserve.engine.attention.triton_mla import mla_verify_fits
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, cpu_bf16_matmul
 from pdserve.engine.kv.budget import blocks_that_fit, draft_memory
 from pdserve.engine.kv.pool import KVLayout, KVPool
 from pdserve.engine.models.arch import ModelArch
@@ -61,6 +61,10 @@ def assemble(config: EngineConfig) -> EngineParts:
     files = with_drafter_layers(resolve_model(config.model), config)
     arch = files.arch
     device, dtype = config.model.torch_device(), config.model.torch_dtype()
+    if config.model.dtype == "auto" and device.type == "cpu":
+        units = cpu_bf16_matmul()
+        logger.warning("dtype auto on this CPU: %s (%s)", dtype, f"it has {units}" if units
+                       else "no AMX or AVX512-BF16: bfloat16 would be emulated")
     tokenizer = load_tokenizer(files)
     limit = config.model.max_model_len or arch.max_position_embeddings
     if limit > arch.max_position_embeddings:

@@ -41,3 +41,22 @@ def test_a_local_node_whose_agent_starts_too_slowly_is_started_again(tmp_path: P
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Ray's local node did not start (attempt 1 of 3), starting it again" in out.stderr, out.stderr
     assert "task returned 7" in out.stdout
+
+
+NICENESS = """\
+import os
+import ray
+from pdserve.cluster.ray_driver import init_ray
+init_ray(None, "127.0.0.1", num_cpus=1)
+print("worker niceness", ray.get(ray.remote(lambda: os.nice(0)).remote(), timeout=120), flush=True)
+ray.shutdown()
+"""
+
+
+def test_a_local_clusters_workers_run_at_the_drivers_priority() -> None:
+    """Ray starts workers at niceness 15, where every other process on the cores (the
+    frontend, a client) takes the CPU from them first; pdserve's local cluster asks for 0."""
+    out = subprocess.run([sys.executable, "-c", NICENESS], capture_output=True, text=True, timeout=300,
+                         start_new_session=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "worker niceness 0" in out.stdout, out.stdout + out.stderr

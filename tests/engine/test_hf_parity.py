@@ -13,7 +13,7 @@ import torch
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling import SamplingParams
-from tests.engine.hf_reference import assert_matches_reference
+from tests.engine.hf_reference import assert_matches_reference, hf_greedy
 from tests.engine.prompts import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -86,3 +86,24 @@ def test_a_prompt_chunked_over_steps_that_sample_nothing_matches_hf(make_engine,
     got = engine.generate([prompts[i]], GREEDY)[0].token_ids
     want, logits = reference[i]
     assert_matches_reference(got, want, logits, "a 455-token prompt in chunks of 64")
+
+
+# bfloat16 keeps 8 bits of mantissa: over 30 layers the two implementations' logits drift by a
+# few hundredths to tenths, so a near-tie in bf16 is a top-2 gap of up to this.
+BF16_NEAR_TIE = 0.5
+
+
+def test_bfloat16_matches_hf_bfloat16(model_folder, prompts):
+    """The CPU default on a processor with bf16 matrix units (engine dtype "auto" there): greedy
+    bfloat16 output against HF's own bfloat16 forward, alike up to a bf16 near-tie."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.engine.config import EngineConfig, ModelConfig
+
+    chosen = [prompts[1], prompts[5], prompts[7]]  # 17, 310 and 600 tokens
+    hf = AutoModelForCausalLM.from_pretrained(str(model_folder), dtype=torch.bfloat16).eval()
+    engine = Engine(EngineConfig(model=ModelConfig(device="cpu", dtype="bfloat16")))
+    got = [o.token_ids for o in engine.generate(chosen, SamplingParams(temperature=0.0, max_tokens=16))]
+    for i, (g, prompt) in enumerate(zip(got, chosen)):
+        want, logits = hf_greedy(hf, prompt, 16)
+        assert_matches_reference(g, want, logits, f"bf16 prompt of {len(prompt)} tokens", BF16_NEAR_TIE)
