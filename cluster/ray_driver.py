@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 LOCAL_START_ATTEMPTS = 3
 
 
-def init_ray(address: str | None, node_ip_address: str, **options: Any) -> None:
+def init_ray(address: str | None, node_ip_address: str, *, host_token: bool = False, **options: Any) -> None:
     """Join (`address`: "auto" or host:port) or start Ray, unless this process already has.
 
     A local cluster on a loopback node IP (the default) is private: its GCS, raylets, agents
@@ -45,7 +45,8 @@ def init_ray(address: str | None, node_ip_address: str, **options: Any) -> None:
                "logging_level": logging.WARNING, **options}
     with _working_directory(neutral_directory()):
         if address:
-            _token_auth_as_a_local_start_would()
+            if host_token:
+                _token_auth_as_a_local_start_would()
             # Joining a cluster on this host's loopback (`pdserve frontend --join 127.0.0.1:port`):
             # Ray would rewrite the address to the probed one, where that GCS does not listen.
             host = address.rpartition(":")[0]
@@ -58,7 +59,9 @@ def init_ray(address: str | None, node_ip_address: str, **options: Any) -> None:
 def _token_auth_as_a_local_start_would() -> None:
     """A process joining a cluster speaks Ray's token auth when this host has a token and
     RAY_AUTH_MODE is unset, as `ray.init()` of a local cluster decides (it does not for a join:
-    `pdserve frontend --join` beside a `pdserve serve` of this host would be refused)."""
+    `pdserve frontend --join` beside a `pdserve serve` of this host would be refused). Only
+    for a join that asks (`host_token`): a cluster started without token auth (`ray up`'s, in
+    tests/deploy/test_ray_up.py) kills a token-speaking driver's actors before they run."""
     from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
 
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)

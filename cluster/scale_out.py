@@ -108,7 +108,7 @@ async def join(address: str | None, namespace: str, node_ip_address: str, overri
     """A frontend in this process, joining the server whose control plane runs in `namespace` of
     the Ray cluster at `address` (None: the one this process has joined already); it serves that
     server's config, its `server` fields replaced by `overrides` (host, ports)."""
-    init_ray(address, node_ip_address, namespace=namespace)
+    init_ray(address, node_ip_address, host_token=True, namespace=namespace)
     control_plane = ray.get_actor(CONTROL_PLANE_NAME, namespace=namespace)
     config: ServeConfig = await control_plane.serve_config.remote()
     config = dataclasses.replace(config, server=dataclasses.replace(config.server, **overrides))

@@ -95,7 +95,7 @@ class DecodeWorker(LoopWorker):
         if bound:
             scheduler = engine.scheduler
             max_num_seqs = engine.config.scheduler.max_num_seqs
-            if scheduler.num_seats_taken + len(scheduler.waiting) >= max_num_seqs + bound:
+            if scheduler.num_seats_taken >= max_num_seqs + bound:  # running, receiving and waiting
                 raise NoCapacity(f"{max_num_seqs} sequences run and {bound} wait (worker.max_queued)")
         engine.add_worker_request(req)
 

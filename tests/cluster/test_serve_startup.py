@@ -70,6 +70,8 @@ class _Serve:
         self.proc.send_signal(sig)
         try:
             return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running 120 s after signal {sig}:\n" + "".join(self.lines[-60:])) from None
         finally:
             self._reader.join(10)
 

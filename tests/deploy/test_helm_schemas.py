@@ -129,6 +129,20 @@ def test_scaled_out_frontends_validate_and_stand_behind_the_service(render: Rend
     assert one(render(), "Service")["spec"]["selector"]["app.kubernetes.io/component"] == "head"
 
 
+def test_frontend_pods_mount_every_file_the_config_names(render: Render) -> None:
+    """A joined frontend reads the control plane's config (`pdserve frontend --join`): every file
+    its `server` section names (TLS, client CA, API key, admin token, tenants) must be mounted
+    on the frontend pods too, not only on the head."""
+    docs = render(sets=("frontends.enabled=true", "auth.tlsSecret=t", "auth.clientCaSecret=c",
+                        "auth.apiKeySecret=k", "auth.adminTokenSecret=a", "auth.tenantsSecret=n"))
+    server = yaml.safe_load(one(docs, "ConfigMap")["data"]["config.yaml"])["server"]
+    files = [v for k, v in server.items() if isinstance(v, str) and v.startswith("/etc/pdserve-")]
+    assert len(files) >= 6, server  # cert, key, client CA, API key, admin token, tenants
+    container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    mounted = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {str(Path(f).parent) for f in files} <= mounted, (files, mounted)
+
+
 def test_crd_validation_catches_mistakes(render: Render) -> None:
     cluster = copy.deepcopy(one(render(), "RayCluster"))
     cluster["spec"]["workerGroupSpecs"][0]["replicas"] = "two"
