@@ -37,6 +37,10 @@ def _marked(mark: str) -> list[int]:
     return found
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class _Serve:
     """`pdserve serve` in a session of its own; its output lines collected as they come."""
 
@@ -48,7 +52,10 @@ class _Serve:
              "--engine.model.source", str(small_model.folder), "--engine.model.device", "cpu",
              "--engine.model.dtype", "float32", "--engine.cache.cpu_kv_cache_gib", "0.25", "--port", "0",
              "--http-port", "0", "--pools.gpus_per_worker", "0"],
-            cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            # As from a terminal: SIGINT at its default. An xdist worker ignores SIGINT and a child
+            # inherits that, so Python would never raise KeyboardInterrupt in it (CI, 2026-12-06).
+            preexec_fn=_sigint_default)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
