@@ -62,6 +62,17 @@ class TokenDelta:
         return self.finish_reason is not None
 
 
+def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
+    """One delta for consecutive deltas of one request, in order: the tokens a request got in one
+    step (several when speculating), or those a slow reader missed (`take_coalesced`)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    return TokenDelta(last.request_id, tuple(t for d in deltas for t in d.token_ids), last.finish_reason,
+                      tuple(lp for d in deltas for lp in d.logprobs), last.num_prompt_tokens, last.num_cached_tokens,
+                      last.held_block_ids, deltas[0].prompt_logprobs, last.held_draft_state)
+
+
 @dataclass(frozen=True, slots=True)
 class AnswerDelta:
     """What a text delta adds to the answer as the APIs show it (engine/text/answer.py): a

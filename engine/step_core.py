@@ -21,7 +21,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import StructuredOutputs
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_handoff import KVHandoff
-from pdserve.engine.outputs import TokenDelta
+from pdserve.engine.outputs import TokenDelta, merge_deltas
 from pdserve.engine.penalties import Penalties
 from pdserve.engine.prompt_logprobs import PromptChunk, PromptLogprobs
 from pdserve.engine.runner.assembly import EngineParts
@@ -222,7 +222,7 @@ class EngineCore:
         if not seq.is_finished:
             self.kv.block_manager.trim(seq, seq.num_computed_tokens)
             self.kv.block_manager.cache_full_blocks(seq)
-        return _merge_deltas(deltas)
+        return merge_deltas(deltas)
 
     def _accept_token(self, seq: Sequence, token_id: int, logprobs: Any) -> TokenDelta:
         """A sampled token into its sequence (the scheduler places it and applies the stop rules)."""
@@ -268,12 +268,3 @@ class EngineCore:
             self.kv.block_manager.free(seq)
         launched.free_after.clear()
 
-
-def _merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
-    """One delta for the tokens a request got in one step (several when speculating)."""
-    if len(deltas) == 1:
-        return deltas[0]
-    last = deltas[-1]
-    return TokenDelta(last.request_id, tuple(t for d in deltas for t in d.token_ids), last.finish_reason,
-                      tuple(lp for d in deltas for lp in d.logprobs), last.num_prompt_tokens, last.num_cached_tokens,
-                      last.held_block_ids, deltas[0].prompt_logprobs, last.held_draft_state)

@@ -8,11 +8,10 @@ a request continued elsewhere takes nothing more from a worker it left).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from dataclasses import dataclass, field
 
 from pdserve.cluster.serving.pools import ACTOR_LOST, Pool, Worker
-from pdserve.engine.outputs import TokenDelta
+from pdserve.engine.outputs import TokenDelta, merge_deltas
 from pdserve.engine.sequence import FinishReason
 
 # A request's deltas from its decode worker, and the error that ends them, if one does.
@@ -35,12 +34,7 @@ async def take_coalesced(queue: StreamQueue) -> TokenDelta | Exception:
         parts.append(queue.get_nowait())
         if nxt.finished:
             break
-    if len(parts) == 1:
-        return item
-    last = parts[-1]
-    return dataclasses.replace(item, token_ids=tuple(t for d in parts for t in d.token_ids),
-                               logprobs=tuple(lp for d in parts for lp in d.logprobs),
-                               finish_reason=last.finish_reason, held_block_ids=last.held_block_ids)
+    return merge_deltas(parts)
 
 
 @dataclass(slots=True)
