@@ -82,7 +82,9 @@ def test_grpcurl_reflection_health_and_generate(colocated_server, engine):
                   srv.target, "pdserve.v1.Generation/Generate")
     assert gen.returncode == 0, gen.stderr
     chunks = [json.loads(c) for c in re.findall(r"^\{.*?^\}", gen.stdout, re.M | re.S)]
-    assert len(chunks) == 5 and chunks[-1].get("finish_reason") == "FINISH_REASON_LENGTH", gen.stdout
+    # Five tokens, in as many chunks or fewer (a reader that falls behind gets its deltas merged).
+    num_tokens = sum(len(c.get("token_ids", [])) for c in chunks)
+    assert num_tokens == 5 and chunks[-1].get("finish_reason") == "FINISH_REASON_LENGTH", gen.stdout
     want = engine.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=5))[0]
     assert "".join(c.get("text", "") for c in chunks) == want.text
 
