@@ -227,7 +227,7 @@ def _graph_ms(engine, bucket: int, key: str, profile: bool) -> dict[str, float]:
         events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
         events.sort(key=lambda e: -e.device_time_total)
         print(f"--- bucket {bucket}: kernels of one replay (us, count) ---")
-        for e in events[:14]:
+        for e in events[:24]:
             print(f"{e.device_time_total / 10:9.1f} {e.count // 10:5d}  {e.key[:100]}")
         print(f"{sum(e.device_time_total for e in events) / 10:9.1f} {sum(e.count for e in events) // 10:5d}  total")
     return {key: start.elapsed_time(end) / 30}

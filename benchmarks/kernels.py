@@ -23,11 +23,12 @@ head dim 128, bf16, KV block 16), with baselines measured in the same run:
   16 (TP 8's)), 64 x 4k and 256 x 1.5k over a bf16 and an FP8 latent cache: the latent bytes
   mla_decode reads over its time, beside the copy, error against torch's absorbed attention
   in float32; also the verification form (2 tokens a sequence: MTP's draft and the token
-  before it) and (with --sweep) tilings at the default split count; `--mla-heads` and
-  `--mla-caches` pick the head counts and cache dtypes.
+  before it) and (with --sweep) tilings at the default split count and at `--mla-splits`
+  (rows marked *); `--mla-heads` and `--mla-caches` pick the head counts and cache dtypes.
 
     python -m benchmarks.kernels [--sweep] [--json PATH] [--only prefill|decode|fp8kv|mla]
                                  [--mla-heads 128 16] [--mla-caches bf16 fp8] [--mla-tilings "H,N,W,S;..."]
+                                 [--mla-splits 4 8]
                                  [--prefill-configs "M,N,W,S,A;..."]
 
 (as a module: run as a script, this file's own name would shadow the kernels package).
@@ -410,9 +411,10 @@ def _mla_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
 
 
 def mla(batch: int, context: int, heads: int, cache_dtype: torch.dtype,
-        tilings: list[tuple[int, ...]]) -> list[Row]:
+        tilings: list[tuple[int, ...]], splits: list[int] | None = None) -> list[Row]:
     """mla_decode (and its verification form) at V3's widths: the rate counts the latent bytes
-    read (576 values a token, 2 bytes or 1), the query's and the output's."""
+    read (576 values a token, 2 bytes or 1), the query's and the output's. Each tiling runs at
+    the default split count and at each of `splits`."""
     sets = _mla_sets(batch, context, heads, cache_dtype)
     seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     scale = (128 + MLA_ROPE) ** -0.5  # V3's qk_head_dim, before YaRN's mscale
@@ -433,7 +435,7 @@ def mla(batch: int, context: int, heads: int, cache_dtype: torch.dtype,
         default_splits = mla_decode_num_splits(batch, heads, default["block_h"], context, out.device)
         configs = [(default_splits, None)]
         if q_lens == 1:
-            configs += [(default_splits, c) for c in tilings]
+            configs += [(n, c) for c in tilings for n in dict.fromkeys([default_splits, *(splits or [])])]
         for num_splits, tiling in configs:
             kw = {} if tiling is None else dict(zip(("block_h", "block_n", "num_warps", "num_stages"), tiling))
             ws = decode_workspace(batch * q_lens, heads, MLA_RANK, num_splits, out.device)
@@ -446,6 +448,7 @@ def mla(batch: int, context: int, heads: int, cache_dtype: torch.dtype,
             ms = _bench_graph(fns)
             form = "mla" if q_lens == 1 else f"mla verify {q_lens}"
             name = "default" if tiling is None else "(" + ",".join(map(str, tiling)) + ")"
+            name += "" if num_splits == default_splits else "*"  # not the launcher's split count
             rows.append(Row("mla", f"{batch}x{context}", f"ours {form} {heads}h {mode} S{num_splits} {name}",
                             ms, nbytes / ms / 1e9, err))
     return rows
@@ -468,6 +471,7 @@ def main() -> None:
                         help="--only mla: latent cache dtypes")
     parser.add_argument("--mla-tilings", help="MLA sweep instead of the built-in one: "
                         "'block_h,block_n,num_warps,num_stages;...' (implies --sweep)")
+    parser.add_argument("--mla-splits", type=int, nargs="+", help="--only mla: split counts the tilings also run at")
     parser.add_argument("--prefill-configs", help="prefill sweep instead of the built-in one: "
                         "'block_m,block_n,num_warps,num_stages,maxnreg;...' (implies --sweep)")
     args = parser.parse_args()
@@ -490,7 +494,7 @@ def main() -> None:
         caches = [{"bf16": DTYPE, "fp8": fp8.KV_FP8}[c] for c in args.mla_caches]
         tilings = ([tuple(int(x) for x in c.split(",")) for c in args.mla_tilings.split(";")] if args.mla_tilings
                    else MLA_SWEEP if args.sweep else [])
-        cases += [lambda b=b, c=c, h=h, d=d: mla(b, c, h, d, tilings)
+        cases += [lambda b=b, c=c, h=h, d=d: mla(b, c, h, d, tilings, args.mla_splits)
                   for h in args.mla_heads for b, c in MLA_CASES for d in caches]
     elif args.only != "prefill":
         cases += [lambda b=b, c=c: decode(b, c, args.sweep) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]

@@ -38,10 +38,11 @@ SHAPES = {
     "qwen3-30b-a3b": (128, 2048, 768, 8),
     "mixtral-8x7b": (8, 4096, 14336, 2),
     "qwen3-235b-a22b": (128, 4096, 1536, 8),
+    "deepseek-v2-lite": (64, 2048, 1408, 6),
 }
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
 MAIN = Plan(True, Tile(64, 32), Tile(64, 32))
-PAIR_TILES = [Tile(n, k, w) for n, k, w in itertools.product((4, 8, 16), (128, 256, 512), (4, 8))]
+PAIR_TILES = [Tile(n, k, w) for n, k, w in itertools.product((2, 4, 8, 16), (128, 256, 512), (4, 8))]
 GROUPED_TILES = [Tile(n, k, w, m, s) for m, n, k, w, s in itertools.product((16, 32, 64), (64, 128), (64, 128),
                                                                                (4, 8), (3, 4))]
 GROUPED_TILES += [Tile(128, 64, 8, 128, 3), Tile(128, 64, 8, 128, 4), Tile(256, 64, 8, 128, 3),
