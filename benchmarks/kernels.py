@@ -28,7 +28,7 @@ head dim 128, bf16, KV block 16), with baselines measured in the same run:
 
     python -m benchmarks.kernels [--sweep] [--json PATH] [--only prefill|decode|fp8kv|mla]
                                  [--mla-heads 128 16] [--mla-caches bf16 fp8] [--mla-tilings "H,N,W,S;..."]
-                                 [--mla-splits 4 8]
+                                 [--mla-splits 4 8] [--mla-cases 1x1024 64x4096]
                                  [--prefill-configs "M,N,W,S,A;..."]
 
 (as a module: run as a script, this file's own name would shadow the kernels package).
@@ -432,7 +432,7 @@ def mla(batch: int, context: int, heads: int, cache_dtype: torch.dtype,
         ref = _mla_reference(*sets_q[0], q_lens, scale)
         nbytes = latent_bytes + 2 * out.nbytes + sets_q[0][1].nbytes
         default = mla_decode_tiling(out, heads, q_lens)
-        default_splits = mla_decode_num_splits(batch, heads, default["block_h"], context, out.device)
+        default_splits = mla_decode_num_splits(batch, heads, default["block_h"], context, out.device, q_lens)
         configs = [(default_splits, None)]
         if q_lens == 1:
             configs += [(n, c) for c in tilings for n in dict.fromkeys([default_splits, *(splits or [])])]
@@ -471,6 +471,7 @@ def main() -> None:
                         help="--only mla: latent cache dtypes")
     parser.add_argument("--mla-tilings", help="MLA sweep instead of the built-in one: "
                         "'block_h,block_n,num_warps,num_stages;...' (implies --sweep)")
+    parser.add_argument("--mla-cases", nargs="+", help="--only mla: 'BATCHxCONTEXT' cases (default 64x4096 256x1536)")
     parser.add_argument("--mla-splits", type=int, nargs="+", help="--only mla: split counts the tilings also run at")
     parser.add_argument("--prefill-configs", help="prefill sweep instead of the built-in one: "
                         "'block_m,block_n,num_warps,num_stages,maxnreg;...' (implies --sweep)")
@@ -492,10 +493,12 @@ def main() -> None:
         cases += [lambda b=b, c=c: decode_fp8(b, c, args.sweep) for b, c in FP8_DECODE_CASES]
     elif args.only == "mla":
         caches = [{"bf16": DTYPE, "fp8": fp8.KV_FP8}[c] for c in args.mla_caches]
+        mla_cases = ([tuple(int(x) for x in c.split("x")) for c in args.mla_cases] if args.mla_cases
+                     else MLA_CASES)
         tilings = ([tuple(int(x) for x in c.split(",")) for c in args.mla_tilings.split(";")] if args.mla_tilings
                    else MLA_SWEEP if args.sweep else [])
         cases += [lambda b=b, c=c, h=h, d=d: mla(b, c, h, d, tilings, args.mla_splits)
-                  for h in args.mla_heads for b, c in MLA_CASES for d in caches]
+                  for h in args.mla_heads for b, c in mla_cases for d in caches]
     elif args.only != "prefill":
         cases += [lambda b=b, c=c: decode(b, c, args.sweep) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
         cases += [lambda b=b, c=c: verify(b, c - VERIFY_TOKENS, VERIFY_TOKENS) for b, c in VERIFY_CASES]

@@ -96,6 +96,16 @@ _TUNED: dict[tuple[int, int], tuple[int, int, int]] = {
     (2048, 8192): (4, 1024, 4),
     (128256, 2048): (8, 1024, 4),
     (4096, 4096): (8, 1024, 4),
+    # DeepSeek-V2-Lite's (`benchmarks/gemv_sweep.py --v2-lite`, an H100, 2026-12-06): kv_a_proj,
+    # the router, the shared experts, the dense layer, lm_head. Its q_proj (3072, 2048) and
+    # o_proj (2048, 2048) kept the entries above.
+    (576, 2048): (4, 1024, 8),
+    (64, 2048): (4, 1024, 4),
+    (5632, 2048): (8, 1024, 4),
+    (2048, 2816): (8, 1024, 8),
+    (21888, 2048): (4, 1024, 4),
+    (2048, 10944): (8, 1024, 8),
+    (102400, 2048): (4, 512, 4),
 }
 
 

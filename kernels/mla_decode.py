@@ -161,17 +161,26 @@ def _mla_split_kernel(
 
 
 def mla_decode_num_splits(num_seqs: int, num_heads: int, block_h: int, max_context_len: int,
-                          device: torch.device) -> int:
+                          device: torch.device, max_seqlen_q: int = 1) -> int:
     """Split count the launcher picks when given none (host arithmetic, no sync): one once the
-    programs (sequences x head blocks) fill the multiprocessors, else about two programs per
-    multiprocessor, never splits shorter than _MIN_TOKENS_PER_SPLIT nor more than
-    _MAX_SPLITS. A prediction, not yet fitted on a GPU (benchmarks/kernels.py --only mla)."""
+    programs (sequences x head blocks) fill the multiprocessors; else as many as fit in one
+    wave of the programs the multiprocessors hold at once (`_programs_per_sm`), rounded down:
+    a wave and a fifth ran as two (16 heads, 64 x 4k on an H100: 5 splits 63% of copy, 4
+    splits 85%, benchmarks/RESULTS.md); never splits shorter than _MIN_TOKENS_PER_SPLIT nor
+    more than _MAX_SPLITS."""
     num_sms = _num_sms(device)
     programs = num_seqs * triton.cdiv(num_heads, block_h)
     if programs >= num_sms:
         return 1
-    want = triton.cdiv(2 * num_sms, programs)
+    want = _programs_per_sm(block_h * triton.next_power_of_2(max_seqlen_q)) * num_sms // programs
     return max(1, min(want, max_context_len // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS))
+
+
+def _programs_per_sm(rows: int) -> int:
+    """Programs of `rows` rows (tokens x heads) a multiprocessor holds at once in bf16: one of
+    _GPU_ROWS (two 64-token tiles in flight and the query, ~216 KB of shared memory), two of
+    fewer (32-token tiles, ~90 KB)."""
+    return 1 if rows >= _GPU_ROWS else 2
 
 
 def mla_decode_default_splits(num_seqs: int, num_heads: int, max_context_len: int, dtype: torch.dtype,
@@ -180,7 +189,7 @@ def mla_decode_default_splits(num_seqs: int, num_heads: int, max_context_len: in
     num_splits, for queries of `dtype` over a block table of max_context_len tokens: what a
     CUDA graph captured over such a table fixes (`engine/runner/cuda_graphs.py`)."""
     block_h = mla_decode_tiling(torch.empty(0, dtype=dtype, device=device), num_heads, max_seqlen_q)["block_h"]
-    return mla_decode_num_splits(num_seqs, num_heads, block_h, max_context_len, device)
+    return mla_decode_num_splits(num_seqs, num_heads, block_h, max_context_len, device, max_seqlen_q)
 
 
 def mla_decode_tiling(q: torch.Tensor, num_heads: int, max_seqlen_q: int) -> dict[str, int]:
@@ -291,7 +300,7 @@ def mla_decode(
         assert workspace.shape[0] >= num_tokens and workspace.shape[1:] == (num_heads, num_splits, kv_lora_rank + 2)
     elif num_splits is None:
         num_splits = mla_decode_num_splits(num_seqs, num_heads, block_h, block_tables.shape[1] * page_size,
-                                           q_nope.device)
+                                           q_nope.device, max_seqlen_q)
     if num_splits > 1 and workspace is None:
         workspace = decode_workspace(num_tokens, num_heads, kv_lora_rank, num_splits, q_nope.device)
     if num_tokens == 0 or num_seqs == 0:

@@ -60,6 +60,13 @@ _TUNED: dict[tuple[int, int, int, int], tuple[tuple[int, Plan], ...]] = {
         (512, Plan(True, Tile(128, 64, 4, 16, 3), Tile(128, 64, 4, 16, 3))),
         (2048, Plan(True, Tile(64, 64, 4, 64, 3), Tile(128, 64, 8, 64, 3))),
     ),
+    # DeepSeek-V2-Lite, one token (swept on an H100, 2026-12-06: 77 -> 49 us); above it the
+    # rules' plans (PAIRS up to 64 pairs, GROUPED beyond), not yet swept.
+    (64, 2048, 1408, 6): (
+        (1, Plan(False, Tile(16, 256, 4), Tile(2, 512, 4))),
+        (10, PAIRS),
+        (1 << 31, GROUPED),
+    ),
 }
 
 

@@ -249,6 +249,15 @@ def test_few_pairs_run_per_pair_and_many_grouped_where_no_sweep_says():
     assert not plan_for(1, 64, 32, 16, 8).grouped and plan_for(512, 64, 32, 16, 8).grouped
 
 
+def test_a_table_swept_at_one_token_keeps_the_rules_above_it():
+    """DeepSeek-V2-Lite's table has its one-token sweep; 2-10 tokens (up to 60 pairs) run the
+    rules' per-pair plan and more the grouped one, not the one-token tiles."""
+    v2_lite = (64, 2048, 1408, 6)
+    assert plan_for(1, *v2_lite) == Plan(False, Tile(16, 256, 4), Tile(2, 512, 4))
+    assert plan_for(10, *v2_lite) == module.PAIRS == plan_for(10, 64, 32, 16, 6)
+    assert plan_for(11, *v2_lite) == module.GROUPED and plan_for(4096, *v2_lite) == module.GROUPED
+
+
 @pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "renormalize"), [
     (1, 4, 1, False), (7, 8, 2, True), (3, 60, 4, False), (5, 128, 8, True), (2, 6, 6, True),
 ])

@@ -116,12 +116,16 @@ def test_refuses_by_name():
 
 
 def test_num_splits_and_tiling(monkeypatch):
-    """On a 132-multiprocessor card: one split once the programs fill it, ~two programs a
-    multiprocessor below, never splits under 256 tokens nor over 32; rows of 16 on the CPU."""
+    """On a 132-multiprocessor card: one split once the programs fill it, below it one wave of
+    programs (one a multiprocessor at 64 rows, two at fewer), never splits under 256 tokens nor
+    over 32; rows of 16 on the CPU."""
     monkeypatch.setattr(mla_decode_module, "_num_sms", lambda device: 132)
     cuda = torch.device("cuda")
     assert mla_decode_num_splits(256, 128, 64, 1536, cuda) == 1
-    assert mla_decode_num_splits(64, 128, 64, 4096, cuda) == 3
+    assert mla_decode_num_splits(64, 128, 64, 4096, cuda) == 1   # 128 programs: one wave already
+    assert mla_decode_num_splits(64, 16, 16, 4096, cuda) == 4    # 256 programs of 16 rows, two an SM
+    assert mla_decode_num_splits(16, 128, 32, 4096, cuda, 2) == 2    # 2 tokens x 32 heads: 64 rows
+    assert mla_decode_num_splits(16, 16, 16, 4096, cuda, 2) == 16    # 2 tokens x 16 heads: 32 rows
     assert mla_decode_num_splits(1, 128, 64, 32768, cuda) == 32
     assert mla_decode_num_splits(1, 16, 16, 600, cuda) == 2
     q = torch.zeros(1, 16, 32)
