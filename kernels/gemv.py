@@ -122,8 +122,11 @@ def _config(n: int, k: int) -> tuple[int, int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         read_ahead: bool = False, scale: torch.Tensor | None = None, blocked: bool = False) -> torch.Tensor:
-    """x [1, K] @ weight.T [K, N] (+ bias [N]) -> [1, N] in x's dtype; accumulates in float32.
+         read_ahead: bool = False, scale: torch.Tensor | None = None, blocked: bool = False,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [1, K] @ weight.T [K, N] (+ bias [N]) -> [1, N] in out_dtype (default x's);
+    accumulates in float32, x and the weight widened to it as read (a float32 weight beside a
+    bfloat16 x: x.float() @ weight.T without the copy).
 
     read_ahead: the weights were final before the kernel preceding this one started (a
     model's, once loaded): read their first tile before waiting for it (`kernels._pdl`).
@@ -139,7 +142,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         want = (triton.cdiv(n, 128), triton.cdiv(k, 128)) if blocked else (n, 1)
         assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32, (weight.dtype, scale.dtype)
         assert tuple(scale.shape) == want and scale.stride(1) == 1, (scale.shape, want)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k, num_warps = _config(n, k)
     even = n % block_n == 0 and k % block_k == 0
     pdl = _pdl.pdl(x)

@@ -38,9 +38,12 @@ from pdserve.kernels import _pdl, fp8
 from pdserve.kernels.paged_decode import _merge, _num_sms, _workspace_args, decode_workspace
 
 LOG2E = 1.4426950408889634
-# A split shorter than this costs more in its workspace rows (rank + 2 floats per row and
-# split, written and read back) than it gains in parallelism.
-_MIN_TOKENS_PER_SPLIT = 256
+# The shortest split: one 32-token tile, and no fewer tokens than twice the heads, so that a
+# split's workspace rows (heads x (rank + 2) floats, written and read back: ~1.8 latent
+# tokens' bytes a head) cost no more than the latents it reads. 256 at 128 heads; 32 at 16,
+# where one sequence of 1k ran in 6.7 us at 32 splits against 19.0 at 4 (H100,
+# benchmarks/RESULTS.md).
+_MIN_SPLIT_TOKENS = 32
 # The merge kernel holds [splits, rank] floats a program: 32 x 512 is 64 KB of registers.
 _MAX_SPLITS = 32
 # Rows (tokens x heads) a program's [rows, rank] float32 accumulator holds on the GPU: 64
@@ -166,14 +169,15 @@ def mla_decode_num_splits(num_seqs: int, num_heads: int, block_h: int, max_conte
     programs (sequences x head blocks) fill the multiprocessors; else as many as fit in one
     wave of the programs the multiprocessors hold at once (`_programs_per_sm`), rounded down:
     a wave and a fifth ran as two (16 heads, 64 x 4k on an H100: 5 splits 63% of copy, 4
-    splits 85%, benchmarks/RESULTS.md); never splits shorter than _MIN_TOKENS_PER_SPLIT nor
-    more than _MAX_SPLITS."""
+    splits 85%, benchmarks/RESULTS.md); never splits shorter than _MIN_SPLIT_TOKENS or twice
+    the heads, nor more than _MAX_SPLITS."""
     num_sms = _num_sms(device)
     programs = num_seqs * triton.cdiv(num_heads, block_h)
     if programs >= num_sms:
         return 1
     want = _programs_per_sm(block_h * triton.next_power_of_2(max_seqlen_q)) * num_sms // programs
-    return max(1, min(want, max_context_len // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS))
+    shortest = max(_MIN_SPLIT_TOKENS, 2 * num_heads)
+    return max(1, min(want, max_context_len // shortest, _MAX_SPLITS))
 
 
 def _programs_per_sm(rows: int) -> int:

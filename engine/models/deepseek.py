@@ -27,6 +27,7 @@ from pdserve.engine.models.mla import MLAAttention
 from pdserve.engine.models.moe import FusedExperts, grouped_route
 from pdserve.engine.models.mtp import MTPLayer
 from pdserve.engine.models.parallel import Collectives, TensorParallel
+from pdserve.kernels.gemv import gemv
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
@@ -45,8 +46,12 @@ class DeepseekRouter(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k])."""
-        logits = nn.functional.linear(x.float(), self.weight)
+        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k]). One row on CUDA (a
+        batch-1 decode step): one `kernels.gemv` launch, x widened as it is read."""
+        if x.is_cuda and x.shape[0] == 1:
+            logits = gemv(x, self.weight, read_ahead=True, out_dtype=torch.float32)
+        else:
+            logits = nn.functional.linear(x.float(), self.weight)
         return grouped_route(logits, self.moe, self.e_score_correction_bias)
 
 
@@ -99,6 +104,9 @@ class DeepseekForCausalLM(CausalLM):
                 raise ValueError(f"speculative method 'mtp': the checkpoint's MTP layer "
                                  f"(model.layers.{self.arch.num_layers}.*) is missing or incomplete: {e}") from e
             raise
+        for module in self.modules():
+            if isinstance(module, MLAAttention):
+                module.deinterleave_rope_rows()
 
 
 def _mtp_renamed(weights: Iterable[tuple[str, torch.Tensor]], num_layers: int,

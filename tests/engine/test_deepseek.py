@@ -135,6 +135,9 @@ def test_greedy_and_logprobs_match_hf_with_chunks_prefix_hits_and_preemption(mak
     engine = cpu_engine(folder, cache=CacheConfig(num_blocks=12), scheduler=SchedulerConfig(max_num_batched_tokens=32))
     layout = engine.pool.layout
     assert (layout.kind, layout.num_entries, layout.num_kv_heads, layout.head_dim) == ("mla", 1, 1, 32 + 8)
+    # Interleaved rotary pairs are put in rotate-half order at load, in the weights' rows.
+    attn = engine.model.layers[0].self_attn
+    assert attn.rope_rows_deinterleaved == attn.mla.rope_interleave
     tokens, logprobs = _run(engine, family_prompts())
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small: nothing was preempted"
     assert engine.block_manager.num_prefix_hits >= 2 * 32, "the shared 40-token prefix was not reused"

@@ -48,6 +48,21 @@ def test_gemv_read_ahead(n, k):
     _check(n, k, torch.float32, with_bias=True, pad=0, read_ahead=True)
 
 
+def test_gemv_float32_weights_beside_a_bfloat16_row_give_float32():
+    """DeepSeek's router: x bfloat16, the weight float32, the logits float32 as
+    x.float() @ weight.T (x widened as read, nothing rounded to bfloat16 on the way)."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 320, generator=gen)
+    x = torch.randn(1, 320, generator=gen).to(torch.bfloat16)
+    out = gemv(x.to(DEVICE), w.to(DEVICE), read_ahead=True, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    ref = x.double() @ w.double().T
+    atol = (x.double().abs() @ w.double().abs().T).max().item() * 320 * 2 * torch.finfo(torch.float32).eps
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=0, atol=atol)
+    # One bfloat16 rounding of the output would be ~100x that.
+    assert (out.cpu().double() - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
 def _check_fp8(n: int, k: int, blocked: bool, read_ahead: bool, dtype: torch.dtype = torch.float32) -> None:
     """FP8 weights with per-row or 128 x 128 block scales against the float64 product of x and
     the dequantized weights."""

@@ -117,8 +117,8 @@ def test_refuses_by_name():
 
 def test_num_splits_and_tiling(monkeypatch):
     """On a 132-multiprocessor card: one split once the programs fill it, below it one wave of
-    programs (one a multiprocessor at 64 rows, two at fewer), never splits under 256 tokens nor
-    over 32; rows of 16 on the CPU."""
+    programs (one a multiprocessor at 64 rows, two at fewer), never splits under 32 tokens or
+    twice the heads, nor over 32; rows of 16 on the CPU."""
     monkeypatch.setattr(mla_decode_module, "_num_sms", lambda device: 132)
     cuda = torch.device("cuda")
     assert mla_decode_num_splits(256, 128, 64, 1536, cuda) == 1
@@ -127,7 +127,8 @@ def test_num_splits_and_tiling(monkeypatch):
     assert mla_decode_num_splits(16, 128, 32, 4096, cuda, 2) == 2    # 2 tokens x 32 heads: 64 rows
     assert mla_decode_num_splits(16, 16, 16, 4096, cuda, 2) == 16    # 2 tokens x 16 heads: 32 rows
     assert mla_decode_num_splits(1, 128, 64, 32768, cuda) == 32
-    assert mla_decode_num_splits(1, 16, 16, 600, cuda) == 2
+    assert mla_decode_num_splits(1, 16, 16, 600, cuda) == 18     # 32-token splits
+    assert mla_decode_num_splits(1, 128, 64, 1024, cuda) == 4    # 256-token splits at 128 heads
     q = torch.zeros(1, 16, 32)
     assert mla_decode_tiling(q, 16, 1)["block_h"] == 16 and mla_decode_tiling(q, 16, 3)["block_h"] == 4
     assert mla_decode_tiling(q, 2, 1)["block_h"] == 2
