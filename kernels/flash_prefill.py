@@ -183,14 +183,19 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
 
 
-def _default_tuning(dtype: torch.dtype, max_seqlen_q: int, is_cuda: bool, new_kv: bool) -> dict[str, int]:
-    """Tile shape and pipeline depth, from the H200 sweeps in benchmarks/RESULTS.md. CPU
-    (interpreter) gets the smallest legal tiles; fp32 smaller ones so that its double-size
-    tiles still fit shared memory."""
+def _default_tuning(dtype: torch.dtype, max_seqlen_q: int, is_cuda: bool, new_kv: bool,
+                    head_dim: int = 128) -> dict[str, int]:
+    """Tile shape and pipeline depth, from the H200 sweeps in benchmarks/RESULTS.md (head dim
+    128). CPU (interpreter) gets the smallest legal tiles; fp32 smaller ones so that its
+    double-size tiles still fit shared memory; so do 16-bit rows of head dim 256, where the
+    sweep's tiles ask a Hopper program for up to 459,776 bytes of its 232,448 (Triton's count
+    for sm_90, tests/kernels/test_shared_memory.py; these: 131-164 KB)."""
     if not is_cuda:
         return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
     if dtype == torch.float32:
         return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
+    if head_dim * dtype.itemsize > 256:
+        return {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3}
     if new_kv and max_seqlen_q >= 4096:
         # Two warpgroups on 128 rows, TMA-fed 128-wide K/V tiles three deep (224 KB of
         # shared memory): best at 4k-8k in both v4 sweeps, within 2% at 16k.
@@ -278,7 +283,7 @@ def flash_prefill(
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
-    config = _default_tuning(q.dtype, max_seqlen_q, q.is_cuda, new_kv) | tuning
+    config = _default_tuning(q.dtype, max_seqlen_q, q.is_cuda, new_kv, head_dim) | tuning
     if num_tokens == 0 or max_seqlen_q == 0:
         return out
     k_desc = _row_descriptor(k_new, config["block_n"]) if new_kv else None

@@ -81,7 +81,10 @@ def plan_for(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: 
 def _tile_bytes(tile: Tile, grouped: bool, weight_tiles: int, element_size: int) -> int:
     """The shared memory one kernel's launch needs (see `shared_memory_bytes`)."""
     rows = tile.block_m if grouped else 1
-    loop = max(tile.num_stages - 1, 1) * (rows + weight_tiles * tile.block_n) * tile.block_k * element_size
+    # Hopper's warpgroup MMA (16-bit tiles of 64+ rows) reads every stage from shared memory;
+    # mma.sync's pipeline keeps one stage fewer there (float32 at "ieee" always takes it).
+    copies = tile.num_stages if grouped and rows >= 64 and element_size <= 2 else tile.num_stages - 1
+    loop = max(copies, 1) * (rows + weight_tiles * tile.block_n) * tile.block_k * element_size
     return max(loop, rows * tile.block_n * 4)
 
 
@@ -90,9 +93,11 @@ def shared_memory_bytes(plan: Plan, element_size: int) -> int:
     of `element_size` bytes (FP8 weights take less: an upper bound for them). Triton's
     software pipeline keeps num_stages - 1 copies of each tile a loop iteration loads (x's
     BLOCK_M x BLOCK_K, a row of it per pair on the per-pair path, and BLOCK_K x BLOCK_N of
-    each weight: gate and up, or down); the output's BLOCK_M x BLOCK_N float32 passes
-    through it after the loop. (On an H100 the grouped gate/up kernel at BLOCK_M 16,
-    BLOCK_N 128, BLOCK_K 128, 4 stages, float32 asked Triton for 417,792 bytes: this count.)"""
+    each weight: gate and up, or down), num_stages where Hopper's warpgroup MMA reads them
+    (16-bit, BLOCK_M >= 64); the output's BLOCK_M x BLOCK_N float32 passes through it after
+    the loop. (On an H100 the grouped gate/up kernel at BLOCK_M 16, BLOCK_N 128, BLOCK_K 128,
+    4 stages, float32 asked Triton for 417,792 bytes: this count. Every plan's count is
+    checked against Triton's own for sm_90 in tests/kernels/test_shared_memory.py.)"""
     return max(_tile_bytes(plan.gate_up, plan.grouped, 2, element_size),
                _tile_bytes(plan.down, plan.grouped, 1, element_size))
 

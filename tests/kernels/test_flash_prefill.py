@@ -158,6 +158,14 @@ def test_prefill_gpu_long(head_dim, dtype, new_kv):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_prefill_gpu_head_dim_256_at_16_bits_fits_hopper(new_kv):
+    """Rows of 512 bytes: the sweep's tiles of 8k (and, with k_new/v_new, 4k) queries asked a
+    Hopper program for 262,400 (459,776) bytes of shared memory; the defaults fit them."""
+    _check_prefill([8200, 3], [0, 300], 8, 2, 256, 16, torch.bfloat16, strided_q=True, new_kv=new_kv)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_m,block_n,num_warps,num_stages",
                          [(64, 64, 4, 2), (128, 128, 8, 2), (128, 32, 4, 4), (256, 64, 8, 3), (128, 64, 4, 3)])
 def test_prefill_gpu_tunings(block_m, block_n, num_warps, num_stages):
