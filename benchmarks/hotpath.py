@@ -130,11 +130,9 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
     # the scheduler would keep a smaller batch running, and that batch's graph is not this one).
     blocks = engine.block_manager.num_blocks
     block_size = engine.block_manager.block_size
-    need = STEP_SEQS * -(-STEP_TOKENS // block_size)
     out["kv_pool_blocks"] = float(blocks)
-    if "step" in parts and blocks < need:
-        print(f"hotpath: the KV pool holds {blocks} blocks; {STEP_SEQS} sequences at ~1.5k context need {need}: "
-              f"the batch-{STEP_SEQS} and mixed figures are refused", flush=True)
+    if "step" in parts and (refusal := step_refusal(blocks, block_size)):
+        print(f"hotpath: {refusal}", flush=True)
     elif "step" in parts:
         params = SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True)
         ids = [engine.add_request(_prompt(rng, vocab, 1536), params) for _ in range(STEP_SEQS)]
@@ -171,8 +169,7 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
             engine.abort(rid)
 
     if "offline" in parts:
-        # Offline 1k/1k at up to 256 running, as many as the KV pool holds to the end (no preemption).
-        running = max(1, min(256, blocks // -(-2048 // block_size)))
+        running = offline_max_running(blocks, block_size)
         out["offline_max_running"] = float(running)
         engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_num_seqs=running)
         prompts = [_prompt(rng, vocab, 1024) for _ in range(offline_requests)]
@@ -187,6 +184,32 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
     return out
 
 
+def step_refusal(num_blocks: int, block_size: int) -> str | None:
+    """Why the batch-256 and mixed figures cannot be taken on a pool of `num_blocks` (None: they
+    can): the scheduler would keep a smaller batch running, whose graph is not the one timed."""
+    need = STEP_SEQS * -(-STEP_TOKENS // block_size)
+    if num_blocks >= need:
+        return None
+    return (f"the KV pool holds {num_blocks} blocks; {STEP_SEQS} sequences at ~1.5k context need {need}: the "
+            f"batch-{STEP_SEQS} and mixed figures are refused")
+
+
+def offline_max_running(num_blocks: int, block_size: int) -> int:
+    """Offline 1k/1k at up to 256 running, as many as the pool holds to their end (no preemption)."""
+    return max(1, min(256, num_blocks // -(-2048 // block_size)))
+
+
+def graph_refusal(layout: tuple[int, int, int] | None | tuple[()], bucket: int) -> str | None:
+    """Why the decode graph of `bucket` cannot be replayed alone over the step inputs' `layout`
+    ((bucket, width, q) of the last step's graph, None after an eager one, () in a tree from
+    before layouts were kept: not known), None where it can: another graph's inputs (or an
+    eager step's) lie where this one reads, and its token ids would be their slots (issue 53:
+    a device-side assert past the vocabulary)."""
+    if layout == () or (layout is not None and layout[0] == bucket and layout[2] == 1):
+        return None
+    return f"the last step left the inputs of {layout or 'an eager step'}, not of a decode graph of {bucket}"
+
+
 def _graph_ms(engine, bucket: int, key: str, profile: bool) -> dict[str, float]:
     """The decode graph of `bucket` replayed alone (on the inputs of the last step, which must
     have been that graph's), on the GPU's clock; with `profile`, its kernels by total time too."""
@@ -196,11 +219,8 @@ def _graph_ms(engine, bucket: int, key: str, profile: bool) -> dict[str, float]:
     if graphs is None:
         return {}
     layout = getattr(engine.runner.inputs, "graph_layout", ())  # (bucket, width, q) the inputs hold
-    if layout != () and (layout is None or layout[0] != bucket or layout[2] != 1):
-        # Another graph's inputs (or an eager step's) lie where this one reads: its ids would
-        # be their slots (issue 53: a device-side assert past the vocabulary).
-        print(f"hotpath: the last step left the inputs of {layout or 'an eager step'}, not of a decode graph of "
-              f"{bucket}: {key} refused", flush=True)
+    if refusal := graph_refusal(layout, bucket):
+        print(f"hotpath: {refusal}: {key} refused", flush=True)
         return {}
     if layout:
         graph = graphs._graphs[(bucket, 1, layout[1])].graph

@@ -232,3 +232,30 @@ def test_a_graph_replayed_over_another_layout_is_refused():
     builder.build(seqs, [1, 1])  # an eager step: no graph's layout
     with pytest.raises(ValueError, match="the step inputs hold an eager step"):
         builder.check_graph_layout(8, 8, 1)
+
+
+def test_the_hotpath_benchmark_refuses_what_its_pool_or_the_last_step_cannot_give():
+    """Issue 53's benchmark: on an 80 GB card Qwen3-30B-A3B's pool held 7,614 blocks (RESULTS,
+    2026-12-06), not the 26,624 of 256 sequences at ~1.5k context, so the batch-256 figures are
+    refused and offline runs 59 at a time; a decode graph is timed only over the layout the
+    last step built, never over a smaller bucket's or an eager step's inputs."""
+    from benchmarks.hotpath import graph_refusal, offline_max_running, step_refusal
+
+    assert step_refusal(7614, 16) == ("the KV pool holds 7614 blocks; 256 sequences at ~1.5k context need 26624: "
+                                      "the batch-256 and mixed figures are refused")
+    assert step_refusal(26624, 16) is None and offline_max_running(7614, 16) == 59
+    rng = random.Random(7)
+    bm = BlockManager(40, BS, enable_prefix_caching=False)
+    builder = StepInputBuilder(BS, 8, 32, 8, torch.device("cpu"))
+    builder.graph_inputs(8, 8)
+    seqs = [_seq(f"p{i}", 9, rng) for i in range(2)]
+    for seq in seqs:
+        assert bm.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1
+    builder.build(seqs, [1, 1], graph=(2, 8))
+    assert graph_refusal(builder.graph_layout, 8) == ("the last step left the inputs of (2, 8, 1), not of a decode "
+                                                      "graph of 8")
+    assert graph_refusal(builder.graph_layout, 2) is None
+    builder.build(seqs, [1, 1])
+    assert "the inputs of an eager step" in graph_refusal(builder.graph_layout, 2)
+    assert graph_refusal((), 8) is None  # a baseline tree that keeps no layout: not known
