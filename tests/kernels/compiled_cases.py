@@ -17,22 +17,23 @@ import torch
 from tests.kernels.compiled import HOPPER_SHARED
 
 Case = tuple[str, Callable[[], Any], dict[str, int] | None]
+UNFITTED = "unfitted E128 H2048 I768 k8 T=256 torch.float32"
 F8 = torch.float8_e4m3fn
 H100_SMS = 132
 
 
 def fused_moe() -> Iterator[Case]:
-    """Every plan `plan_for` picks for Qwen3-30B-A3B's experts (the swept table), Mixtral's
-    and Qwen2-MoE's (the rules), in float32 and bf16 x and with FP8 experts, fitted to Hopper
-    as `fused_moe` fits them on the card; and the 256-token plan in float32 unfitted (what
-    the H100 refused before the fit), to show the compiler's figure is the card's."""
+    """Every plan `plan_for` picks: each row of the swept tables, and the rules' two at Mixtral's
+    and Qwen2-MoE's shapes; in float32 and bf16 x and with FP8 experts, fitted to Hopper as
+    `fused_moe` fits them on the card. And the 256-token Qwen3-30B-A3B plan in float32
+    unfitted (what the H100 refused before the fit), to show the compiler's figure is the card's."""
     from pdserve.kernels import fused_moe as module
     from pdserve.kernels import moe_plan
 
-    shapes = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2),
-              "qwen2-moe": (60, 2048, 1408, 4)}
-    for name, (experts, hidden, inter, top_k) in shapes.items():
-        counts = (1, 2, 4, 16, 256, 512, 2048) if name == "qwen3-30b-a3b" else (1, 512)
+    shapes = {f"E{e} H{h} I{i} k{k}": ((e, h, i, k), [min(most, 4096) for most, _ in table])
+              for (e, h, i, k), table in moe_plan._TUNED.items()}
+    shapes |= {"mixtral-8x7b": ((8, 4096, 14336, 2), [1, 512]), "qwen2-moe": ((60, 2048, 1408, 4), [1, 512])}
+    for name, ((experts, hidden, inter, top_k), counts) in shapes.items():
         for num_tokens in counts:
             for dtype, scales in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "channel"),
                                   (torch.bfloat16, "block")):
@@ -42,7 +43,7 @@ def fused_moe() -> Iterator[Case]:
                        _moe_launch(module, num_tokens, experts, hidden, inter, top_k, dtype, scales, HOPPER_SHARED),
                        _moe_estimates(plan, dtype.itemsize))
     plan = moe_plan.plan_for(256, 128, 2048, 768, 8)
-    yield ("unfitted qwen3-30b-a3b T=256 torch.float32",
+    yield (UNFITTED,
            _moe_launch(module, 256, 128, 2048, 768, 8, torch.float32, None, None, plan), _moe_estimates(plan, 4))
 
 

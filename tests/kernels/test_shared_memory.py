@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.kernels import moe_plan
 from tests.kernels.compiled import HOPPER_SHARED, shared_memory_of
-
-UNFITTED = "unfitted qwen3-30b-a3b T=256 torch.float32"
+from tests.kernels.compiled_cases import UNFITTED
 
 
 def _over(rows: list[dict]) -> list[str]:
@@ -18,15 +18,16 @@ def _over(rows: list[dict]) -> list[str]:
 
 
 def test_fused_moe_plans_fit_hopper_as_the_compiler_counts_and_as_the_launcher_predicts():
-    """The plans `fused_moe` picks and fits, float32 and bf16 x and FP8 experts, at Qwen3-30B-A3B's
-    swept shape and two others': within the card, and the launcher's own count (`fit_plan`
+    """The plans `fused_moe` picks and fits, float32 and bf16 x and FP8 experts, every swept
+    table's and the rules' at two other shapes: within the card, and the launcher's own count (`fit_plan`
     shrinks tiles by it before any launch) never below the compiler's. The 256-token plan in
     float32 unfitted asks exactly the 417,792 bytes the H100 refused."""
     rows = shared_memory_of("fused_moe")
     unfitted = {r["kernel"]: r["shared"] for r in rows if r["case"] == UNFITTED}
     assert unfitted["_gate_up_silu_kernel"] == 417_792 > HOPPER_SHARED
     fitted = [r for r in rows if r["case"] != UNFITTED]
-    assert len({r["case"] for r in fitted}) == 7 * 4 + 2 * 2 * 4, sorted({r["case"] for r in fitted})
+    plans = sum(len(table) for table in moe_plan._TUNED.values()) + 2 * 2  # the tables' rows, the rules' two
+    assert len({r["case"] for r in fitted}) == plans * 4, sorted({r["case"] for r in fitted})
     assert not _over(fitted)
     experts = [r for r in rows if r["kernel"] in r["estimate"]]
     assert {r["kernel"] for r in experts} == set(rows[0]["estimate"])  # both paths' kernels compiled
