@@ -91,8 +91,12 @@ class SeatLine:
         """Requests a decode worker seats beyond its running seats, in the places of preempted
         ones (`fits`): fewer than its queue, so that a full server always holds a request that
         has no token yet, which a higher-priority arrival may displace (`cluster/api/admission.py`),
-        and no more than the engine's own bound (`max_num_seqs`)."""
-        return min(self.seats_per_worker, self.max_waiting_per_worker - 1) if self.preempt else 0
+        and no more than the engine's own bound (`max_num_seqs`). A queue of one still gives one
+        (else no request would ever take a lower one's seat there): a full server then refuses a
+        higher-priority arrival, as one without priorities does, instead of displacing."""
+        if not self.preempt or self.max_waiting_per_worker < 1:
+            return 0
+        return min(self.seats_per_worker, max(1, self.max_waiting_per_worker - 1))
 
     async def take(self, request_id: str, need: int, front: bool, migrated: bool, give_up: float,
                    prompt: PromptBlocks, priority: int = 0, tenant: Tenant = DEFAULT_TENANT) -> Worker:

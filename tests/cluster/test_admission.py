@@ -204,6 +204,9 @@ def test_where_engines_preempt_a_higher_priority_request_takes_a_lower_ones_seat
         c.free(worker, "low0")
         await _settle()
         assert high2.done() and worker.state.inflight == 3
+        one = _line(num_blocks=100, seats=1, max_waiting=1, preempt=True)  # a queue of one still preempts
+        worker = await _seat(one, "low", 2, priority=1)
+        assert await asyncio.wait_for(_seat(one, "high", 2, priority=-1), 30) is worker and worker.state.inflight == 2
         fcfs = _line(num_blocks=100, seats=1, max_waiting=1)
         await _seat(fcfs, "low", 2, priority=1)
         high = asyncio.create_task(_seat(fcfs, "high", 2, priority=-1))
