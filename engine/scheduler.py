@@ -32,7 +32,7 @@ writes the block fields.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -75,6 +75,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
+        self._waiting_tenants: Counter[str] = Counter()  # waiting sequences by tenant (`tenant_share`)
         self.running: list[Sequence] = []
         # RECEIVING: None while the KV is on its way, (first token, copy) once it is landing.
         self.receiving: dict[Sequence, tuple[int, KVReady] | None] = {}
@@ -182,6 +183,13 @@ class Scheduler:
         else:
             i = next((i for i in range(len(waiting), 0, -1) if waiting[i - 1].params.priority <= priority), 0)
         waiting.insert(i, seq)
+        self._waiting_tenants[seq.params.tenant] += 1
+
+    def _unwait(self, seq: Sequence) -> None:
+        """`seq` left the waiting queue: out of the count by tenant."""
+        self._waiting_tenants[seq.params.tenant] -= 1
+        if not self._waiting_tenants[seq.params.tenant]:
+            del self._waiting_tenants[seq.params.tenant]
 
     def add_running(self, seq: Sequence) -> None:
         """Admit a sequence whose prompt KV is already in its blocks (received from a prefill worker)."""
@@ -280,7 +288,7 @@ class Scheduler:
         bm = self.block_manager
         running = tenant_share.load([*self.running, *self.receiving])
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            at = tenant_share.next_waiting(self.waiting, running)  # the head's priority, the fair tenant
+            at = tenant_share.next_waiting(self.waiting, running, self._waiting_tenants)
             seq = self.waiting[at]
             # A request that asks for its prompt's log-probabilities computes its whole prompt
             # (as vLLM does): cached blocks, in any tier, hold KV, not the logits of their positions.
@@ -298,6 +306,7 @@ class Scheduler:
                 return
             batch.onboard += zip(seq.block_ids[len(prefix):len(prefix) + len(lower)], lower)
             del self.waiting[at]
+            self._unwait(seq)
             running[seq.params.tenant] += 1
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = num_cached
@@ -367,6 +376,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self._unwait(seq)
         elif seq.status is SequenceStatus.RECEIVING:
             del self.receiving[seq]
         if hold:

@@ -33,15 +33,17 @@ def load(seqs: Iterable[Sequence]) -> Counter[str]:
     return Counter(s.params.tenant for s in seqs)
 
 
-def next_waiting(waiting: Seq[Sequence], running: Counter[str]) -> int:
+def next_waiting(waiting: Seq[Sequence], running: Counter[str], waiting_tenants: Counter[str]) -> int:
     """The index in `waiting` (kept in priority order) of the sequence to admit next: of those
-    of the head's priority, the first of the tenant with the fewest `running` for its weight."""
+    of the head's priority, the first of the tenant with the fewest `running` for its weight.
+    `waiting_tenants` (waiting sequences by tenant) ends the scan once every tenant was seen:
+    with one tenant waiting, the head at once, however long the queue."""
     head = waiting[0]
     best, best_share = 0, running[head.params.tenant] / head.params.tenant_weight
     seen = {head.params.tenant}
     for i in range(1, len(waiting)):
         params = waiting[i].params
-        if best_share == 0 or params.priority != head.params.priority:
+        if best_share == 0 or len(seen) >= len(waiting_tenants) or params.priority != head.params.priority:
             break
         if params.tenant in seen:
             continue

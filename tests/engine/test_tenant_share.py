@@ -61,6 +61,7 @@ def test_tenants_flooding_from_two_frontends_share_the_output_by_weight(policy, 
     share = out["a"] / (out["a"] + out["b"])
     expected = weights[0] / sum(weights)
     assert out["a"] + out["b"] > 40 and abs(share - expected) <= 0.1 * expected, out
+    assert sched._waiting_tenants == Counter(s.params.tenant for s in sched.waiting)  # the count the scan stops by
 
 
 def test_within_a_tenant_and_across_priorities_the_order_holds():
