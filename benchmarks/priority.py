@@ -124,6 +124,9 @@ async def _run(args: argparse.Namespace, policy: bool, tenants_file: str) -> dic
     config = config_from_dict({"server": {"port": 0, "http": False, "metrics_port": 0,
                                           "tenants_file": tenants_file if policy else ""},
                                "admission": {"max_waiting_per_worker": args.max_waiting},
+                               # On the CPU no worker asks for a GPU (else, on a machine of one
+                               # GPU, the two workers would not fit it and serve colocated).
+                               "pools": {"gpus_per_worker": 0.0} if args.device == "cpu" else {},
                                "engine": {"model": {"source": args.model, "device": args.device},
                                           "scheduler": {"max_num_seqs": args.seats,
                                                         "policy": "priority" if policy else "fcfs"}}})
