@@ -169,6 +169,7 @@ async def _run(args: argparse.Namespace, policy: bool, tenants_file: str) -> dic
     backlogged, window_s = backlog_share(dict(zip(FLOOD, flooded)))
     refused = {t: sum(bool(r.error) for r in rs) for t, rs in zip(FLOOD, flooded)}
     return {"capacity_rps": capacity_rps, "alone": alone, "loaded": loaded, "flood": [r for rs in flooded for r in rs],
+            "by_tenant": dict(zip(FLOOD, flooded)),
             "tokens": tokens, "backlogged": backlogged, "window_s": window_s, "refused": refused,
             "hops_alone": hops_alone,
             "hops_loaded": recorder.hops_ms(-1 if policy else 0)}

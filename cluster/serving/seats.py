@@ -107,7 +107,8 @@ class SeatLine:
         ahead of all of its priority, a retried one), except that of the requests of the head's
         priority the one whose `tenant` holds the fewest decode seats for its weight goes
         first (`_head`: a weighted fair share); one that would wait
-        behind `max_queued()` others is refused at once (Overloaded). The head re-checks
+        behind `max_queued()` others (`_ahead`: those that go first by that rule, not those that
+        came first) is refused at once (Overloaded). The head re-checks
         whenever a seat or blocks are freed, the load is read, or `config.seat_recheck_s`
         passed (a replaced worker's seats). A draining worker takes no one. With no serving
         decode worker, waits while
@@ -137,7 +138,7 @@ class SeatLine:
                         return worker
                 # Refused when `max_queued()` others are ahead: one of higher priority goes ahead of
                 # the lower ones instead (the frontend refuses those: cluster/api/admission.py).
-                if not waited and self._line.index(me) >= self.max_queued():
+                if not waited and self._ahead(me) >= self.max_queued():
                     raise Overloaded(f"server is at its capacity: {self.max_queued()} requests are queued for a "
                                      f"decode seat or the KV blocks of one")
                 waited = True
@@ -180,6 +181,21 @@ class SeatLine:
         if self._line:
             self._head().set()
 
+    def _ahead(self, me: asyncio.Event) -> int:
+        """The requests in line that go before `me` (`_head`'s rule): those of a higher priority,
+        retried ones, and those of its own whose tenants hold no more seats for their weights than
+        its tenant. A tenant under its share is not refused for the backlog of one over it."""
+        mine = self._load(me)
+        ahead = 0
+        for e in self._line:
+            if e is me:
+                return ahead
+            ahead += self._priority[e] < self._priority[me] or e in self._retried or self._load(e) <= mine
+        return ahead
+
+    def _load(self, e: asyncio.Event) -> float:
+        return self._seated[self._tenant[e].name] / self._tenant[e].weight
+
     def _head(self) -> asyncio.Event:
         """The request that takes the next seat: the first in line (a retried one keeps its
         place) or, of those of the first one's priority, the first whose tenant holds the
@@ -188,7 +204,7 @@ class SeatLine:
         if first in self._retried:
             return first
         same = itertools.takewhile(lambda e: self._priority[e] == self._priority[first], self._line)
-        return min(same, key=lambda e: self._seated[self._tenant[e].name] / self._tenant[e].weight)
+        return min(same, key=self._load)
 
 
 @dataclass(eq=False, slots=True)

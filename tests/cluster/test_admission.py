@@ -218,6 +218,31 @@ def test_where_engines_preempt_a_higher_priority_request_takes_a_lower_ones_seat
     asyncio.run(scenario())
 
 
+def test_a_tenant_under_its_share_is_not_refused_for_anothers_queue():
+    """The line's bound counts those that go first (`_head`'s rule), not those that came first:
+    with a's requests filling the queue, b's (no seat held) would go before them and is taken."""
+    async def scenario() -> None:
+        a, b = Tenant("a"), Tenant("b")
+        c = _line(num_blocks=100, seats=2, max_waiting=2)
+        worker = await _seat(c, "a0", 2, tenant=a)
+        await _seat(c, "a1", 2, tenant=a)
+        queued = [asyncio.create_task(_seat(c, f"a{i}", 2, tenant=a)) for i in (2, 3)]
+        await _settle()
+        with pytest.raises(Overloaded):
+            await _seat(c, "a4", 2, tenant=a)
+        b0 = asyncio.create_task(_seat(c, "b0", 2, tenant=b))
+        await _settle()
+        assert not b0.done() and c.num_queued == 3
+        c.free(worker, "a0")
+        await _settle()
+        assert b0.done() and not any(q.done() for q in queued)
+        for q in queued:
+            q.cancel()
+        await _settle()
+
+    asyncio.run(scenario())
+
+
 def test_of_one_priority_the_tenant_with_the_fewest_seats_for_its_weight_goes_first():
     async def scenario() -> None:
         a, b, heavy = Tenant("a"), Tenant("b"), Tenant("heavy", weight=4.0)
