@@ -50,6 +50,9 @@ class SeatLine:
         self._tenant: dict[asyncio.Event, Tenant] = {}  # each waiting request's
         self._retried: set[asyncio.Event] = set()  # waiting retried requests: they keep their place
         self._seated: collections.Counter[str] = collections.Counter()  # decode seats by tenant name
+        # Decode seats given to each tenant since it last had none and none waiting: of tenants
+        # holding as many seats for their weights, the one given fewer goes first (`_head`).
+        self._granted: collections.Counter[str] = collections.Counter()
 
     def capacity(self) -> int:
         """Requests the pools take at once: per serving decode worker (healthy, not draining),
@@ -147,6 +150,7 @@ class SeatLine:
                     await asyncio.wait_for(me.wait(), self.config.seat_recheck_s)
         finally:
             self._line.remove(me)
+            self._forget_if_idle(self._tenant[me].name)
             del self._priority[me], self._tenant[me]
             self._retried.discard(me)
             self.wake()
@@ -160,6 +164,7 @@ class SeatLine:
         if need is not None:
             worker.state.claims[request_id] = KVClaim(need, priority=priority, tenant=tenant.name)
             self._seated[tenant.name] += 1
+            self._granted[tenant.name] += 1
 
     def reserved(self, worker: Worker, request_id: str) -> None:
         """`worker`'s engine holds `request_id`'s blocks: its loads asked for from now on show them."""
@@ -174,6 +179,7 @@ class SeatLine:
         claim = worker.state.claims.pop(request_id, None)
         if claim is not None:
             self._seated[claim.tenant] -= 1
+            self._forget_if_idle(claim.tenant)
         self.wake()
 
     def wake(self) -> None:
@@ -193,13 +199,20 @@ class SeatLine:
             ahead += self._priority[e] < self._priority[me] or e in self._retried or self._load(e) <= mine
         return ahead
 
-    def _load(self, e: asyncio.Event) -> float:
-        return self._seated[self._tenant[e].name] / self._tenant[e].weight
+    def _load(self, e: asyncio.Event) -> tuple[float, float]:
+        """A waiting request's tenant's seats for its weight, then the seats it was given so."""
+        tenant = self._tenant[e]
+        return self._seated[tenant.name] / tenant.weight, self._granted[tenant.name] / tenant.weight
+
+    def _forget_if_idle(self, name: str) -> None:
+        """A tenant with no seat and no request in line starts afresh (`_granted`)."""
+        if not self._seated[name] and not any(self._tenant[e].name == name for e in self._line):
+            self._granted.pop(name, None)
 
     def _head(self) -> asyncio.Event:
         """The request that takes the next seat: the first in line (a retried one keeps its
         place) or, of those of the first one's priority, the first whose tenant holds the
-        fewest decode seats for its weight."""
+        fewest decode seats for its weight (of equals, the one given fewer since it had none)."""
         first = self._line[0]
         if first in self._retried:
             return first

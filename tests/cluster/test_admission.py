@@ -243,6 +243,33 @@ def test_a_tenant_under_its_share_is_not_refused_for_anothers_queue():
     asyncio.run(scenario())
 
 
+def test_of_tenants_holding_as_many_seats_the_one_given_fewer_goes_first():
+    """One seat; a was given two while it stayed backlogged, b none: when the seat frees (each
+    tenant then holds none) b's request takes it, though a's waited longer (else every tie goes
+    to the tenant that floods, whose requests are always the oldest)."""
+    async def scenario() -> None:
+        a, b = Tenant("a"), Tenant("b")
+        c = _line(num_blocks=100, seats=1, max_waiting=8)
+        worker = await _seat(c, "a0", 2, tenant=a)
+        a1 = asyncio.create_task(_seat(c, "a1", 2, tenant=a))
+        await _settle()
+        c.free(worker, "a0")
+        await _settle()
+        assert a1.done()  # a was given 2 seats, and stays backlogged:
+        a2 = asyncio.create_task(_seat(c, "a2", 2, tenant=a))
+        await _settle()
+        b0 = asyncio.create_task(_seat(c, "b0", 2, tenant=b))
+        await _settle()
+        c.free(worker, "a1")
+        await _settle()
+        assert b0.done() and not a2.done()
+        c.free(worker, "b0")
+        await _settle()
+        assert a2.done()
+
+    asyncio.run(scenario())
+
+
 def test_of_one_priority_the_tenant_with_the_fewest_seats_for_its_weight_goes_first():
     async def scenario() -> None:
         a, b, heavy = Tenant("a"), Tenant("b"), Tenant("heavy", weight=4.0)
