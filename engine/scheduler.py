@@ -118,7 +118,8 @@ class Scheduler:
             return True
         if any(s.params.priority > priority for s in self.running):
             return False  # a lower-priority one would be the victim: no share of this priority to take
-        peers = [s for s in (*self.running, *self.receiving) if s.params.priority == priority]
+        peers = [(s.params.tenant, s.params.tenant_weight) for s in (*self.running, *self.receiving)
+                 if s.params.priority == priority]
         return tenant_share.under_share(peers, tenant, tenant_weight)
 
     # Disaggregation ------------------------------------------------------

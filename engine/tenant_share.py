@@ -54,15 +54,17 @@ def next_waiting(waiting: Seq[Sequence], running: Counter[str], waiting_tenants:
     return best
 
 
-def under_share(seated: Iterable[Sequence], tenant: str, weight: float) -> bool:
-    """Whether one more seat for `tenant` leaves it holding, for its weight, no more than the
-    tenant that holds the most of `seated` for its own."""
+def under_share(seated: Iterable[tuple[str, float]], tenant: str, weight: float) -> bool:
+    """Whether one more seat for `tenant` (of `weight`) leaves it holding, for its weight, fewer
+    than the tenant that holds the most of `seated` ((tenant, weight) pairs) for its own: that
+    one's seat is the one given up (`victim`), never the newcomer's. The frontends' seat line
+    follows the same rule (`cluster/serving/seats.py`)."""
     counts, weights = Counter[str](), {}
-    for s in seated:
-        counts[s.params.tenant] += 1
-        weights[s.params.tenant] = s.params.tenant_weight
+    for name, w in seated:
+        counts[name] += 1
+        weights[name] = w
     most = max((n / weights[t] for t, n in counts.items() if t != tenant), default=0.0)
-    return (counts[tenant] + 1) / weight <= most
+    return (counts[tenant] + 1) / weight < most
 
 
 def victim(running: Seq[Sequence]) -> Sequence:

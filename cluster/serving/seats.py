@@ -24,6 +24,7 @@ from pdserve.cluster.serving.pools import Pool, Worker
 from pdserve.cluster.serving.router import KVClaim, PromptBlocks, RoutingPolicy
 from pdserve.cluster.settings.config import CoordinatorConfig
 from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant
+from pdserve.engine.tenant_share import under_share
 
 
 def may_wait(pool: Pool, migrated: bool, give_up: float) -> bool:
@@ -75,20 +76,27 @@ class SeatLine:
         blocks as they come; the engine preempts where they run out, as vLLM's does)."""
         return -(-num_prompt_tokens // self.block_size)
 
-    def fits(self, worker: Worker, need: int, priority: int = 0) -> bool:
+    def fits(self, worker: Worker, need: int, priority: int = 0, tenant: Tenant = DEFAULT_TENANT) -> bool:
         """Whether `worker` has a running seat for a request of `priority` and `need` KV blocks
         to reserve. A worker whose load is not known yet is tried: its engine's reservation
-        decides. With `preempt` a seat held by a request of lower priority counts as free: its
-        engine preempts that one (`Scheduler.can_seat`, the same rule), which waits there
-        holding its seat. At most `over_seats()` are seated so beyond the seats."""
+        decides. With `preempt` a seat held by a request of lower priority, or at its priority by
+        a tenant holding more than `tenant`'s share, counts as free: its engine preempts that one
+        (`Scheduler.can_seat`, the same rule), which waits there holding its seat. At most
+        `over_seats()` are seated so beyond the seats."""
         state = worker.state
         headroom = state.kv_headroom()
         if headroom is not None and need > headroom:
             return False
         if state.inflight < self.seats_per_worker:
             return True
-        return (self.preempt and state.inflight < self.seats_per_worker + self.over_seats()
-                and sum(c.priority <= priority for c in state.claims.values()) < self.seats_per_worker)
+        if not self.preempt or state.inflight >= self.seats_per_worker + self.over_seats():
+            return False
+        claims = state.claims.values()
+        if sum(c.priority <= priority for c in claims) < self.seats_per_worker:
+            return True
+        if any(c.priority > priority for c in claims):
+            return False
+        return under_share([(c.tenant, c.tenant_weight) for c in claims], tenant.name, tenant.weight)
 
     def over_seats(self) -> int:
         """Requests a decode worker seats beyond its running seats, in the places of preempted
@@ -133,7 +141,7 @@ class SeatLine:
                     serving = self.decode.serving()
                     if not serving and not may_wait(self.decode, migrated, give_up):
                         raise WorkerUnavailable("no healthy decode worker")
-                    free = [w for w in serving if self.fits(w, need, priority)]
+                    free = [w for w in serving if self.fits(w, need, priority, tenant)]
                     if free:
                         state = self.policy.choose([w.state for w in free], prompt)
                         worker = next(w for w in free if w.state is state)
@@ -162,7 +170,8 @@ class SeatLine:
         worker's load shows it."""
         worker.state.inflight += 1
         if need is not None:
-            worker.state.claims[request_id] = KVClaim(need, priority=priority, tenant=tenant.name)
+            worker.state.claims[request_id] = KVClaim(need, priority=priority, tenant=tenant.name,
+                                                      tenant_weight=tenant.weight)
             self._seated[tenant.name] += 1
             self._granted[tenant.name] += 1
 

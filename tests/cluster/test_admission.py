@@ -270,6 +270,29 @@ def test_of_tenants_holding_as_many_seats_the_one_given_fewer_goes_first():
     asyncio.run(scenario())
 
 
+def test_where_engines_preempt_a_tenant_under_its_share_takes_a_seat_of_one_over_it():
+    """The engines' rule (`Scheduler.can_seat`, `tenant_share.under_share`) in the seat line: a
+    holds both seats at b's priority; b's request is seated over them (the engine preempts one
+    of a's), b's second is not (1 + 1 is not fewer than a's 2); without preemption b waits."""
+    async def scenario() -> None:
+        a, b = Tenant("a"), Tenant("b")
+        c = _line(num_blocks=100, seats=2, max_waiting=3, preempt=True)
+        worker = await _seat(c, "a0", 2, tenant=a)
+        await _seat(c, "a1", 2, tenant=a)
+        assert await asyncio.wait_for(_seat(c, "b0", 2, tenant=b), 30) is worker and worker.state.inflight == 3
+        b1 = asyncio.create_task(_seat(c, "b1", 2, tenant=b))
+        fcfs = _line(num_blocks=100, seats=1, max_waiting=3)
+        await _seat(fcfs, "a0", 2, tenant=a)
+        b_fcfs = asyncio.create_task(_seat(fcfs, "b0", 2, tenant=b))
+        await _settle()
+        assert not b1.done() and not b_fcfs.done()
+        for t in (b1, b_fcfs):
+            t.cancel()
+        await _settle()
+
+    asyncio.run(scenario())
+
+
 def test_of_one_priority_the_tenant_with_the_fewest_seats_for_its_weight_goes_first():
     async def scenario() -> None:
         a, b, heavy = Tenant("a"), Tenant("b"), Tenant("heavy", weight=4.0)
