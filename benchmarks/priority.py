@@ -1,21 +1,31 @@
 """Who goes first under overload: request priorities and the tenants' fair share (issue 56).
 
     python -m benchmarks.priority [--seats 4] [--max-waiting 4] [--flood-factor 3] [--duration-s 30]
+                                  [--tenant-a-fraction 0.75] [--device cpu]
 
-One in-process server (disaggregated where it can; CPU and the default model where there is no
-GPU, `--model` for another), with `--seats` running seats and a queue of `--max-waiting` per
-decode worker, and a tenants file of two tenants, `a` and `b`, of equal weight. First its
-capacity: the completed requests/s of a saturating batch of `--output-len`-token requests.
-Then for `--duration-s`, with and without the policy: an interactive stream (tenant `a`, one
-request every `--interactive-every-s`) beside a batch flood at `--flood-factor` x capacity,
-half of it from each tenant. With the policy the interactive requests have priority -1, the
-flood 1, and the engines preempt by priority (`engine.scheduler.policy` "priority"); without
-it every request has priority 0 (fcfs) and no tenants file is given. Prints each class's TTFT
-p50/p99 (and the interactive stream's alone, unloaded) and refusals, each tenant's share of
-the flood's output tokens and of all (the interactive stream is tenant `a`'s), and where the
-interactive class's first token spends its time, hop by hop. The issue's goals: the
-interactive TTFT p99 under the flood within 2x its unloaded p99; each tenant within 10% of
-half the tokens.
+One in-process server (disaggregated where it can; the default model, on the CPU by default,
+`--model` for another), with `--seats` running seats and a queue of `--max-waiting` per decode
+worker, and a tenants file of three tenants of equal weight: `i` (the interactive stream), `a`
+and `b` (the flood). First its capacity: the completed requests/s of a saturating batch of
+`--output-len`-token requests. Then for `--duration-s`, with and without the policy: an
+interactive stream (one request every `--interactive-every-s`) beside a batch flood at
+`--flood-factor` x capacity, `--tenant-a-fraction` of it from tenant `a` and the rest from `b`
+(unequal, so that arrival order alone would not share fairly: 0.75 gives fcfs a 3:1 split,
+and each tenant's demand above half the capacity keeps both backlogged). With the policy the
+interactive requests have priority -1, the flood 1, and the engines preempt by priority
+(`engine.scheduler.policy` "priority"); without it every request has priority 0 (fcfs) and no
+tenants file is given. Prints each class's TTFT p50/p99 (and the interactive stream's alone,
+unloaded) and refusals, each flood tenant's share of the output tokens served over the window
+in which both have backlog (an admitted request, waiting or running; tokens placed at the
+times of the chunks that carried them), and where the interactive class's first token spends
+its time, hop by hop. The issue's goals: the interactive TTFT p99 under the flood within 2x
+its unloaded p99; each of the two equal-weight tenants within 10% of half the tokens.
+
+On the device machine's 16 CPU cores (each worker, the frontend and the load generator on
+cores of their own, which the 2-core CI machine cannot give): the Ray wheels as
+/work/shared/device/README.md says, the default model's GGUF carried in parts, then
+`python -m benchmarks.priority --device cpu --model /tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf`
+(benchmarks/RESULTS.md, "Priorities and tenants: the commands for the device machine").
 """
 
 from __future__ import annotations
@@ -37,7 +47,35 @@ from pdserve.cluster.serving.coordinator import DISAGGREGATED_HOPS, Coordinator,
 from pdserve.cluster.settings.config import config_from_dict
 from pdserve.engine.messages import WorkerRequest
 
-KEYS = {"a": "bench-key-a", "b": "bench-key-b"}
+KEYS = {"i": "bench-key-i", "a": "bench-key-a", "b": "bench-key-b"}
+FLOOD = ("a", "b")
+
+
+def backlog_share(flooded: dict[str, list[RequestResult]]) -> tuple[dict[str, float], float]:
+    """Each tenant's output tokens over the time in which every one of them has backlog (an
+    admitted request between its sending and its last chunk), and that window's length in s.
+    A chunk's tokens are placed at its time (each chunk's share of the request's tokens)."""
+    spans = {t: _union([(r.start, r.chunk_times[-1]) for r in rs if r.ok]) for t, rs in flooded.items()}
+    window = spans[next(iter(spans))]
+    for t in spans:
+        window = _intersect(window, spans[t])
+    tokens = {t: sum(r.output_tokens / len(r.chunk_times) for r in rs if r.ok for c in r.chunk_times
+                     if any(a <= c <= b for a, b in window)) for t, rs in flooded.items()}
+    return tokens, sum(b - a for a, b in window)
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    return [(max(a, c), min(b, d)) for a, b in x for c, d in y if max(a, c) < min(b, d)]
 
 
 def _ms(results: list[RequestResult], q: float) -> float:
@@ -86,7 +124,10 @@ async def _run(args: argparse.Namespace, policy: bool, tenants_file: str) -> dic
     config = config_from_dict({"server": {"port": 0, "http": False, "metrics_port": 0,
                                           "tenants_file": tenants_file if policy else ""},
                                "admission": {"max_waiting_per_worker": args.max_waiting},
-                               "engine": {"model": {"source": args.model},
+                               # On the CPU no worker asks for a GPU (else, on a machine of one
+                               # GPU, the two workers would not fit it and serve colocated).
+                               "pools": {"gpus_per_worker": 0.0} if args.device == "cpu" else {},
+                               "engine": {"model": {"source": args.model, "device": args.device},
                                           "scheduler": {"max_num_seqs": args.seats,
                                                         "policy": "priority" if policy else "fcfs"}}})
     server = await start_server(config)
@@ -98,7 +139,7 @@ async def _run(args: argparse.Namespace, policy: bool, tenants_file: str) -> dic
         return GrpcBackend(target, 0.0, ClientCredentials(api_key=KEYS[tenant] if policy else None),
                            priority if policy else 0)
 
-    interactive, flood = backend("a", -1), {t: backend(t, 1) for t in KEYS}
+    interactive, flood = backend("i", -1), {t: backend(t, 1) for t in FLOOD}
     try:
         vocab = await interactive.vocab_size() or 32000
         out = args.output_len
@@ -114,20 +155,23 @@ async def _run(args: argparse.Namespace, policy: bool, tenants_file: str) -> dic
         hops_alone = recorder.hops_ms(-1 if policy else 0)
         recorder.reports.clear()
         until = time.perf_counter() + args.duration_s
-        every_s = 1.0 / (args.flood_factor * capacity_rps) * len(KEYS)  # each tenant half the flood
-        floods = [_stream(flood[t], random_requests(10_000, args.prompt_len, out, vocab, seed=3 + i), every_s, until)
-                  for i, t in enumerate(KEYS)]
+        fractions = {"a": args.tenant_a_fraction, "b": 1.0 - args.tenant_a_fraction}
+        floods = [_stream(flood[t], random_requests(10_000, args.prompt_len, out, vocab, seed=3 + i),
+                          1.0 / (args.flood_factor * capacity_rps * fractions[t]), until)
+                  for i, t in enumerate(FLOOD)]
         loaded, *flooded = await asyncio.gather(_stream(interactive, asks, args.interactive_every_s, until), *floods)
     finally:
         for b in (interactive, *flood.values()):
             await b.close()
         await server.stop()
         ray.shutdown()
-    tokens = {t: sum(r.output_tokens for r in rs) for t, rs in zip(KEYS, flooded)}
-    served = dict(tokens, a=tokens["a"] + sum(r.output_tokens for r in loaded))  # the interactive stream is a's
-    refused = {t: sum(bool(r.error) for r in rs) for t, rs in zip(KEYS, flooded)}
+    tokens = {t: sum(r.output_tokens for r in rs) for t, rs in zip(FLOOD, flooded)}
+    backlogged, window_s = backlog_share(dict(zip(FLOOD, flooded)))
+    refused = {t: sum(bool(r.error) for r in rs) for t, rs in zip(FLOOD, flooded)}
     return {"capacity_rps": capacity_rps, "alone": alone, "loaded": loaded, "flood": [r for rs in flooded for r in rs],
-            "tokens": tokens, "served": served, "refused": refused, "hops_alone": hops_alone,
+            "by_tenant": dict(zip(FLOOD, flooded)),
+            "tokens": tokens, "backlogged": backlogged, "window_s": window_s, "refused": refused,
+            "hops_alone": hops_alone,
             "hops_loaded": recorder.hops_ms(-1 if policy else 0)}
 
 
@@ -138,24 +182,24 @@ async def main_async(args: argparse.Namespace) -> None:
         tenants_file.write_text(f"tenants:\n{entries}")
         rows = [(policy, await _run(args, policy, str(tenants_file))) for policy in (False, True)]
     print(f"\n{args.seats} seats, queue {args.max_waiting}, flood {args.flood_factor}x capacity for "
-          f"{args.duration_s:g} s, prompts {args.prompt_len} tokens, outputs {args.output_len}, model {args.model}; "
+          f"{args.duration_s:g} s ({args.tenant_a_fraction:.0%} of it tenant a's), prompts {args.prompt_len} tokens, "
+          f"outputs {args.output_len}, model {args.model} on {args.device}; {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f} at the end")
     print("| policy | capacity req/s | interactive alone TTFT p50/p99 ms | interactive under flood p50/p99 ms "
-          "| interactive refused | flood TTFT p50/p99 ms | flood refused a/b | flood tokens a/b (a's share) "
-          "| all tokens a/b (a's share) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| **p99 ratio** | interactive refused | flood TTFT p50/p99 ms | flood refused a/b "
+          "| flood tokens a/b, whole run | **both backlogged: tokens a/b (a's share)**, window s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for policy, r in rows:
-        tokens, refused = r["tokens"], r["refused"]
-        share = tokens["a"] / max(1, tokens["a"] + tokens["b"])
-        served = r["served"]
-        all_share = served["a"] / max(1, served["a"] + served["b"])
+        tokens, refused, backlogged = r["tokens"], r["refused"], r["backlogged"]
+        share = backlogged["a"] / max(1.0, backlogged["a"] + backlogged["b"])
         loaded = r["loaded"]
         print(f"| {'priority + tenants' if policy else 'fcfs'} | {r['capacity_rps']:.2f} "
               f"| {_ms(r['alone'], 50):.0f} / {_ms(r['alone'], 99):.0f} "
-              f"| {_ms(loaded, 50):.0f} / {_ms(loaded, 99):.0f} "
+              f"| {_ms(loaded, 50):.0f} / {_ms(loaded, 99):.0f} | {_ms(loaded, 99) / _ms(r['alone'], 99):.1f}x "
               f"| {sum(bool(x.error) for x in loaded)} of {len(loaded)} "
               f"| {_ms(r['flood'], 50):.0f} / {_ms(r['flood'], 99):.0f} | {refused['a']} / {refused['b']} "
-              f"| {tokens['a']} / {tokens['b']} ({share:.0%}) | {served['a']} / {served['b']} ({all_share:.0%}) |")
+              f"| {tokens['a']} / {tokens['b']} | {backlogged['a']:.0f} / {backlogged['b']:.0f} ({share:.0%}), "
+              f"{r['window_s']:.1f} |")
     for policy, r in rows:
         errors = sorted({str(x.error)[:100] for x in r["loaded"] if x.error})
         print(f"interactive refusals, {'priority + tenants' if policy else 'fcfs'}: {errors or '-'}")
@@ -174,6 +218,8 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
+    ap.add_argument("--device", default="cpu", help="the workers' device (ModelConfig.device): cpu, auto, cuda")
+    ap.add_argument("--tenant-a-fraction", type=float, default=0.75, help="tenant a's part of the flood (b: the rest)")
     ap.add_argument("--seats", type=int, default=4, help="the decode worker's running seats (max_num_seqs)")
     ap.add_argument("--max-waiting", type=int, default=4, help="admission.max_waiting_per_worker")
     ap.add_argument("--flood-factor", type=float, default=3.0, help="the flood's rate, in multiples of capacity")
@@ -182,7 +228,10 @@ def main() -> None:
     ap.add_argument("--interactive-every-s", type=float, default=1.0)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=16)
-    asyncio.run(main_async(ap.parse_args()))
+    args = ap.parse_args()
+    if not 0.0 < args.tenant_a_fraction < 1.0:
+        ap.error(f"--tenant-a-fraction must be in (0, 1), got {args.tenant_a_fraction}")
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

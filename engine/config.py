@@ -217,9 +217,11 @@ class SchedulerConfig:
         step N's tokens are read back (they feed N+1 on the device). A speculative step (K > 0)
         waits for the step before it; steps at K = 0 overlap.
     policy: "fcfs" or "priority" (vLLM's --scheduling-policy). Either way waiting sequences
-        go in priority order (`SamplingParams.priority`, lower first), then arrival; "priority"
-        also preempts lower-priority running sequences for a higher one that cannot be
-        admitted, and takes the lowest-priority one first when blocks run out (`engine/scheduler.py`).
+        go in priority order (`SamplingParams.priority`, lower first), then arrival, the tenants
+        of one priority by their weighted share (`engine/tenant_share.py`); "priority" also
+        takes each step's budget in priority order, preempts lower-priority running sequences
+        for a higher one that cannot be admitted, and takes the lowest-priority one first when
+        blocks run out (`engine/scheduler.py`).
     """
 
     max_num_batched_tokens: int = 2048

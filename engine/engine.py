@@ -148,7 +148,7 @@ class Engine:
         """
         self._check(req)
         self._check_unused(req.request_id)
-        self.handoff.check_seat(req.params.priority)
+        self.handoff.check_seat(req.params.priority, req.params.tenant, req.params.tenant_weight)
         seq = self._sequence(req)
         block_ids = self.handoff.reserve(seq)
         self.core.adopt(seq)

@@ -73,12 +73,13 @@ class KVHandoff:
 
     # Decode role: waiting for remote KV, then landing ---------------------
 
-    def check_seat(self, priority: int = 0) -> None:
-        """NoCapacity unless a sequence of `priority` may take a seat (`Scheduler.can_seat`: a
-        free one, or under the priority policy one that a lower-priority sequence gives up)."""
-        if not self._scheduler.can_seat(priority):
+    def check_seat(self, priority: int = 0, tenant: str = "", tenant_weight: float = 1.0) -> None:
+        """NoCapacity unless a sequence of `priority` and `tenant` may take a seat
+        (`Scheduler.can_seat`: a free one, or under the priority policy one that a sequence of
+        lower priority, or of a tenant over its share, gives up)."""
+        if not self._scheduler.can_seat(priority, tenant, tenant_weight):
             raise NoCapacity(f"all {self.config.scheduler.max_num_seqs} sequence slots are taken"
-                             + (" by requests of this priority or a higher one"
+                             + (" by requests of this priority or a higher one, this tenant's share among them"
                                 if self.config.scheduler.policy == "priority" else ""))
 
     def reserve(self, seq: Sequence) -> list[int]:

@@ -89,6 +89,11 @@ class SamplingParams:
     priority: who goes first where requests wait (vLLM's; lower first, any integer): the
         frontend's admission and the engines' schedulers (`SchedulerConfig.policy`). It changes
         no token.
+    tenant, tenant_weight: whose request it is and that tenant's weight in the fair share of
+        the engines' seats (`engine/tenant_share.py`: among waiting sequences of one priority,
+        the tenant running the fewest for its weight goes first). The frontend sets them from
+        the operator's tenants file; every frontend's requests meet in the engines, so the
+        share holds across frontends. They change no token.
     The penalties and the bias change what is sampled, not the log-probabilities returned
     (the model's own, as vLLM's default); `engine/penalties.py` applies them on the device.
     """
@@ -112,8 +117,13 @@ class SamplingParams:
     min_tokens: int = 0
     cache_salt: str | None = None
     priority: int = 0
+    tenant: str = ""
+    tenant_weight: float = 1.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.tenant_weight, bool) or not isinstance(self.tenant_weight, (int, float)) \
+                or not 0 < self.tenant_weight < float("inf"):
+            raise ValueError(f"tenant_weight must be a number > 0, got {self.tenant_weight!r}")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if self.cache_salt is not None and not 0 < len(self.cache_salt) <= 1024:

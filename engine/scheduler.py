@@ -8,7 +8,8 @@ allow. When blocks run out, the youngest running sequence is preempted: its
 blocks are freed and it is recomputed later.
 
 Requests have a priority (`SamplingParams.priority`, lower first, vLLM's): sequences wait
-in priority order, arrival order within one priority. With `SchedulerConfig.policy`
+in priority order, arrival order within one priority, except that of those of the head's
+priority the tenant running the fewest for its weight goes first (`tenant_share`). With `SchedulerConfig.policy`
 "priority" (vLLM's `--scheduling-policy priority`) a preemption takes the lowest-priority
 running sequence (the youngest among them) instead of the youngest, a waiting sequence
 that cannot be admitted (no seat, or too few blocks for its first chunk) preempts running
@@ -31,10 +32,11 @@ writes the block fields.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pdserve.engine import tenant_share
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason, Sequence, SequenceStatus, tokens_left
@@ -73,6 +75,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
+        self._waiting_tenants: Counter[str] = Counter()  # waiting sequences by tenant (`tenant_share`)
         self.running: list[Sequence] = []
         # RECEIVING: None while the KV is on its way, (first token, copy) once it is landing.
         self.receiving: dict[Sequence, tuple[int, KVReady] | None] = {}
@@ -98,19 +101,26 @@ class Scheduler:
         waiting (on a decode worker, only preempted ones, which go on when a seat is free)."""
         return len(self.running) + len(self.receiving) + len(self.waiting)
 
-    def can_seat(self, priority: int) -> bool:
-        """Whether a sequence of `priority` may take a seat (`reserve` on a decode worker): one
-        is free, or, under the priority policy, fewer than `max_num_seqs` of the seated ones are
-        of its priority or a higher one (those of lower priority give theirs up: `schedule`
-        preempts the lowest while more than `max_num_seqs` run). Seats stay bounded: at most
-        `max_num_seqs` are taken beyond `max_num_seqs` so."""
+    def can_seat(self, priority: int, tenant: str = "", tenant_weight: float = 1.0) -> bool:
+        """Whether a sequence of `priority` (and `tenant`) may take a seat (`reserve` on a decode
+        worker): one is free, or, under the priority policy, fewer than `max_num_seqs` of the
+        seated ones are of its priority or a higher one, or its tenant runs fewer than its share
+        of those of its priority (`tenant_share.under_share`): the lowest-priority one of the
+        tenant most over its share gives its seat up (`schedule` preempts while more than
+        `max_num_seqs` run). Seats stay bounded: at most `max_num_seqs` taken beyond it so."""
         seated, cap = self.num_seats_taken, self.config.max_num_seqs
         if seated < cap:
             return True
         if self.config.policy != "priority" or seated >= 2 * cap:
             return False
         mine = [*self.running, *self.receiving, *self.waiting]
-        return sum(s.params.priority <= priority for s in mine) < cap
+        if sum(s.params.priority <= priority for s in mine) < cap:
+            return True
+        if any(s.params.priority > priority for s in self.running):
+            return False  # a lower-priority one would be the victim: no share of this priority to take
+        peers = [(s.params.tenant, s.params.tenant_weight) for s in (*self.running, *self.receiving)
+                 if s.params.priority == priority]
+        return tenant_share.under_share(peers, tenant, tenant_weight)
 
     # Disaggregation ------------------------------------------------------
 
@@ -174,6 +184,13 @@ class Scheduler:
         else:
             i = next((i for i in range(len(waiting), 0, -1) if waiting[i - 1].params.priority <= priority), 0)
         waiting.insert(i, seq)
+        self._waiting_tenants[seq.params.tenant] += 1
+
+    def _unwait(self, seq: Sequence) -> None:
+        """`seq` left the waiting queue: out of the count by tenant."""
+        self._waiting_tenants[seq.params.tenant] -= 1
+        if not self._waiting_tenants[seq.params.tenant]:
+            del self._waiting_tenants[seq.params.tenant]
 
     def add_running(self, seq: Sequence) -> None:
         """Admit a sequence whose prompt KV is already in its blocks (received from a prefill worker)."""
@@ -184,6 +201,9 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         if self.config.policy == "priority":
+            # Higher-priority decode tokens before lower-priority prompt chunks in the budget
+            # (stable: arrival order within a priority, so `_victim` is unchanged).
+            self.running.sort(key=lambda s: s.params.priority)
             self._preempt_over_seats(batch)
             self._preempt_for_waiting(batch, budget)
         num_for_priority = len(batch.preempted)
@@ -194,9 +214,9 @@ class Scheduler:
 
     def _victim(self) -> Sequence:
         """The running sequence a preemption takes: the youngest, or under the priority policy
-        the youngest of the lowest priority."""
+        the youngest of the lowest priority's tenant most over its share (`tenant_share.victim`)."""
         if self.config.policy == "priority":
-            return max(reversed(self.running), key=lambda s: s.params.priority)
+            return tenant_share.victim(self.running)
         return self.running[-1]
 
     def _preempt_over_seats(self, batch: ScheduledBatch) -> None:
@@ -267,8 +287,10 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm = self.block_manager
+        running = tenant_share.load([*self.running, *self.receiving])
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            at = tenant_share.next_waiting(self.waiting, running, self._waiting_tenants)
+            seq = self.waiting[at]
             # A request that asks for its prompt's log-probabilities computes its whole prompt
             # (as vLLM does): cached blocks, in any tier, hold KV, not the logits of their positions.
             wants_logits = seq.params.prompt_logprobs is not None
@@ -284,7 +306,9 @@ class Scheduler:
             if not bm.allocate(seq, len(lower) * bm.block_size + num_new, prefix):
                 return
             batch.onboard += zip(seq.block_ids[len(prefix):len(prefix) + len(lower)], lower)
-            self.waiting.popleft()
+            del self.waiting[at]
+            self._unwait(seq)
+            running[seq.params.tenant] += 1
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
@@ -353,6 +377,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self._unwait(seq)
         elif seq.status is SequenceStatus.RECEIVING:
             del self.receiving[seq]
         if hold:

@@ -9,7 +9,8 @@ that it outranks, which is refused (RESOURCE_EXHAUSTED, with the retry hint, as 
 refuses) and aborted in the pools; an arrival that outranks none is refused itself. One request
 outranks another when its priority is higher, or when at the same priority its tenant is
 within its share of the capacity (capacity x its weight / the weights of the tenants with
-requests admitted) and the other's tenant is over its own. The victim: the lowest priority,
+requests admitted, max-min: what a tenant asking for less leaves goes to the others,
+`fair_shares`) and the other's tenant is over its own. The victim: the lowest priority,
 then the tenant most over its share, then the latest arrival. Inside the pools the seats and
 the engines' schedulers order the queued ones by priority too (`SeatLine`, `engine/scheduler.py`).
 """
@@ -86,11 +87,12 @@ class AdmissionQueue:
     def _over_share(self, tenant: Tenant, num_requests: int, capacity: int) -> set[str]:
         """The other tenants over their shares, if `tenant` with `num_requests` more is within its own."""
         weights = {name: self._weights[name] for name in self._admitted} | {tenant.name: tenant.weight}
-        total = sum(weights.values())
-        if len(weights) < 2 or self._admitted[tenant.name] + num_requests > capacity * tenant.weight / total:
+        demand = dict(self._admitted)
+        demand[tenant.name] = demand.get(tenant.name, 0) + num_requests
+        shares = fair_shares(capacity, demand, weights)
+        if len(weights) < 2 or demand[tenant.name] > shares[tenant.name]:
             return set()
-        return {name for name in self._admitted if name != tenant.name
-                and self._admitted[name] > capacity * weights[name] / total}
+        return {name for name in self._admitted if name != tenant.name and self._admitted[name] > shares[name]}
 
     def _load(self, name: str) -> float:
         return self._admitted[name] / self._weights[name]
@@ -99,3 +101,23 @@ class AdmissionQueue:
         self._admitted[name] -= 1
         if not self._admitted[name]:
             del self._admitted[name]
+
+
+def fair_shares(capacity: float, demand: dict[str, int], weights: dict[str, float]) -> dict[str, float]:
+    """Each tenant's weighted max-min fair share of `capacity`: a tenant that asks for less
+    than its weight's part gets what it asks, and what it leaves is shared by the others by
+    their weights (so a tenant with one request in does not hold a third of the places while
+    two others flood)."""
+    shares: dict[str, float] = {}
+    left, open_ = float(capacity), set(demand)
+    while open_:
+        total = sum(weights[t] for t in open_)
+        small = {t for t in open_ if demand[t] <= left * weights[t] / total}
+        if not small:
+            shares.update({t: left * weights[t] / total for t in open_})
+            break
+        for t in small:
+            shares[t] = float(demand[t])
+            left -= demand[t]
+        open_ -= small
+    return shares

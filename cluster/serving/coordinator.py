@@ -130,12 +130,18 @@ class Coordinator:
         undisturbed run's. At most `config.max_migrations` times, then WorkerUnavailable.
 
         `report`, if given, is filled in as the request runs (its KV transfers). `tenant`: whose
-        request it is (its share of the decode seats among requests of its priority).
+        request it is (its share of the decode seats among requests of its priority, here and,
+        carried in its params, in the prefill and decode engines).
 
         Raises WorkerUnavailable (TransportRefused: the pair's KV transport is refused),
         Overloaded or ValueError. Closing the iterator early (client cancel, deadline) aborts
         the request everywhere.
         """
+        if (req.params.tenant, req.params.tenant_weight) != (tenant.name, tenant.weight):
+            # The engines share their seats by tenant (`engine/tenant_share.py`): what holds the
+            # share across frontends, each of which sees only its own requests.
+            req = dataclasses.replace(req, params=dataclasses.replace(req.params, tenant=tenant.name,
+                                                                      tenant_weight=tenant.weight))
         generated: list[int] = []
         num_lost = num_refused = 0
         # The prompt tokens the request's prefill took from cache, as its first delta says

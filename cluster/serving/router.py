@@ -49,6 +49,7 @@ class KVClaim:
     reserved_at: float | None = None  # when the worker confirmed the reservation (event-loop time)
     priority: int = 0  # the request's (`SamplingParams.priority`, lower first)
     tenant: str = ""  # the request's tenant's name (`cluster/settings/tenants.py`)
+    tenant_weight: float = 1.0  # and its weight
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ from pdserve.cluster.serving.pools import Pool, Worker
 from pdserve.cluster.serving.router import KVClaim, PromptBlocks, RoutingPolicy
 from pdserve.cluster.settings.config import CoordinatorConfig
 from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant
+from pdserve.engine.tenant_share import under_share
 
 
 def may_wait(pool: Pool, migrated: bool, give_up: float) -> bool:
@@ -50,6 +51,9 @@ class SeatLine:
         self._tenant: dict[asyncio.Event, Tenant] = {}  # each waiting request's
         self._retried: set[asyncio.Event] = set()  # waiting retried requests: they keep their place
         self._seated: collections.Counter[str] = collections.Counter()  # decode seats by tenant name
+        # Decode seats given to each tenant since it last had none and none waiting: of tenants
+        # holding as many seats for their weights, the one given fewer goes first (`_head`).
+        self._granted: collections.Counter[str] = collections.Counter()
 
     def capacity(self) -> int:
         """Requests the pools take at once: per serving decode worker (healthy, not draining),
@@ -72,27 +76,38 @@ class SeatLine:
         blocks as they come; the engine preempts where they run out, as vLLM's does)."""
         return -(-num_prompt_tokens // self.block_size)
 
-    def fits(self, worker: Worker, need: int, priority: int = 0) -> bool:
+    def fits(self, worker: Worker, need: int, priority: int = 0, tenant: Tenant = DEFAULT_TENANT) -> bool:
         """Whether `worker` has a running seat for a request of `priority` and `need` KV blocks
         to reserve. A worker whose load is not known yet is tried: its engine's reservation
-        decides. With `preempt` a seat held by a request of lower priority counts as free: its
-        engine preempts that one (`Scheduler.can_seat`, the same rule), which waits there
-        holding its seat. At most `over_seats()` are seated so beyond the seats."""
+        decides. With `preempt` a seat held by a request of lower priority, or at its priority by
+        a tenant holding more than `tenant`'s share, counts as free: its engine preempts that one
+        (`Scheduler.can_seat`, the same rule), which waits there holding its seat. At most
+        `over_seats()` are seated so beyond the seats."""
         state = worker.state
         headroom = state.kv_headroom()
         if headroom is not None and need > headroom:
             return False
         if state.inflight < self.seats_per_worker:
             return True
-        return (self.preempt and state.inflight < self.seats_per_worker + self.over_seats()
-                and sum(c.priority <= priority for c in state.claims.values()) < self.seats_per_worker)
+        if not self.preempt or state.inflight >= self.seats_per_worker + self.over_seats():
+            return False
+        claims = state.claims.values()
+        if sum(c.priority <= priority for c in claims) < self.seats_per_worker:
+            return True
+        if any(c.priority > priority for c in claims):
+            return False
+        return under_share([(c.tenant, c.tenant_weight) for c in claims], tenant.name, tenant.weight)
 
     def over_seats(self) -> int:
         """Requests a decode worker seats beyond its running seats, in the places of preempted
         ones (`fits`): fewer than its queue, so that a full server always holds a request that
         has no token yet, which a higher-priority arrival may displace (`cluster/api/admission.py`),
-        and no more than the engine's own bound (`max_num_seqs`)."""
-        return min(self.seats_per_worker, self.max_waiting_per_worker - 1) if self.preempt else 0
+        and no more than the engine's own bound (`max_num_seqs`). A queue of one still gives one
+        (else no request would ever take a lower one's seat there): a full server then refuses a
+        higher-priority arrival, as one without priorities does, instead of displacing."""
+        if not self.preempt or self.max_waiting_per_worker < 1:
+            return 0
+        return min(self.seats_per_worker, max(1, self.max_waiting_per_worker - 1))
 
     async def take(self, request_id: str, need: int, front: bool, migrated: bool, give_up: float,
                    prompt: PromptBlocks, priority: int = 0, tenant: Tenant = DEFAULT_TENANT) -> Worker:
@@ -103,7 +118,8 @@ class SeatLine:
         ahead of all of its priority, a retried one), except that of the requests of the head's
         priority the one whose `tenant` holds the fewest decode seats for its weight goes
         first (`_head`: a weighted fair share); one that would wait
-        behind `max_queued()` others is refused at once (Overloaded). The head re-checks
+        behind `max_queued()` others (`_ahead`: those that go first by that rule, not those that
+        came first) is refused at once (Overloaded). The head re-checks
         whenever a seat or blocks are freed, the load is read, or `config.seat_recheck_s`
         passed (a replaced worker's seats). A draining worker takes no one. With no serving
         decode worker, waits while
@@ -125,7 +141,7 @@ class SeatLine:
                     serving = self.decode.serving()
                     if not serving and not may_wait(self.decode, migrated, give_up):
                         raise WorkerUnavailable("no healthy decode worker")
-                    free = [w for w in serving if self.fits(w, need, priority)]
+                    free = [w for w in serving if self.fits(w, need, priority, tenant)]
                     if free:
                         state = self.policy.choose([w.state for w in free], prompt)
                         worker = next(w for w in free if w.state is state)
@@ -133,7 +149,7 @@ class SeatLine:
                         return worker
                 # Refused when `max_queued()` others are ahead: one of higher priority goes ahead of
                 # the lower ones instead (the frontend refuses those: cluster/api/admission.py).
-                if not waited and self._line.index(me) >= self.max_queued():
+                if not waited and self._ahead(me) >= self.max_queued():
                     raise Overloaded(f"server is at its capacity: {self.max_queued()} requests are queued for a "
                                      f"decode seat or the KV blocks of one")
                 waited = True
@@ -142,6 +158,7 @@ class SeatLine:
                     await asyncio.wait_for(me.wait(), self.config.seat_recheck_s)
         finally:
             self._line.remove(me)
+            self._forget_if_idle(self._tenant[me].name)
             del self._priority[me], self._tenant[me]
             self._retried.discard(me)
             self.wake()
@@ -153,8 +170,10 @@ class SeatLine:
         worker's load shows it."""
         worker.state.inflight += 1
         if need is not None:
-            worker.state.claims[request_id] = KVClaim(need, priority=priority, tenant=tenant.name)
+            worker.state.claims[request_id] = KVClaim(need, priority=priority, tenant=tenant.name,
+                                                      tenant_weight=tenant.weight)
             self._seated[tenant.name] += 1
+            self._granted[tenant.name] += 1
 
     def reserved(self, worker: Worker, request_id: str) -> None:
         """`worker`'s engine holds `request_id`'s blocks: its loads asked for from now on show them."""
@@ -169,6 +188,7 @@ class SeatLine:
         claim = worker.state.claims.pop(request_id, None)
         if claim is not None:
             self._seated[claim.tenant] -= 1
+            self._forget_if_idle(claim.tenant)
         self.wake()
 
     def wake(self) -> None:
@@ -176,15 +196,37 @@ class SeatLine:
         if self._line:
             self._head().set()
 
+    def _ahead(self, me: asyncio.Event) -> int:
+        """The requests in line that go before `me` (`_head`'s rule): those of a higher priority,
+        retried ones, and those of its own whose tenants hold no more seats for their weights than
+        its tenant. A tenant under its share is not refused for the backlog of one over it."""
+        mine = self._load(me)
+        ahead = 0
+        for e in self._line:
+            if e is me:
+                return ahead
+            ahead += self._priority[e] < self._priority[me] or e in self._retried or self._load(e) <= mine
+        return ahead
+
+    def _load(self, e: asyncio.Event) -> tuple[float, float]:
+        """A waiting request's tenant's seats for its weight, then the seats it was given so."""
+        tenant = self._tenant[e]
+        return self._seated[tenant.name] / tenant.weight, self._granted[tenant.name] / tenant.weight
+
+    def _forget_if_idle(self, name: str) -> None:
+        """A tenant with no seat and no request in line starts afresh (`_granted`)."""
+        if not self._seated[name] and not any(self._tenant[e].name == name for e in self._line):
+            self._granted.pop(name, None)
+
     def _head(self) -> asyncio.Event:
         """The request that takes the next seat: the first in line (a retried one keeps its
         place) or, of those of the first one's priority, the first whose tenant holds the
-        fewest decode seats for its weight."""
+        fewest decode seats for its weight (of equals, the one given fewer since it had none)."""
         first = self._line[0]
         if first in self._retried:
             return first
         same = itertools.takewhile(lambda e: self._priority[e] == self._priority[first], self._line)
-        return min(same, key=lambda e: self._seated[self._tenant[e].name] / self._tenant[e].weight)
+        return min(same, key=self._load)
 
 
 @dataclass(eq=False, slots=True)

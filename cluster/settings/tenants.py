@@ -1,5 +1,7 @@
 """Tenants: who a request is for, from the API key it presents, and each tenant's weight in
-the frontend's fair share (`cluster/api/admission.py`).
+the fair shares: the frontend's admission (`cluster/api/admission.py`), its seat line
+(`cluster/serving/seats.py`) and the engines' schedulers (`engine/tenant_share.py`, the tenant
+carried in the request's `SamplingParams`), which hold the share across frontends.
 
 The operator's tenants file (`ServerConfig.tenants_file`, `--tenants-file`; YAML, a secret
 like the API key file, never logged):

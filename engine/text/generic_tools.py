@@ -6,9 +6,13 @@ format, as llama.cpp's server serves such templates.
   written in the answer's own shape and its `tool` turns as user turns holding a
   `{"tool_response": ...}` object, which any template renders.
 - The answer: one JSON object, constrained by a grammar to either calls or a reply:
-  `{"tool_call": {"name": ..., "arguments": {...}}}` (`{"tool_calls": [...]}` with
-  parallel_tool_calls) or `{"response": "..."}`. `required` and a named function leave only the
-  calls (to that function), `auto` both; `none` describes no tools and constrains nothing.
+  `{"tool_call": {"name": ..., "arguments": {...}}}` (with parallel_tool_calls, also
+  `{"tool_calls": [...]}` of at most MAX_PARALLEL_CALLS) or `{"response": "..."}`. `required`
+  and a named function leave only the calls (to that function), `auto` both; `none` describes
+  no tools and constrains nothing. The array is bounded because a small model at temperature 1
+  may never pick its closing `]` over one more call (the default model did, until its length
+  limit, CI of 2026-12-06); the one-call shape stays open with parallel calls since a history's
+  single call is written in it and the model follows its own history.
 - Reading it back: `GenericAnswerStream` (`tool_parsers.py`) streams a reply's text as content
   as it is written, and gives the calls once the object is complete.
 """
@@ -25,6 +29,7 @@ from pdserve.engine.text.tools import Function, ToolRequest
 REPLY_KEY = "response"
 CALL_KEY = "tool_call"
 CALLS_KEY = "tool_calls"
+MAX_PARALLEL_CALLS = 8
 
 
 def _allowed(tools: ToolRequest) -> list[Function]:
@@ -41,9 +46,10 @@ def answer_schema(tools: ToolRequest) -> dict[str, Any]:
     call = {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name},
                                                          "arguments": json.loads(f.parameters)},
                        "required": ["name", "arguments"]} for f in _allowed(tools)]}
-    calls = ({"type": "object", "properties": {CALLS_KEY: {"type": "array", "items": call, "minItems": 1}},
-              "required": [CALLS_KEY]} if _parallel(tools) else
-             {"type": "object", "properties": {CALL_KEY: call}, "required": [CALL_KEY]})
+    calls: dict[str, Any] = {"type": "object", "properties": {CALL_KEY: call}, "required": [CALL_KEY]}
+    if _parallel(tools):
+        array = {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
+        calls = {"anyOf": [calls, {"type": "object", "properties": {CALLS_KEY: array}, "required": [CALLS_KEY]}]}
     if tools.forced:
         return calls
     reply = {"type": "object", "properties": {REPLY_KEY: {"type": "string"}}, "required": [REPLY_KEY]}
@@ -57,8 +63,10 @@ def structured(tools: ToolRequest) -> StructuredOutput:
 def system_prompt(tools: ToolRequest) -> str:
     """What the model is told of the tools and of the answer's shape."""
     described = [f.template_tool()["function"] for f in _allowed(tools)]
-    call = ('{"tool_calls": [{"name": <tool name>, "arguments": <its arguments>}, ...]}' if _parallel(tools) else
-            '{"tool_call": {"name": <tool name>, "arguments": <its arguments>}}')
+    call = '{"tool_call": {"name": <tool name>, "arguments": <its arguments>}}'
+    if _parallel(tools):
+        call += (f' (or, for several calls at once, at most {MAX_PARALLEL_CALLS}: '
+                 '{"tool_calls": [{"name": <tool name>, "arguments": <its arguments>}, ...]})')
     if tools.choice == "function":
         how = f"Call the tool {tools.function_name} with one JSON object: {call}"
     elif tools.forced:

@@ -217,12 +217,16 @@ class ToolCallStream:
 
 
 _REPLY_START = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+_CALLS_START = re.compile(r'\s*\{\s*"tool_calls?"')
 
 
 class GenericAnswerStream:
     """One generic-format answer (`generic_tools.py`) -> content and calls: a reply's text is
     content as it is written (its JSON string decoded piece by piece); calls come once the
-    object is complete; an answer that is neither (cut by its length) is the text it was."""
+    object is complete. An answer cut by its length inside its calls gives neither calls nor
+    content (a half-written call is no call, and its JSON is no reply to show a user: the
+    finish_reason "length" says why); one that is neither shape (no grammar held it) is the
+    text it was."""
 
     def __init__(self) -> None:
         self._text = ""
@@ -241,7 +245,7 @@ class GenericAnswerStream:
             calls = _generic_calls(self._text)
             if calls:
                 out.calls, self.num_calls = calls, len(calls)
-            else:
+            elif _CALLS_START.match(self._text) is None:
                 out.content = self._text
         return out
 

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.cluster.clients.credentials import ClientCredentials
 from pdserve.cluster.clients.grpc_client import Client
 from pdserve.engine.sampling import SamplingParams
 
@@ -57,9 +58,9 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
         time.sleep(0.1)
 
 
-def pools_are_full(target: str) -> bool:
+def pools_are_full(target: str, credentials: ClientCredentials | None = None) -> bool:
     """Every worker has all its KV blocks free and nothing running (from GetServerInfo)."""
-    with Client(target) as client:
+    with Client(target, credentials) as client:
         info = client.server_info()
     return all(w.healthy and w.free_kv_blocks == w.total_kv_blocks and w.running == 0 and w.waiting == 0
                for w in info.workers)

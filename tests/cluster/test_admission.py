@@ -204,12 +204,90 @@ def test_where_engines_preempt_a_higher_priority_request_takes_a_lower_ones_seat
         c.free(worker, "low0")
         await _settle()
         assert high2.done() and worker.state.inflight == 3
+        one = _line(num_blocks=100, seats=1, max_waiting=1, preempt=True)  # a queue of one still preempts
+        worker = await _seat(one, "low", 2, priority=1)
+        assert await asyncio.wait_for(_seat(one, "high", 2, priority=-1), 30) is worker and worker.state.inflight == 2
         fcfs = _line(num_blocks=100, seats=1, max_waiting=1)
         await _seat(fcfs, "low", 2, priority=1)
         high = asyncio.create_task(_seat(fcfs, "high", 2, priority=-1))
         await _settle()
         assert not high.done(), "engines that do not preempt: a seat is free only once its request ends"
         high.cancel()
+        await _settle()
+
+    asyncio.run(scenario())
+
+
+def test_a_tenant_under_its_share_is_not_refused_for_anothers_queue():
+    """The line's bound counts those that go first (`_head`'s rule), not those that came first:
+    with a's requests filling the queue, b's (no seat held) would go before them and is taken."""
+    async def scenario() -> None:
+        a, b = Tenant("a"), Tenant("b")
+        c = _line(num_blocks=100, seats=2, max_waiting=2)
+        worker = await _seat(c, "a0", 2, tenant=a)
+        await _seat(c, "a1", 2, tenant=a)
+        queued = [asyncio.create_task(_seat(c, f"a{i}", 2, tenant=a)) for i in (2, 3)]
+        await _settle()
+        with pytest.raises(Overloaded):
+            await _seat(c, "a4", 2, tenant=a)
+        b0 = asyncio.create_task(_seat(c, "b0", 2, tenant=b))
+        await _settle()
+        assert not b0.done() and c.num_queued == 3
+        c.free(worker, "a0")
+        await _settle()
+        assert b0.done() and not any(q.done() for q in queued)
+        for q in queued:
+            q.cancel()
+        await _settle()
+
+    asyncio.run(scenario())
+
+
+def test_of_tenants_holding_as_many_seats_the_one_given_fewer_goes_first():
+    """One seat; a was given two while it stayed backlogged, b none: when the seat frees (each
+    tenant then holds none) b's request takes it, though a's waited longer (else every tie goes
+    to the tenant that floods, whose requests are always the oldest)."""
+    async def scenario() -> None:
+        a, b = Tenant("a"), Tenant("b")
+        c = _line(num_blocks=100, seats=1, max_waiting=8)
+        worker = await _seat(c, "a0", 2, tenant=a)
+        a1 = asyncio.create_task(_seat(c, "a1", 2, tenant=a))
+        await _settle()
+        c.free(worker, "a0")
+        await _settle()
+        assert a1.done()  # a was given 2 seats, and stays backlogged:
+        a2 = asyncio.create_task(_seat(c, "a2", 2, tenant=a))
+        await _settle()
+        b0 = asyncio.create_task(_seat(c, "b0", 2, tenant=b))
+        await _settle()
+        c.free(worker, "a1")
+        await _settle()
+        assert b0.done() and not a2.done()
+        c.free(worker, "b0")
+        await _settle()
+        assert a2.done()
+
+    asyncio.run(scenario())
+
+
+def test_where_engines_preempt_a_tenant_under_its_share_takes_a_seat_of_one_over_it():
+    """The engines' rule (`Scheduler.can_seat`, `tenant_share.under_share`) in the seat line: a
+    holds both seats at b's priority; b's request is seated over them (the engine preempts one
+    of a's), b's second is not (1 + 1 is not fewer than a's 2); without preemption b waits."""
+    async def scenario() -> None:
+        a, b = Tenant("a"), Tenant("b")
+        c = _line(num_blocks=100, seats=2, max_waiting=3, preempt=True)
+        worker = await _seat(c, "a0", 2, tenant=a)
+        await _seat(c, "a1", 2, tenant=a)
+        assert await asyncio.wait_for(_seat(c, "b0", 2, tenant=b), 30) is worker and worker.state.inflight == 3
+        b1 = asyncio.create_task(_seat(c, "b1", 2, tenant=b))
+        fcfs = _line(num_blocks=100, seats=1, max_waiting=3)
+        await _seat(fcfs, "a0", 2, tenant=a)
+        b_fcfs = asyncio.create_task(_seat(fcfs, "b0", 2, tenant=b))
+        await _settle()
+        assert not b1.done() and not b_fcfs.done()
+        for t in (b1, b_fcfs):
+            t.cancel()
         await _settle()
 
     asyncio.run(scenario())

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from pdserve.cluster.api.admission import fair_shares
 from pdserve.cluster.api.frontend import Frontend, RequestFailed, Status
 from pdserve.cluster.serving.metrics import Metrics
 from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant, Tenants
@@ -164,6 +165,38 @@ def test_weights_set_the_shares():
         assert [isinstance(r, RequestFailed) for r in results] == [False, True, True, True, False, False, False, True]
 
     asyncio.run(scenario())
+
+
+def test_what_a_tenant_asking_little_leaves_goes_to_the_others():
+    """Three tenants of equal weight on 8 places: chat holds 1, so a and b share the other 7
+    (3.5 each), not a third of 8 (2.67) each: b's third arrival still displaces one of a's."""
+    async def scenario() -> None:
+        front = frontend(capacity=8)
+        chat, a, b = Tenant("chat"), Tenant("a"), Tenant("b")
+        tasks = [asyncio.create_task(run(front, 0, chat, key=0))]
+        tasks += [asyncio.create_task(run(front, 0, a, key=10 + i)) for i in range(7)]  # every place taken
+        await settle()
+        tasks += [asyncio.create_task(run(front, 0, b, key=20 + i)) for i in range(3)]
+        await settle()
+        assert front.coordinator.aborted == [16, 15, 14]  # a's latest, down to its 4 (> 3.5 until then)
+        assert isinstance(await run(front, 0, b, key=23), RequestFailed)  # b's 4th: over 3.5
+        for key in (0, 10, 11, 12, 13, 20, 21, 22):
+            front.coordinator.go[key].set()
+            front.coordinator.done[key].set()
+        results = await asyncio.gather(*tasks)
+        assert sum(isinstance(r, RequestFailed) for r in results) == 3 and front.inflight == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("demand, weights, want", [
+    ({"a": 9, "b": 9}, {"a": 1, "b": 1}, {"a": 4.0, "b": 4.0}),
+    ({"a": 9, "b": 1, "c": 9}, {"a": 1, "b": 1, "c": 1}, {"a": 3.5, "b": 1.0, "c": 3.5}),
+    ({"a": 9, "b": 9}, {"a": 3, "b": 1}, {"a": 6.0, "b": 2.0}),
+    ({"a": 1, "b": 2}, {"a": 1, "b": 1}, {"a": 1.0, "b": 2.0}),
+])
+def test_fair_shares_are_weighted_max_min(demand, weights, want):
+    assert fair_shares(8, demand, weights) == want
 
 
 def test_the_tenants_file_names_a_requests_tenant_by_its_key(tmp_path):

@@ -175,8 +175,9 @@ def test_a_low_priority_prompt_in_chunks_yields_its_steps_to_a_higher_one(policy
         return
     assert batch.seqs == [high] and not batch.preempted, "the low prompt keeps its blocks and waits a step"
     complete(sched, batch)
-    batch = sched.schedule()  # nobody of higher priority waits: the prompt goes on from where it was
-    assert batch.seqs[0] is long and batch.num_new_tokens[0] == 16 and long.num_computed_tokens == 16
+    batch = sched.schedule()  # nobody of higher priority waits: the prompt goes on from where it was,
+    # after the higher priority's decode token (which came second, but the budget is taken in priority order)
+    assert batch.seqs == [high, long] and batch.num_new_tokens == [1, 15] and long.num_computed_tokens == 16
 
 
 def test_priority_policy_preempts_for_blocks_too():

@@ -11,6 +11,8 @@ import pytest
 
 from pdserve.cluster.api import openai_models as m
 from pdserve.cluster.api.openai_protocol import chat_choices
+from pdserve.engine.grammar import StructuredOutputs
+from pdserve.engine.text.generic_tools import MAX_PARALLEL_CALLS
 from pdserve.engine.text.request_processor import RequestProcessor
 from pdserve.engine.text.tool_parsers import GENERIC_FORMAT, ToolCallStream
 from tests.engine.grammar_cases import validates
@@ -71,6 +73,23 @@ def test_each_choice_has_its_grammar(tokenizer):
     assert "get_weather" not in tokenizer.decode(named.prompt_token_ids)  # only the named tool is told
 
 
+def test_parallel_calls_are_bounded_and_one_call_keeps_its_shape(tokenizer):
+    """An unbounded array let the default model write calls until its length limit (CI): at
+    most MAX_PARALLEL_CALLS, and the one-call shape a history's single call is written in."""
+    auto = schema(chat(processor(tokenizer), messages=HISTORY, tools=TOOLS))
+    call = {"name": "get_time", "arguments": {"tz": "UTC"}}
+    assert validates(json.dumps({"tool_call": call}), auto) and validates(json.dumps({"response": "Hi."}), auto)
+    assert validates(json.dumps({"tool_calls": [call] * MAX_PARALLEL_CALLS}), auto)
+    assert not validates(json.dumps({"tool_calls": [call] * (MAX_PARALLEL_CALLS + 1)}), auto)
+    assert not validates(json.dumps({"tool_calls": []}), auto)
+    # The grammar the engine compiles holds the same bound (xgrammar reads maxItems).
+    grammar = StructuredOutputs(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    structured = chat(processor(tokenizer), messages=HISTORY, tools=TOOLS).params.structured
+    for n, accepted in ((MAX_PARALLEL_CALLS, True), (MAX_PARALLEL_CALLS + 1, False)):
+        text = json.dumps({"tool_calls": [call] * n}, separators=(",", ":"))
+        assert grammar._new_matcher(structured).accept_string(text) is accepted
+
+
 def test_refused_when_the_operator_turns_the_fallback_off_or_with_response_format(tokenizer):
     with pytest.raises(ValueError, match="tools: the chat template of model 'smol' does not render tools"):
         chat(processor(tokenizer, generic=False), messages=[ASK], tools=TOOLS, tool_choice="required")
@@ -98,14 +117,15 @@ def test_a_reply_streams_as_its_decoded_text(reply):
     assert stream.add('{"response":"Sunny').content == "Sunny"
 
 
-def test_calls_come_whole_and_a_broken_answer_stays_text():
+def test_calls_come_whole_and_a_cut_call_is_neither_call_nor_text():
     one = '{"tool_call":{"name":"get_weather","arguments":{"city":"Paris"}}}'
     content, calls = streamed(one)
     assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
     two = '{"tool_calls":[{"name":"a","arguments":{}},{"name":"b","arguments":{"x":1}}]}'
     assert [c.name for c in streamed(two)[1]] == ["a", "b"]
-    cut = '{"tool_call":{"name":"get_weather","argu'
-    assert streamed(cut) == (cut, [])
+    for cut in ('{"tool_call":{"name":"get_weather","argu', two[:-3]):
+        assert streamed(cut) == ("", [])
+    assert streamed("Sunny.") == ("Sunny.", [])  # not the format's JSON (no grammar held it): the text
 
 
 @pytest.mark.slow
