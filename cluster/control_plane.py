@@ -64,7 +64,7 @@ class ControlPlane:
         metrics = Metrics()
         self.worker_set = WorkerSet(prefill, decode, config.pools.routing, config.engine.cache.block_size, metrics,
                                     config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker,
-                                    config.coordinator, config.router, reader=READER)
+                                    config.coordinator, config.router, reader=READER, places_requests=False)
         await self.worker_set.start(config.health.interval_s)
         self.elastic = Elastic(self.worker_set, config.drain)
         if self.metrics_port:

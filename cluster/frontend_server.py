@@ -68,7 +68,8 @@ async def start_frontend(config: ServeConfig, control_plane: Any, frontend_id: s
     worker_set = WorkerSet(prefill, decode, config.pools.routing, config.engine.cache.block_size, metrics,
                            config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker,
                            config.coordinator, config.router, reader=frontend_id,
-                           preempt_seats=config.engine.scheduler.policy == "priority")
+                           preempt_seats=config.engine.scheduler.policy == "priority",
+                           lease_renew_s=config.worker.frontend_lease_s / 4)
     await worker_set.start(health.interval_s)
     coordinator = Coordinator(worker_set, config.engine.cache.block_size, metrics, config.coordinator)
     processor = setup.processor(config, await worker_set.max_model_len())

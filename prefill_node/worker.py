@@ -1,4 +1,11 @@
-"""The prefill worker, a plain class that the cluster runs as a Ray actor."""
+"""The prefill worker, a plain class that the cluster runs as a Ray actor.
+
+A named frontend (`engine.messages.request_owner`) renews its lease here with `renew_lease`
+(every quarter lease, a call that never waits for the engine) and with each prefill it
+places; one silent for `WorkerConfig.frontend_lease_s` is taken for dead, and its prefills
+still running here are cut: computing or sending, each stops the way a cancelled call does
+(its send stopped, its request aborted, its blocks released), so a dead frontend's prompts
+neither hold blocks nor take the engine's steps from live ones."""
 
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ import torch
 from pdserve.engine.config import EngineConfig, WorkerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.loop import LoopConfig, LoopWorker, log_failure
-from pdserve.engine.messages import KVTransferInfo, PrefillOutput, PrefillTimes, WorkerRequest
+from pdserve.engine.messages import KVTransferInfo, PrefillOutput, PrefillTimes, WorkerRequest, request_owner
 from pdserve.engine.outputs import TokenDelta
 from pdserve.engine.sequence import FinishReason, tokens_left
 from pdserve.kv_transport import PeerAddress, TransferResult, TransportConfig
@@ -36,7 +43,11 @@ class PrefillWorker(LoopWorker):
         self._peers: dict[str, PeerAddress] = {}  # where each request in prefill sends its KV
         self._sends: dict[str, asyncio.Task[TransferResult]] = {}  # started before the first token
         self._pump: asyncio.Task | None = None
+        self._reaper: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._lease_seen: dict[str, float] = {}  # each named frontend's last renewal (loop time)
+        self._calls: dict[str, asyncio.Task] = {}  # each prefill call's task, to cut a dead frontend's
+        self.lease_cuts: dict[str, int] = {}  # prefills cut per frontend whose lease ran out
 
     async def start(self) -> None:
         from pdserve.kv_transport.node import on_this_node
@@ -46,6 +57,7 @@ class PrefillWorker(LoopWorker):
         pool = PoolShards(engine.kv_shards, engine.kv_wire_layout.num_kv_heads)  # every rank's, under TP
         self._sender = UcxKVSender(pool, engine.kv_wire_layout, on_this_node(self._transport))
         self._pump = asyncio.create_task(self._pump_deltas())
+        self._reaper = asyncio.create_task(self._reap())
         self._loop = asyncio.get_running_loop()
         engine.set_kv_computed_callback(self._kv_computed)
 
@@ -73,6 +85,17 @@ class PrefillWorker(LoopWorker):
         it travels while the first token is sampled). The blocks are released (full ones
         stay in the prefix cache) whatever happens; a failed send raises its TransferError."""
         called = time.perf_counter()
+        rid = req.request_id
+        owner = request_owner(rid)
+        if owner:
+            self._lease_seen[owner] = asyncio.get_running_loop().time()
+            self._calls[rid] = asyncio.current_task()
+        try:
+            return await self._prefill(req, decode_peer, called)
+        finally:
+            self._calls.pop(rid, None)
+
+    async def _prefill(self, req: WorkerRequest, decode_peer: PeerAddress | None, called: float) -> PrefillOutput:
         rid = req.request_id
         waiter: asyncio.Future[TokenDelta] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = waiter
@@ -132,6 +155,32 @@ class PrefillWorker(LoopWorker):
             await asyncio.gather(sending, return_exceptions=True)  # a copy in flight finishes first
         self._sender.forget(rid)  # a no-op once sent
 
+    async def renew_lease(self, frontend: str) -> None:
+        """`frontend` is alive: its prefills here go on (never waits for the engine)."""
+        self._lease_seen[frontend] = asyncio.get_running_loop().time()
+
+    async def expired_leases(self) -> dict[str, int]:
+        """The frontends whose lease ran out here, and how many of their prefills were cut."""
+        return dict(self.lease_cuts)
+
+    async def _reap(self) -> None:
+        """Cut the prefills of frontends whose lease ran out (they died, or lost us)."""
+        lease_s = self._config.frontend_lease_s
+        while True:
+            await asyncio.sleep(min(1.0, lease_s / 4))
+            now = asyncio.get_running_loop().time()
+            for owner in [o for o, seen in self._lease_seen.items() if now - seen > lease_s]:
+                del self._lease_seen[owner]
+                self.kv_readers.forget(owner)
+                cut = [rid for rid in self._calls if request_owner(rid) == owner]
+                if not cut:
+                    continue
+                logger.warning("prefill worker %s: frontend %r renewed no lease for %g s: cutting its %d prefill(s)",
+                               self.worker_id, owner, lease_s, len(cut))
+                self.lease_cuts[owner] = self.lease_cuts.get(owner, 0) + len(cut)
+                for rid in cut:
+                    self._calls.pop(rid).cancel()
+
     async def node_id(self) -> str:
         """The Ray node this worker runs on."""
         import ray
@@ -139,8 +188,9 @@ class PrefillWorker(LoopWorker):
         return ray.get_runtime_context().get_node_id()
 
     async def shutdown(self) -> None:
-        if self._pump is not None:
-            self._pump.cancel()
+        for task in (self._pump, self._reaper):
+            if task is not None:
+                task.cancel()
         if self._sender is not None:
             await self._sender.close()
         self.loop.stop()

@@ -73,7 +73,8 @@ class RoleSummary:
 class WorkerSet:
     def __init__(self, prefill: Pool | None, decode: Pool, routing: str, block_size: int, metrics: Metrics,
                  seats_per_worker: int, max_waiting_per_worker: int, config: CoordinatorConfig | None = None,
-                 router: RouterConfig | None = None, reader: str = "", preempt_seats: bool = False) -> None:
+                 router: RouterConfig | None = None, reader: str = "", preempt_seats: bool = False,
+                 lease_renew_s: float = 0.0, places_requests: bool = True) -> None:
         self.prefill = prefill  # None: colocated, decode workers prefill themselves
         self.decode = decode
         self.metrics = metrics
@@ -89,6 +90,12 @@ class WorkerSet:
         # Whose view this is: a frontend's id (its streams and KV-event cursor on the workers), or
         # the control plane's; "" for a single server's.
         self.reader = reader
+        # places_requests: False for the control plane's view, which places none: it polls no
+        # decode worker's deltas (a long poll of an empty outbox per worker, for nothing).
+        self.places_requests = places_requests
+        # A named frontend renews its lease on the prefill workers this often (0: no lease:
+        # a single server's, or the control plane's); its decode workers' lease rides on its polls.
+        self.lease_renew_s = lease_renew_s
         self.streams = TokenStreams(decode, config.poll_wait_s, reader)
         for pool in self.pools():
             pool.on_lost = self._lost
@@ -104,10 +111,11 @@ class WorkerSet:
 
     async def start(self, health_interval_s: float) -> None:
         await start_pools(self.pools())  # all or none: a failed start leaves no worker running
-        for w in self.decode.workers:
-            self.streams.follow(w)
+        self._follow_streams()
         self._tasks = [asyncio.create_task(self._health_loop(health_interval_s)),
                        asyncio.create_task(self._load_loop())]
+        if self.lease_renew_s and self.reader and self.prefill is not None:
+            self._tasks.append(asyncio.create_task(self._lease_loop()))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -231,7 +239,7 @@ class WorkerSet:
         pool = self._pool(role)
         worker = await pool.add()
         if pool is self.decode:
-            self.streams.follow(worker)
+            self._follow_streams()
             self.seats.wake()  # a request waiting for a seat may take one there
         return WorkerInfo.of(worker)
 
@@ -304,9 +312,23 @@ class WorkerSet:
             await asyncio.sleep(interval_s)
             for pool in self.pools():
                 await pool.check()
+            self._follow_streams()
+
+    def _follow_streams(self) -> None:
+        if self.places_requests:
             for w in self.decode.workers:
                 if w.state.healthy:
                     self.streams.follow(w)
+
+    async def _lease_loop(self) -> None:
+        """Renew this frontend's lease on every prefill worker, each call on its own (bounded by
+        the period: a worker that does not answer delays no other's renewal)."""
+        assert self.prefill is not None
+        while True:
+            calls = [w.actor.renew_lease.remote(self.reader) for w in self.prefill.healthy()]
+            if calls:
+                await asyncio.wait([asyncio.ensure_future(c) for c in calls], timeout=self.lease_renew_s)
+            await asyncio.sleep(self.lease_renew_s)
 
     async def _load_loop(self) -> None:
         while True:
