@@ -1,7 +1,10 @@
 """Frontend processes' throughput, and how it grows from 1 to N frontends, in one run.
 
     python -m benchmarks.frontend [--frontends 1,2] [--concurrency 32] [--num-requests 96]
-                                  [--output-len 128] [--num-decode 1]
+                                  [--output-len 128] [--num-decode 1] [--model DIR]
+    python -m benchmarks.frontend --save-model DIR   # the tiny model, for a machine without the default's
+
+On the device machine's 16 CPU cores: `benchmarks/device_cpu_frontends.sh` (Ray from carried wheels).
 
 A scaled-out server (`pdserve serve --frontends N`: a control plane and N frontend processes)
 over colocated workers of a tiny random Llama (1 layer, hidden 64) that carries the default
@@ -12,7 +15,8 @@ limits. For each N, one client per frontend (gRPC, `pdserve bench`'s backend, at
 of random prompt ids at once, all frontends driven together. Prints per N: requests/s,
 streamed tokens/s and chunks/s per frontend and in all, tokens per chunk (above 1 where
 streams fell behind and their deltas were merged), and the total against N = 1 measured in
-the same run. The clients run in this process: on a machine of few cores they compete with
+the same run. Each frontend's client runs in a process of its own (one client process for
+all would be the limit before N frontends are); on a machine of few cores they compete with
 the frontends and workers for the same CPUs (the load average is printed).
 """
 
@@ -20,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import tempfile
 import time
 import uuid
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from pdserve.cluster.bench.backends import GrpcBackend, RequestResult
@@ -51,7 +57,28 @@ def tiny_model(folder: Path) -> Path:
     return folder
 
 
-async def one_size(model: Path, num_frontends: int, args: argparse.Namespace) -> list[tuple[float, float, float, int]]:
+def drive(target: str, seed: int, num_requests: int, prompt_len: int, output_len: int,
+          concurrency: int) -> tuple[float, float, float, int]:
+    """One frontend's client, in a process of its own: (requests/s, tokens/s, chunks/s, failed)."""
+    async def run() -> tuple[float, float, float, int]:
+        backend = GrpcBackend(target, temperature=0.0)
+        try:
+            vocab = await backend.vocab_size()
+            await run_load(backend, random_requests(4, prompt_len, 8, vocab, seed=99), LoadShape(), progress=False)
+            done = await run_load(backend, random_requests(num_requests, prompt_len, output_len, vocab, seed=seed),
+                                  LoadShape(max_concurrency=concurrency), progress=False)
+        finally:
+            await backend.close()
+        ok: list[RequestResult] = [r for r in done.results if r.ok]
+        tokens, chunks = sum(r.output_tokens for r in ok), sum(len(r.chunk_times) for r in ok)
+        seconds = done.duration_s
+        return len(ok) / seconds, tokens / seconds, chunks / seconds, len(done.results) - len(ok)
+
+    return asyncio.run(run())
+
+
+async def one_size(model: Path, num_frontends: int, args: argparse.Namespace,
+                   clients: ProcessPoolExecutor) -> list[tuple[float, float, float, int]]:
     """(requests/s, tokens/s, chunks/s, failed) per frontend, driven together."""
     config = config_from_dict({
         "engine": {"model": {"source": str(model), "device": "cpu", "dtype": "float32"},
@@ -61,39 +88,26 @@ async def one_size(model: Path, num_frontends: int, args: argparse.Namespace) ->
         "admission": {"max_waiting_per_worker": 4096},
         "ray": {"namespace": f"bench-frontend-{uuid.uuid4().hex[:8]}"}})
     scaled = await start_scaled_out(config)
-    backends = [GrpcBackend(f"127.0.0.1:{f.port}", temperature=0.0) for f in scaled.infos]
+    loop = asyncio.get_running_loop()
     try:
-        vocab = await backends[0].vocab_size()
-        warm = random_requests(4, args.prompt_len, 8, vocab, seed=99)
-        await asyncio.gather(*(run_load(b, warm, LoadShape(), progress=False) for b in backends))
-        runs = await asyncio.gather(*(
-            run_load(b, random_requests(args.num_requests, args.prompt_len, args.output_len, vocab, seed=i),
-                     LoadShape(max_concurrency=args.concurrency), progress=False)
-            for i, b in enumerate(backends)))
+        return list(await asyncio.gather(*(
+            loop.run_in_executor(clients, drive, f"127.0.0.1:{f.port}", i, args.num_requests, args.prompt_len,
+                                 args.output_len, args.concurrency) for i, f in enumerate(scaled.infos))))
     finally:
-        for b in backends:
-            await b.close()
         await scaled.stop()
-    rows = []
-    for run in runs:
-        ok: list[RequestResult] = [r for r in run.results if r.ok]
-        tokens = sum(r.output_tokens for r in ok)
-        chunks = sum(len(r.chunk_times) for r in ok)
-        rows.append((len(ok) / run.duration_s, tokens / run.duration_s, chunks / run.duration_s,
-                     len(run.results) - len(ok)))
-    return rows
 
 
 async def main_async(args: argparse.Namespace) -> None:
     from pdserve.cluster.ray_driver import init_ray
 
     init_ray(None, "127.0.0.1")
-    with tempfile.TemporaryDirectory() as tmp:
-        model = tiny_model(Path(tmp))
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(max(args.frontends), spawn) as clients:
+        model = args.model or tiny_model(Path(tmp))
         results = {}
         for n in args.frontends:
             started = time.perf_counter()
-            results[n] = await one_size(model, n, args)
+            results[n] = await one_size(model, n, args, clients)
             print(f"{n} frontend(s): {time.perf_counter() - started:.0f} s, load average {os.getloadavg()[0]:.1f}",
                   flush=True)
     print(f"\n{args.num_decode} colocated worker(s), tiny 1-layer model; per frontend {args.num_requests} requests, "
@@ -118,7 +132,13 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=96, help="requests per frontend")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=128)
-    asyncio.run(main_async(ap.parse_args()))
+    ap.add_argument("--model", type=Path, help="the tiny model's folder (--save-model's); default: built now")
+    ap.add_argument("--save-model", type=Path, help="only build the tiny model into this folder, and exit")
+    args = ap.parse_args()
+    if args.save_model:
+        print(f"tiny model saved in {tiny_model(args.save_model)}")
+        return
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

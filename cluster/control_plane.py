@@ -3,7 +3,9 @@ worker set, apart from the frontends (`docs/architecture.md`, "What is shared an
 
 `ControlPlane` runs as a named Ray actor with a restart policy. It starts the pools (their
 workers detached and named in its namespace, so that they outlive it), pings and replaces
-workers, runs the admin API's changes (`Elastic`) and publishes the membership the frontends
+workers, runs the admin API's changes (`Elastic`) and the planner (over the frontends' request
+metrics, which their heartbeats carry: `serving/cluster_metrics.py`, summed on its /metrics as
+`pdserve_cluster_*`), and publishes the membership the frontends
 follow (`Membership`: a version that moves when a worker joins, leaves or changes phase;
 answered as a long poll). A restarted control plane adopts the workers it finds by name
 instead of starting new ones. It serves no request: the frontends do.
@@ -21,7 +23,9 @@ from typing import Any
 import ray
 
 from pdserve.cluster.scaling.elastic import Elastic
-from pdserve.cluster.server import build_pools
+from pdserve.cluster.scaling.planner_loop import PlannerLoop
+from pdserve.cluster.server import build_planner, build_pools
+from pdserve.cluster.serving.cluster_metrics import CLUSTER_PREFIX, ClusterRequestMetrics, Sample
 from pdserve.cluster.serving.metrics import Metrics
 from pdserve.cluster.serving.mirror import FrontendInfo, Membership
 from pdserve.cluster.serving.pools import WORKER_NAME_PREFIX, Pool
@@ -50,6 +54,10 @@ class ControlPlane:
         self._started: asyncio.Future[None] | None = None
         self.worker_set: WorkerSet | None = None
         self.elastic: Elastic | None = None
+        self.metrics = Metrics()
+        self.cluster_metrics = ClusterRequestMetrics(self.metrics)
+        self.metrics.registry.register(self.cluster_metrics)
+        self._planner: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """The pools started (or, after a restart, adopted), checked and read from now on."""
@@ -59,9 +67,10 @@ class ControlPlane:
 
     async def _start(self) -> None:
         config = self.config
+        planner = build_planner(config)  # a bad profile fails before any worker starts
         prefill, decode = build_pools(config, config.ray.namespace, self.secret)
         await self._adopt([p for p in (prefill, decode) if p is not None])
-        metrics = Metrics()
+        metrics = self.metrics
         self.worker_set = WorkerSet(prefill, decode, config.pools.routing, config.engine.cache.block_size, metrics,
                                     config.engine.scheduler.max_num_seqs, config.admission.max_waiting_per_worker,
                                     config.coordinator, config.router, reader=READER, places_requests=False)
@@ -69,8 +78,11 @@ class ControlPlane:
         self.elastic = Elastic(self.worker_set, config.drain)
         if self.metrics_port:
             metrics.serve(config.server.host, self.metrics_port)
-        if config.pools.planner.enabled:
-            logger.warning("pools.planner: not run by a scaled-out server yet (its latencies are the frontends')")
+        if planner is not None and self.worker_set.mode == "disaggregated":
+            loop = PlannerLoop(planner, config.pools.planner, self.worker_set, self.elastic, metrics, CLUSTER_PREFIX)
+            self._planner = asyncio.create_task(loop.run())
+        elif planner is not None:
+            logger.warning("pools.planner: this server is colocated: the planner stays off")
 
     async def _adopt(self, pools: list[Pool]) -> None:
         """The workers a control plane before this one started, found by name, become the pools'."""
@@ -107,13 +119,14 @@ class ControlPlane:
         workers = tuple(dataclasses.replace(w, load=None) for w in self.worker_set.workers(gone=False))
         return Membership(self.incarnation, self._version, members, workers, frontends)
 
-    async def membership(self, known: tuple[str, int], wait_s: float,
-                         frontend: FrontendInfo | None = None) -> Membership:
+    async def membership(self, known: tuple[str, int], wait_s: float, frontend: FrontendInfo | None = None,
+                         samples: tuple[Sample, ...] = ()) -> Membership:
         """The membership once it differs from `known` (incarnation, version), or after `wait_s`;
-        `frontend`: the caller's heartbeat (its registry entry)."""
+        `frontend`: the caller's heartbeat (its registry entry), `samples` its request metrics."""
         await self.start()
         if frontend is not None:
             self._frontends[frontend.frontend_id] = (frontend, time.monotonic())
+            self.cluster_metrics.report(frontend.frontend_id, samples)
         deadline = time.monotonic() + wait_s
         while True:
             m = self._snapshot()
@@ -142,6 +155,12 @@ class ControlPlane:
             raise ValueError(f"admin method must be one of {', '.join(ADMIN_METHODS)}, got {method!r}")
         return await getattr(self.elastic, method)(*args)
 
+    async def metrics_text(self) -> str:
+        """Its /metrics as text (the cluster view among them), for a caller without its port."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.metrics.registry).decode()
+
     async def pid(self) -> int:
         import os
 
@@ -149,6 +168,9 @@ class ControlPlane:
 
     async def stop(self) -> None:
         """Stop the workers (they are detached: nothing else does)."""
+        if self._planner is not None:  # first: no change starts while the server stops
+            self._planner.cancel()
+            await asyncio.gather(self._planner, return_exceptions=True)
         if self.elastic is not None:
             await self.elastic.stop()
         if self.worker_set is not None:

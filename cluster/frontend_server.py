@@ -21,6 +21,7 @@ import ray
 from pdserve.cluster.api.admin_service import AdminService, RemoteElastic
 from pdserve.cluster.api.frontend import Frontend
 from pdserve.cluster.server import Apis, ApiSetup, log_serving, open_apis
+from pdserve.cluster.serving.cluster_metrics import request_samples
 from pdserve.cluster.serving.coordinator import Coordinator
 from pdserve.cluster.serving.metrics import Metrics
 from pdserve.cluster.serving.mirror import ControlPlaneLink, FrontendInfo, MirrorPool
@@ -87,6 +88,7 @@ async def start_frontend(config: ServeConfig, control_plane: Any, frontend_id: s
     host = config.server.host if config.server.host not in ("0.0.0.0", "::") else ray.util.get_node_ip_address()
     link.me = FrontendInfo(frontend_id, os.getpid(), host, apis.port, apis.http.port if apis.http else 0,
                            metrics_port)
+    link.samples = lambda: request_samples(metrics)  # summed with the other frontends' on the control plane
     await link.refresh()  # registered before anyone asks for it
     log_serving(config, setup, apis, coordinator.mode, f"pdserve frontend {frontend_id}")
     return FrontendServer(link.me, apis, worker_set, link, asyncio.create_task(link.follow()), metrics,

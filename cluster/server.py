@@ -217,7 +217,7 @@ def build_pools(config: ServeConfig, namespace: str | None = None, secret: bytes
 async def start_server(config: ServeConfig) -> Server:
     setup = ApiSetup.read(config)
     check_splits_of(config, setup)
-    planner = _planner(config)  # a bad profile fails before any worker starts
+    planner = build_planner(config)  # a bad profile fails before any worker starts
     init_ray(config.ray.address, config.ray.node_ip_address)
     prefill, decode = build_pools(config)
     metrics = Metrics()
@@ -250,7 +250,7 @@ async def start_server(config: ServeConfig) -> Server:
                   apis.http, config.server.shutdown_grace_s, loop)
 
 
-def _planner(config: ServeConfig) -> Planner | None:
+def build_planner(config: ServeConfig) -> Planner | None:
     """The planner when `pools.planner` is on: its budget is `max_workers`, else the pools' size."""
     c = config.pools.planner
     if not c.enabled:

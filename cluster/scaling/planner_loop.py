@@ -1,5 +1,6 @@
 """The planner on a running server: every `interval_s` it reads the pools' load reports and the
-counters and histograms /metrics keeps, hands the planner one `Observation`, exports the
+counters and histograms /metrics keeps (a scaled-out server's control plane: the frontends'
+summed, `pdserve_cluster_*`: `serving/cluster_metrics.py`), hands the planner one `Observation`, exports the
 decision, and carries out its actions through `Elastic` (unless dry-run)."""
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ from pdserve.cluster.settings.pool_config import PlannerConfig
 
 logger = logging.getLogger(__name__)
 
-_COUNTERS = ("pdserve_requests_arrived_total", "pdserve_prompt_tokens_total", "pdserve_generated_tokens_total",
-             "pdserve_request_latency_seconds_count")
-_HISTOGRAMS = {"ttft": "pdserve_time_to_first_token_seconds", "itl": "pdserve_inter_token_latency_seconds"}
+_COUNTERS = ("requests_arrived_total", "prompt_tokens_total", "generated_tokens_total", "request_latency_seconds_count")
+_HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "itl": "inter_token_latency_seconds"}
 
 
 class PlannerLoop:
     def __init__(self, planner: Planner, config: PlannerConfig, worker_set: WorkerSet, elastic: Elastic,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, prefix: str = "pdserve_") -> None:
+        """`prefix`: of the request metrics' names in `metrics`' registry ("pdserve_cluster_": a
+        control plane's sums of its frontends')."""
         self.planner = planner
+        self._counters = tuple(prefix + name for name in _COUNTERS)
+        self._histograms = {k: prefix + name for k, name in _HISTOGRAMS.items()}
+        self._arrived, self._prompt, self._generated, self._finished = self._counters
         self.config = config
         self.worker_set = worker_set
         self.elastic = elastic
@@ -51,10 +56,8 @@ class PlannerLoop:
         queued = sum(load.queued_prefill_tokens for load in prefill if load is not None)
         loads = [load for load in decode if load is not None]
         kv_usage = sum(1 - ld.num_free_blocks / max(1, ld.num_blocks) for ld in loads) / len(loads) if loads else 0.0
-        return Observation(now, len(prefill), len(decode), round(delta["pdserve_requests_arrived_total"]),
-                           round(delta["pdserve_prompt_tokens_total"]),
-                           round(delta["pdserve_request_latency_seconds_count"]),
-                           round(delta["pdserve_generated_tokens_total"]), queued, kv_usage,
+        return Observation(now, len(prefill), len(decode), round(delta[self._arrived]), round(delta[self._prompt]),
+                           round(delta[self._finished]), round(delta[self._generated]), queued, kv_usage,
                            self._quantile_ms(delta, "ttft"), self._quantile_ms(delta, "itl"))
 
     def _read(self) -> dict[str, float]:
@@ -62,18 +65,18 @@ class PlannerLoop:
         out: dict[str, float] = {}
         for family in self.metrics.registry.collect():
             for sample in family.samples:
-                if sample.name in _COUNTERS:
+                if sample.name in self._counters:
                     out[sample.name] = sample.value
-                elif sample.name.endswith("_bucket") and sample.name[:-7] in _HISTOGRAMS.values():
+                elif sample.name.endswith("_bucket") and sample.name[:-7] in self._histograms.values():
                     out[f"{sample.name}|{sample.labels['le']}"] = sample.value
-        return {name: out.get(name, 0.0) for name in _COUNTERS} | out
+        return {name: out.get(name, 0.0) for name in self._counters} | out
 
     def _quantile_ms(self, delta: dict[str, float], which: str) -> float | None:
         """The interval's percentile from its bucket counts, None if empty: linear within the
         bucket it falls in, as Prometheus' histogram_quantile (the bucket's upper bound alone
         reads up to 2.5x high with these buckets: 1.1 s as 2.5 s, against a 1.2 s target a miss
         that is not one); past the last finite bound, that bound."""
-        prefix = f"{_HISTOGRAMS[which]}_bucket|"
+        prefix = f"{self._histograms[which]}_bucket|"
         buckets = sorted((float(k[len(prefix):]), v) for k, v in delta.items() if k.startswith(prefix))
         total = buckets[-1][1] if buckets else 0.0
         if total <= 0:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.cluster.serving.cluster_metrics import Sample
 from pdserve.cluster.serving.health import WorkerHealth
 from pdserve.cluster.serving.pools import Member, Phase, Pool, Worker
 from pdserve.cluster.serving.router import WorkerState
@@ -113,7 +114,8 @@ class MirrorPool(Pool):
 
 class ControlPlaneLink:
     """A frontend's side of the control plane: its membership followed into the mirrors, this
-    frontend's heartbeat carried on each poll, lost workers reported. Survives the control
+    frontend's heartbeat (and its request metrics, `samples`) carried on each poll, lost
+    workers reported. Survives the control
     plane's death: the mirrors keep the last membership until it answers again."""
 
     def __init__(self, actor: Any, me: FrontendInfo | None, mirrors: list[MirrorPool], wait_s: float = 2.0,
@@ -124,13 +126,15 @@ class ControlPlaneLink:
         self.wait_s = wait_s
         self.retry_s = retry_s
         self.membership: Membership | None = None
+        self.samples: Callable[[], tuple[Sample, ...]] | None = None
         self.reachable = True
         self._tasks: set[asyncio.Task] = set()
 
     async def refresh(self, wait_s: float = 0.0) -> Membership:
         """One poll (answered at once when the control plane's version is not ours)."""
         known = ("", -1) if self.membership is None else (self.membership.incarnation, self.membership.version)
-        m: Membership = await self.actor.membership.remote(known, wait_s, self.me)
+        samples = self.samples() if self.samples is not None and self.me is not None else ()
+        m: Membership = await self.actor.membership.remote(known, wait_s, self.me, samples)
         if self.membership is None or (m.incarnation, m.version) != known:
             for mirror in self.mirrors:
                 await mirror.sync(list(m.members))

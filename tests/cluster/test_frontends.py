@@ -4,7 +4,9 @@ prefill and one decode worker of the small model. Two frontends serve at once wi
 in-process engine's greedy tokens; a frontend SIGKILLed under load ends its own client's call
 while the other's stream completes untouched, and the decode worker aborts the dead
 frontend's request within its lease (seats and blocks free); its client, retrying on the
-other frontend, is served; a new frontend joins and serves; the control plane SIGKILLed,
+other frontend, is served; a new frontend joins and serves; two more frontends SIGKILLed one
+after the other under a burst lose no request silently and leak nothing, on either worker; the
+control plane's /metrics sums the frontends' request metrics; the control plane SIGKILLed,
 serving goes on and its restart adopts the same workers. One cluster for the module."""
 
 from __future__ import annotations
@@ -167,6 +169,18 @@ def test_two_frontends_serve_at_once_with_one_engines_greedy_tokens(cluster, eng
                    30, "f1 to list both frontends")
         assert sorted(w.name for w in admin.listing().workers) == ["decode-0", "prefill-0"]
     wait_until(lambda: _idle(cluster), 60, "the decode worker to free every block")
+    # The control plane's /metrics sums both frontends' request metrics (their heartbeats carry them).
+    wait_until(lambda: _cluster_sample(cluster, 'pdserve_cluster_requests_total{status="OK"}') == 4, 30,
+               "the cluster view to count the four requests")
+    assert _cluster_sample(cluster, "pdserve_cluster_generated_tokens_total") == 4 * 40
+    assert _cluster_sample(cluster, "pdserve_cluster_time_to_first_token_seconds_count") == 4
+
+
+def _cluster_sample(cluster: Cluster, name: str) -> float | None:
+    import ray
+
+    text = ray.get(cluster.scaled.control_plane.metrics_text.remote(), timeout=30)
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")), None)
 
 
 def test_a_sigkilled_frontend_ends_only_its_own_streams_and_its_seats_are_released(cluster, engine, tokenizer):
@@ -251,6 +265,79 @@ def test_a_sigkilled_frontend_ends_only_its_own_streams_and_its_seats_are_releas
     with cluster.admin(fresh) as admin:
         wait_until(lambda: {f.id for f in admin.listing().frontends} == {"f1", fresh.frontend_id},
                    3 * 10 + LEASE_BOUND_S, "the listing to show f1 and the new frontend only")
+
+
+def test_two_frontends_killed_one_after_the_other_under_load_lose_nothing_silently_and_leak_nothing(
+        cluster, engine, tokenizer):
+    """Two more frontend processes take a burst each (requests in every stage: queued for a seat,
+    prefilling, their KV on the wire, decoding) and are SIGKILLed one after the other while a
+    third frontend streams: every request on them either completed with the engine's greedy
+    tokens or ended with UNAVAILABLE (none cut short as if complete), the survivor's stream is
+    untouched, both workers free every block and seat within the lease, the prefill worker
+    holding nothing for the dead, and the failed requests retried on the survivor are served."""
+    import ray
+
+    from pdserve.cluster.scale_out import launch_frontend
+
+    f1 = cluster.scaled.infos[1]
+    dead = [launch_frontend(cluster.config, fid, 0) for fid in ("k1", "k2")]
+    infos = cluster.run(asyncio.gather(*(f.start.remote(cluster.scaled.control_plane) for f in dead)), 300)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompts = [prompt_ids(tokenizer, 200 + 40 * v, variant=20 + v) for v in range(8)]
+    want = [o.token_ids for o in engine.generate(prompts, params)]
+    survivor_params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    survivor_prompt = prompt_ids(tokenizer, 60, variant=30)
+    survivor_want = engine.generate([survivor_prompt], survivor_params)[0]
+    got: dict[int, Any] = {}
+    first_token = [threading.Event() for _ in prompts]
+
+    def one(i: int, info: FrontendInfo, prompt: list[int], p: SamplingParams) -> None:
+        ids, text = [], ""
+        try:
+            with Client(target(info)) as client:
+                for resp in client.generate(prompt, p, timeout_s=600):
+                    ids.extend(resp.token_ids)
+                    text += resp.text
+                    if i >= 0:
+                        first_token[i].set()
+            got[i] = (ids, text)
+        except grpc.RpcError as e:
+            got[i] = e
+
+    threads = [threading.Thread(target=one, args=(i, infos[i % 2], prompts[i], params)) for i in range(len(prompts))]
+    threads.append(threading.Thread(target=one, args=(-1, f1, survivor_prompt, survivor_params)))
+    for t in threads:
+        t.start()
+    assert first_token[0].wait(120)  # k1 streams; its other requests are wherever they are
+    os.kill(infos[0].pid, signal.SIGKILL)
+    assert first_token[1].wait(120)
+    os.kill(infos[1].pid, signal.SIGKILL)
+    for t in threads:
+        t.join(600)
+    assert got[-1] == (list(survivor_want.token_ids), survivor_want.text)
+    failed = []
+    for i in range(len(prompts)):
+        if isinstance(got[i], grpc.RpcError):
+            assert got[i].code() == grpc.StatusCode.UNAVAILABLE, got[i]
+            failed.append(i)
+        else:
+            assert got[i][0] == want[i], f"request {i} ended as if complete with other tokens"
+    assert failed, "no request was caught by the kills"
+    wait_until(lambda: _idle(cluster) and _prefill_idle(cluster), LEASE_BOUND_S,
+               "the workers to free the dead frontends' seats and blocks")
+    prefill_cuts = ray.get(cluster.worker("prefill-0").expired_leases.remote(), timeout=30)
+    assert set(prefill_cuts) <= {"k1", "k2"}, prefill_cuts
+    for i in failed:  # the clients retry on the survivor
+        assert collect(target(f1), prompts[i], params).token_ids == want[i]
+    for f in dead:
+        ray.kill(f, no_restart=True)
+
+
+def _prefill_idle(cluster: Cluster) -> bool:
+    import ray
+
+    load = ray.get(cluster.worker("prefill-0").load.remote(), timeout=30)
+    return load.num_running + load.num_waiting + load.num_held == 0 and load.num_free_blocks == load.num_blocks
 
 
 def test_serving_goes_on_while_the_control_plane_is_dead_and_its_restart_adopts_the_workers(cluster, engine,
