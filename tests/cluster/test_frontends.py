@@ -12,6 +12,7 @@ serving goes on and its restart adopts the same workers. One cluster for the mod
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import signal
@@ -280,8 +281,14 @@ def test_two_frontends_killed_one_after_the_other_under_load_lose_nothing_silent
     from pdserve.cluster.scale_out import launch_frontend
 
     f1 = cluster.scaled.infos[1]
-    dead = [launch_frontend(cluster.config, fid, 0) for fid in ("k1", "k2")]
-    infos = cluster.run(asyncio.gather(*(f.start.remote(cluster.scaled.control_plane) for f in dead)), 300)
+    config = dataclasses.replace(cluster.config, server=dataclasses.replace(cluster.config.server, port=0,
+                                                                              http_port=0, metrics_port=0))
+    dead = [launch_frontend(config, fid, 0) for fid in ("k1", "k2")]
+
+    async def start() -> list[FrontendInfo]:
+        return list(await asyncio.gather(*(f.start.remote(cluster.scaled.control_plane) for f in dead)))
+
+    infos = cluster.run(start(), 300)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     prompts = [prompt_ids(tokenizer, 200 + 40 * v, variant=20 + v) for v in range(8)]
     want = [o.token_ids for o in engine.generate(prompts, params)]
