@@ -19,7 +19,8 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)  # the branch's tree (.dev/fe54)
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-mkdir -p /tmp/ns && ln -sfn "$here" /tmp/ns/pdserve && export PYTHONPATH=/tmp/ns:$PYTHONPATH
+ns=/tmp/ns-frontends-bench  # the tree imported as pdserve
+mkdir -p $ns && ln -sfn "$here" $ns/pdserve && export PYTHONPATH=$ns:$PYTHONPATH
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 RAY_USAGE_STATS_ENABLED=0
 out=${OUT:-/tmp}
 model=$here/bench-model
