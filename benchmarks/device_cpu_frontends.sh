@@ -31,6 +31,6 @@ echo "cpus: $(nproc)  $(grep -m1 'model name' /proc/cpuinfo)  load: $(cut -d' ' 
 cd "$here"
 timeout 540 python3 -m benchmarks.frontend --model "$model" --frontends "${FRONTENDS:-1,2,4,8}" \
   --num-decode "${NUM_DECODE:-4}" --num-requests "${NUM_REQUESTS:-192}" --concurrency 32 --output-len 128 \
-  2>&1 | tee "$out/frontends.log" | grep -v -E '^\(|WARNING|INFO' || true
+  2>&1 | tee "$out/frontends.log" | grep -E '^[0-9]+ frontend' || true
 echo "--- table ---"
 sed -n '/colocated worker/,$p' "$out/frontends.log"

@@ -23,11 +23,12 @@ from typing import Any
 import ray
 
 from pdserve.cluster.scaling.elastic import Elastic
+from pdserve.cluster.scaling.planner import Planner
 from pdserve.cluster.scaling.planner_loop import PlannerLoop
 from pdserve.cluster.server import build_planner, build_pools
 from pdserve.cluster.serving.cluster_metrics import CLUSTER_PREFIX, ClusterRequestMetrics, Sample
 from pdserve.cluster.serving.metrics import Metrics
-from pdserve.cluster.serving.mirror import FrontendInfo, Membership
+from pdserve.cluster.serving.mirror import HEARTBEAT_S, FrontendInfo, Membership
 from pdserve.cluster.serving.pools import WORKER_NAME_PREFIX, Pool
 from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.cluster.settings.config import ServeConfig
@@ -79,10 +80,18 @@ class ControlPlane:
         if self.metrics_port:
             metrics.serve(config.server.host, self.metrics_port)
         if planner is not None and self.worker_set.mode == "disaggregated":
-            loop = PlannerLoop(planner, config.pools.planner, self.worker_set, self.elastic, metrics, CLUSTER_PREFIX)
-            self._planner = asyncio.create_task(loop.run())
+            self._planner = asyncio.create_task(self._run_planner(planner))
         elif planner is not None:
             logger.warning("pools.planner: this server is colocated: the planner stays off")
+
+    async def _run_planner(self, planner: Planner) -> None:
+        """The planner over the frontends' summed request metrics, from once every live frontend
+        has reported (a restarted control plane starts with no report: counting from nothing,
+        its first interval would see every request the frontends ever served)."""
+        await asyncio.sleep(2 * HEARTBEAT_S)
+        assert self.worker_set is not None and self.elastic is not None
+        await PlannerLoop(planner, self.config.pools.planner, self.worker_set, self.elastic, self.metrics,
+                          CLUSTER_PREFIX).run()
 
     async def _adopt(self, pools: list[Pool]) -> None:
         """The workers a control plane before this one started, found by name, become the pools'."""

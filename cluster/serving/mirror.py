@@ -27,6 +27,8 @@ from pdserve.cluster.settings.config import HealthConfig
 
 logger = logging.getLogger(__name__)
 
+HEARTBEAT_S = 2.0  # a frontend's membership poll waits this long at most: its heartbeat's period
+
 
 @dataclass(frozen=True, slots=True)
 class FrontendInfo:
@@ -118,7 +120,7 @@ class ControlPlaneLink:
     workers reported. Survives the control
     plane's death: the mirrors keep the last membership until it answers again."""
 
-    def __init__(self, actor: Any, me: FrontendInfo | None, mirrors: list[MirrorPool], wait_s: float = 2.0,
+    def __init__(self, actor: Any, me: FrontendInfo | None, mirrors: list[MirrorPool], wait_s: float = HEARTBEAT_S,
                  retry_s: float = 1.0) -> None:
         self.actor = actor
         self.me = me
