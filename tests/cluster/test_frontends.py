@@ -134,6 +134,25 @@ def test_pdserve_serve_with_two_frontends_lists_them_serves_on_each_and_stops_th
     wait_until(lambda: not any(psutil.pid_exists(pid) for pid in pids), 30, "the frontend processes to end")
 
 
+def _stream(got: dict[Any, Any], key: Any, info: FrontendInfo, prompt: list[int], params: SamplingParams,
+            started: threading.Event | None = None, after: int = 1) -> None:
+    """One streamed request into `got[key]`: (token ids, text), or the RpcError that ended it;
+    `started` set once `after` tokens came (or at the error)."""
+    ids, text = [], ""
+    try:
+        with Client(target(info)) as client:
+            for resp in client.generate(prompt, params, timeout_s=600):
+                ids.extend(resp.token_ids)
+                text += resp.text
+                if started is not None and len(ids) >= after:
+                    started.set()
+        got[key] = (ids, text)
+    except grpc.RpcError as e:
+        got[key] = e
+        if started is not None:
+            started.set()
+
+
 def _listed_frontends(port: int, token: Path) -> int:
     with AdminClient(f"127.0.0.1:{port}", ClientCredentials(api_key=token.read_text())) as admin:
         return len(admin.listing().frontends)
@@ -197,18 +216,7 @@ def test_a_sigkilled_frontend_ends_only_its_own_streams_and_its_seats_are_releas
     got: dict[str, Any] = {}
 
     def stream(name: str, info: FrontendInfo, prompt: list[int], params: SamplingParams) -> None:
-        ids, text = [], ""
-        try:
-            with Client(target(info)) as client:
-                for resp in client.generate(prompt, params, timeout_s=600):
-                    ids.extend(resp.token_ids)
-                    text += resp.text
-                    if len(ids) >= 4:
-                        started[name].set()
-            got[name] = (ids, text)
-        except grpc.RpcError as e:
-            got[name] = e
-            started[name].set()
+        _stream(got, name, info, prompt, params, started[name], 4)
 
     def http_stream() -> None:
         """An OpenAI streamed completion on the victim frontend's HTTP port."""
@@ -299,17 +307,7 @@ def test_two_frontends_killed_one_after_the_other_under_load_lose_nothing_silent
     first_token = [threading.Event() for _ in prompts]
 
     def one(i: int, info: FrontendInfo, prompt: list[int], p: SamplingParams) -> None:
-        ids, text = [], ""
-        try:
-            with Client(target(info)) as client:
-                for resp in client.generate(prompt, p, timeout_s=600):
-                    ids.extend(resp.token_ids)
-                    text += resp.text
-                    if i >= 0:
-                        first_token[i].set()
-            got[i] = (ids, text)
-        except grpc.RpcError as e:
-            got[i] = e
+        _stream(got, i, info, prompt, p, first_token[i] if i >= 0 else None)
 
     threads = [threading.Thread(target=one, args=(i, infos[i % 2], prompts[i], params)) for i in range(len(prompts))]
     threads.append(threading.Thread(target=one, args=(-1, f1, survivor_prompt, survivor_params)))
