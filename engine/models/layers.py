@@ -26,6 +26,7 @@ from torch import nn
 
 from pdserve.engine.models import fp8
 from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.models.cpu_linear import PackedWeight, cpu_packed_bf16
 from pdserve.engine.models.parallel import Collectives, TensorParallel
 from pdserve.engine.models.rope import Rope
 from pdserve.kernels.activation import silu_and_mul
@@ -137,6 +138,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.register_parameter("weight_scale", None)  # set by use_fp8
         self.fp8_blocked = False
+        self._packed: PackedWeight | None = None  # the CPU bf16 weight in oneDNN's layout
 
     def use_fp8(self, blocked: bool) -> None:
         """Hold the weight in FP8 with per-channel scales, or per-block ones when `blocked`.
@@ -157,6 +159,10 @@ class Linear(nn.Linear):
                 return gemv(x, self.weight, self.bias, read_ahead=True)
             if skinny_gemm_supported(x, self.weight):
                 return skinny_gemm(x, self.weight, self.bias, read_ahead=True)
+        elif (x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16 and not torch.is_grad_enabled()
+              and cpu_packed_bf16()):
+            self._packed = PackedWeight.of(self.weight, self._packed)
+            return self._packed.linear(x, self.bias)
         return super().forward(x)
 
     def fp8_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
