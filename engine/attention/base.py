@@ -29,6 +29,10 @@ class AttentionMetadata:
     decode_seq_lens_host: list[int]
     prefill_q_lens_host: list[int]
     prefill_seq_lens_host: list[int]
+    # One host id per decode row naming its sequence's block table while the table only grows
+    # (a new sequence, or its blocks freed or trimmed, gets a new id): equal ids at two steps
+    # are the same sequence over the same earlier blocks. Empty where not built (graphs).
+    decode_table_ids: tuple[int, ...] = ()
 
     @property
     def num_prefills(self) -> int:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention.base import AttentionMetadata
+from pdserve.engine.attention.decode_mirror import DecodeMirror
 from pdserve.engine.attention.mla_ref import mla_absorbed, mla_expanded
 from pdserve.engine.kv.pool import KVPool
 from pdserve.engine.models.rope import Rope
@@ -46,8 +47,17 @@ class _Plan:
 
 
 class TorchAttention:
+    """The plain-torch backend. Decode steps read their context through a `DecodeMirror`
+    (one token a sequence appended per step, not the whole context gathered again)."""
+
+    def __init__(self) -> None:
+        self.mirror = DecodeMirror()
+
     def begin_step(self, meta: AttentionMetadata, pool: KVPool, scale: float) -> _TorchStep:
-        return _TorchStep(meta, pool, scale, _plan(meta, pool.layout.block_size))
+        # On the CPU, over a pool of the model's dtype (an FP8 pool's values are widened
+        # each step: the gather stays).
+        mirrored = pool.kv.device.type == "cpu" and pool.layout.dtype != fp8.KV_FP8 and self.mirror.begin(meta, pool)
+        return _TorchStep(meta, pool, scale, _plan(meta, pool.layout.block_size), self.mirror if mirrored else None)
 
 
 def _plan(meta: AttentionMetadata, block_size: int) -> _Plan:
@@ -113,8 +123,9 @@ def _attend_after_context(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Ten
 
 
 class _TorchStep:
-    def __init__(self, meta: AttentionMetadata, pool: KVPool, scale: float, plan: _Plan) -> None:
-        self.meta, self.pool, self.scale, self.plan = meta, pool, scale, plan
+    def __init__(self, meta: AttentionMetadata, pool: KVPool, scale: float, plan: _Plan,
+                 mirror: DecodeMirror | None) -> None:
+        self.meta, self.pool, self.scale, self.plan, self.mirror = meta, pool, scale, plan, mirror
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  rope: Rope, head_norm: HeadNorm | None = None) -> torch.Tensor:
@@ -133,8 +144,11 @@ class _TorchStep:
         nd = self.meta.num_decodes
         if nd:
             # [B, H, 1, D] queries against [B, Hkv, max_len, D] padded context.
-            keys = _context(k_cache, self.plan.decode_blocks).to(q.dtype).transpose(1, 2)
-            values = _context(v_cache, self.plan.decode_blocks).to(q.dtype).transpose(1, 2)
+            if self.mirror is not None and k.dtype == k_cache.dtype:
+                keys, values = self.mirror.context(layer_idx, k_cache, v_cache, self.plan.decode_blocks, k[:nd], v[:nd])
+            else:
+                keys, values = _context(k_cache, self.plan.decode_blocks), _context(v_cache, self.plan.decode_blocks)
+            keys, values = keys.to(q.dtype).transpose(1, 2), values.to(q.dtype).transpose(1, 2)
             outs.append(F.scaled_dot_product_attention(
                 q[:nd].unsqueeze(2), keys, values, attn_mask=self.plan.decode_mask,
                 scale=self.scale, enable_gqa=True,

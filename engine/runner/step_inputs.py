@@ -198,6 +198,7 @@ class StepInputBuilder:
                 decode_seq_lens_host=seq_lens[:nd].tolist(),
                 prefill_q_lens_host=prefill_q_lens.tolist(),
                 prefill_seq_lens_host=seq_lens[nd:].tolist(),
+                decode_table_ids=tuple(self._rows.table_ids[g.rows[:nd]].tolist()),
             ),
             logits_indices=d64[3 * t:3 * t + num_logits],
             spans=g.spans,
@@ -360,6 +361,10 @@ class _BlockTableRows:
         self._row_of: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
         self._written = np.zeros(64, dtype=np.int64)
         self._version = np.zeros(64, dtype=np.int64)
+        # Each row's table id (AttentionMetadata.decode_table_ids): a new one whenever the
+        # row is rewritten from its first block (a new sequence, its version bumped).
+        self.table_ids = np.zeros(64, dtype=np.int64)
+        self._next_id = 0
         self._free = list(range(63, -1, -1))
 
     def update(self, seq: Sequence) -> int:
@@ -369,16 +374,20 @@ class _BlockTableRows:
             row = self._new_row()
             self._row_of[seq] = row
             weakref.finalize(seq, self._free.append, row)
-            self._written[row] = 0
-            self._version[row] = seq.block_table_version
+            self._restart(row, seq)
         elif self._version[row] != seq.block_table_version:
-            self._written[row] = 0
-            self._version[row] = seq.block_table_version
+            self._restart(row, seq)
         written, blocks = int(self._written[row]), seq.block_ids
         if len(blocks) > written:
             self.table[row, written:len(blocks)] = blocks[written:]
             self._written[row] = len(blocks)
         return row
+
+    def _restart(self, row: int, seq: Sequence) -> None:
+        self._written[row] = 0
+        self._version[row] = seq.block_table_version
+        self._next_id += 1
+        self.table_ids[row] = self._next_id
 
     def _new_row(self) -> int:
         if not self._free:
@@ -386,5 +395,6 @@ class _BlockTableRows:
             self.table = np.concatenate([self.table, np.zeros_like(self.table)])
             self._written = np.concatenate([self._written, np.zeros(old, dtype=np.int64)])
             self._version = np.concatenate([self._version, np.zeros(old, dtype=np.int64)])
+            self.table_ids = np.concatenate([self.table_ids, np.zeros(old, dtype=np.int64)])
             self._free.extend(range(2 * old - 1, old - 1, -1))
         return self._free.pop()

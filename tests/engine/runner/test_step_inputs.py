@@ -259,3 +259,42 @@ def test_the_hotpath_benchmark_refuses_what_its_pool_or_the_last_step_cannot_giv
     builder.build(seqs, [1, 1])
     assert "the inputs of an eager step" in graph_refusal(builder.graph_layout, 2)
     assert graph_refusal((), 8) is None  # a baseline tree that keeps no layout: not known
+
+
+def test_decode_table_ids_name_a_sequence_while_its_table_only_grows():
+    rng = random.Random(3)
+    bm = BlockManager(100, BS, enable_prefix_caching=False)
+    builder = StepInputBuilder(BS, 16, 64, 8, torch.device("cpu"))
+    seqs = [_seq(f"t{i}", 6, rng) for i in range(2)]
+    for s in seqs:
+        assert bm.allocate(s, s.num_tokens)
+        s.num_computed_tokens = s.num_tokens
+        s.token_ids.append(1)
+    del s  # no reference to seqs[1] but the list's: its row is recycled below
+
+    def decode_ids(batch: list[Sequence]) -> tuple[int, ...]:
+        for seq in batch:
+            assert bm.allocate(seq, 1)
+        ids = builder.build(batch, [1] * len(batch)).meta.decode_table_ids
+        for seq in batch:
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(1)
+        return ids
+
+    first = decode_ids(seqs)
+    assert len(set(first)) == 2
+    assert decode_ids(seqs) == first and decode_ids(seqs) == first  # grown across a block boundary
+    assert decode_ids(seqs[::-1]) == first[::-1]
+    bm.trim(seqs[0], seqs[0].num_computed_tokens - BS)  # blocks trimmed: a new table
+    seqs[0].num_computed_tokens -= BS
+    trimmed = decode_ids(seqs)
+    assert trimmed[0] not in first and trimmed[1] == first[1]
+    bm.free(seqs[1])
+    row = builder._rows.update(seqs[1])
+    del seqs[1]  # its row is recycled for the next sequence
+    newcomer = _seq("t-new", 6, rng)
+    assert bm.allocate(newcomer, newcomer.num_tokens)
+    newcomer.num_computed_tokens = newcomer.num_tokens
+    newcomer.token_ids.append(1)
+    ids = decode_ids([seqs[0], newcomer])
+    assert builder._rows.update(newcomer) == row and ids[1] not in first + trimmed
