@@ -72,6 +72,12 @@ def ensure_ucx(config: TransportConfig) -> None:
         options["NET_DEVICES"] = LOOPBACK_DEVICE
     ucxx.init(options=options, progress_mode=config.progress_mode,
               enable_python_future=config.progress_mode == "thread")
+    if config.progress_mode == "thread" and config.progress_wake_ms != 1:
+        # ucxx starts its progress thread at init with a 1 ms epoll timeout: started again
+        # with the configured one.
+        worker = ucxx.core._get_ctx().worker
+        worker.stop_progress_thread()
+        worker.start_progress_thread(polling_mode=False, epoll_timeout=config.progress_wake_ms)
     _UCX.loop = loop
     _UCX.made.clear()  # a new ucxx context is a new UCX worker: its endpoint counts start again
 

@@ -36,6 +36,7 @@ LAYOUT = KVLayout("llama", torch.bfloat16, num_layers=32, num_kv_heads=8, head_d
         {"secret": SECRET, "allowed_transports": []},
         {"secret": SECRET, "allowed_transports": ["nvlink"]},
         {"secret": SECRET, "progress_mode": "busy"},
+        {"secret": SECRET, "progress_wake_ms": 0},
     ],
 )
 def test_config_rejects_bad_values(kwargs: dict[str, object]) -> None:
