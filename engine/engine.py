@@ -201,6 +201,7 @@ class Engine:
             prefix_queried_tokens=bm.num_prefix_queries,
             prefix_hit_tokens=bm.num_prefix_hits,
             num_preemptions=sched.num_preemptions,
+            preemptions_by=tuple((t, p, n) for (t, p), n in sched.preemptions_by.items()),
             prompt_tokens_computed=sched.num_prompt_tokens_computed,
             spec=self.speculator.metrics.snapshot() if self.speculator is not None else None,
             kv_tiers=self.kv_tiers.stats() if self.kv_tiers is not None else None,

@@ -152,6 +152,8 @@ class EngineLoad:
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int
+    # The same by (tenant, the priority's sign, count), for the metrics per tenant and priority class.
+    preemptions_by: tuple[tuple[str, int, int], ...] = ()
     prompt_tokens_computed: int = 0  # prompt tokens this engine's steps computed (not served from any cache)
     spec: SpecMetrics | None = None  # speculation counters, when the engine speculates
     # The prefix cache's events since the last report (a worker's load report carries them:

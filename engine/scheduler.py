@@ -81,6 +81,8 @@ class Scheduler:
         self.receiving: dict[Sequence, tuple[int, KVReady] | None] = {}
         self.held: dict[str, Sequence] = {}  # finished, blocks kept until `release`
         self.num_preemptions = 0
+        # By (tenant, the priority's sign): classes, not values, which a client picks (a bounded count).
+        self.preemptions_by: Counter[tuple[str, int]] = Counter()
         # Prompt tokens steps computed (not those served from a cache, a tier or another worker).
         self.num_prompt_tokens_computed = 0
 
@@ -325,6 +327,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._enqueue(seq, first=True)
         self.num_preemptions += 1
+        p = seq.params.priority
+        self.preemptions_by[seq.params.tenant, (p > 0) - (p < 0)] += 1
 
     # A step's results ---------------------------------------------------
 

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from pdserve.cluster.api.admission import AdmissionQueue
 from pdserve.cluster.serving.coordinator import Coordinator, RequestReport
 from pdserve.cluster.serving.errors import Overloaded, TransportRefused, WorkerUnavailable, cause
-from pdserve.cluster.serving.metrics import Metrics
+from pdserve.cluster.serving.metrics import Metrics, priority_class
 from pdserve.cluster.serving.worker_set import WorkerSet
 from pdserve.cluster.settings.tenants import DEFAULT_TENANT, Tenant, Tenants
 from pdserve.engine.messages import WorkerRequest, owned_request_id
@@ -63,11 +63,6 @@ def failed(status: Status, error: BaseException) -> RequestFailed:
     return RequestFailed(status, message)
 
 
-def priority_class(priority: int) -> str:
-    """A priority as the metrics label it: "high" (< 0), "default" (0) or "low" (> 0)."""
-    return "high" if priority < 0 else "low" if priority > 0 else "default"
-
-
 class Frontend:
     """The request path both APIs share, on the coordinator, router and pools of one server.
     The worker set is read for the server's state only (its workers, roles without one)."""
@@ -106,6 +101,7 @@ class Frontend:
             self.inflight -= over
         elif capacity and over > 0:
             self.count(Status.RESOURCE_EXHAUSTED)
+            self.metrics.refused.labels(tenant.name, priority_class(priority), "admission").inc(num_requests)
             raise RequestFailed(Status.RESOURCE_EXHAUSTED,
                                 f"server is at its capacity of {capacity} concurrent requests (running and "
                                 f"queued); retry in {self.retry_after_s:g} s", self.retry_after_s)
@@ -141,6 +137,7 @@ class Frontend:
             raise RequestFailed(status, f"request exceeded its deadline of {timeout:.1f} s") from e
         except Overloaded as e:  # its queue for a decode seat is full, or a worker refused it
             status = Status.RESOURCE_EXHAUSTED
+            self.metrics.refused.labels(tenant.name, priority_class(request.params.priority), "seat_line").inc()
             raise RequestFailed(status, f"{cause(e)}; retry in {self.retry_after_s:g} s", self.retry_after_s) from e
         except TransportRefused as e:
             status = Status.FAILED_PRECONDITION
@@ -188,7 +185,7 @@ class Frontend:
                 now = time.perf_counter()
                 if last is None:
                     self.metrics.ttft.observe(now - start)
-                    self.metrics.first_token_hops(report.hops, now - start)
+                    self.metrics.first_token_hops(report.hops, now - start, tenant.name, request.params.priority)
                 else:
                     self.metrics.itl.observe(now - last)
                 last = now

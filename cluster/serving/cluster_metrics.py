@@ -19,8 +19,8 @@ from prometheus_client.core import Metric
 from pdserve.cluster.serving.metrics import Metrics
 
 # The families a frontend reports (its requests'); the workers' and the planner's are the control plane's own.
-REQUEST_FAMILIES = ("ttft", "itl", "e2e", "hops", "requests", "tokens", "admitted", "displaced", "migrations",
-                    "arrived", "prompt_tokens", "kv_bytes", "kv_seconds")
+REQUEST_FAMILIES = ("ttft", "itl", "e2e", "hops", "requests", "tokens", "admitted", "displaced", "refused",
+                    "queue_time", "migrations", "arrived", "prompt_tokens", "kv_bytes", "kv_seconds")
 PREFIX = "pdserve_"
 CLUSTER_PREFIX = "pdserve_cluster_"
 

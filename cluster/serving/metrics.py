@@ -18,6 +18,15 @@ if TYPE_CHECKING:  # types only: the planner (scaling/) writes its decisions her
 
 _TIERS = (HOST_TIER, DISK_TIER)
 
+# The hops of a first token's path that are waiting, not work (cluster/serving/coordinator.py's hops).
+_QUEUE_HOPS = ("seat", "prefill_queue")
+
+
+def priority_class(priority: int) -> str:
+    """A priority as the metrics label it: "high" (< 0), "default" (0) or "low" (> 0)."""
+    return "high" if priority < 0 else "low" if priority > 0 else "default"
+
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -42,6 +51,17 @@ class Metrics:
                                 registry=r)
         self.displaced = Counter("pdserve_displaced_requests", "Queued requests refused to make room for one that "
                                  "outranks them", ["tenant", "priority_class"], registry=r)
+        # where: "admission" (the frontend's capacity) or "seat_line" (the queue for a decode seat,
+        # or a worker that refused the reservation).
+        self.refused = Counter("pdserve_refused_requests", "Requests refused for capacity (RESOURCE_EXHAUSTED)",
+                               ["tenant", "priority_class", "where"], registry=r)
+        self.queue_time = Histogram("pdserve_queue_seconds", "A request's wait before its prompt ran: for a decode "
+                                    "seat and in the prefill engine's queue", ["tenant", "priority_class"],
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        # Sequences a worker's engine preempted (blocks freed, recomputed later), since it started.
+        self.preempted = Gauge("pdserve_preempted_sequences", "Sequences the worker's engine preempted",
+                               ["role", "worker", "tenant", "priority_class"], registry=r)
+        self._preempted_keys: dict[str, set[tuple[str, str]]] = {}  # worker -> its (tenant, class) series
         self.running = Gauge("pdserve_running_sequences", "Running sequences", ["role", "worker"], registry=r)
         self.waiting = Gauge("pdserve_waiting_sequences", "Waiting sequences", ["role", "worker"], registry=r)
         self.kv_usage = Gauge("pdserve_kv_block_usage_ratio", "Used fraction of KV blocks", ["role", "worker"],
@@ -132,6 +152,7 @@ class Metrics:
         self.prefix_queried.labels(role, worker_id).set(load.prefix_queried_tokens)
         self.prefix_hits.labels(role, worker_id).set(load.prefix_hit_tokens)
         self.prompt_computed.labels(role, worker_id).set(load.prompt_tokens_computed)
+        self._preempted_load(role, worker_id, load)
         if load.kv_tiers is not None:
             self._tier_load(role, worker_id, load.kv_tiers)
         if load.spec is not None:
@@ -142,6 +163,15 @@ class Metrics:
             for k, n in load.spec.num_steps_by_k.items():
                 self.spec_steps.labels(worker_id, str(k)).set(n)
                 self._spec_ks.setdefault(worker_id, set()).add(str(k))
+
+    def _preempted_load(self, role: str, worker_id: str, load: EngineLoad) -> None:
+        by_class: dict[tuple[str, str], int] = {}
+        for tenant, priority, n in load.preemptions_by:
+            key = (tenant or "default", priority_class(priority))
+            by_class[key] = by_class.get(key, 0) + n
+        self._preempted_keys.setdefault(worker_id, set()).update(by_class)
+        for tenant, klass in by_class:
+            self.preempted.labels(role, worker_id, tenant, klass).set(by_class[tenant, klass])
 
     def _tier_load(self, role: str, worker_id: str, stats: KVTierStats) -> None:
         for tier in _TIERS:
@@ -168,12 +198,15 @@ class Metrics:
             for tier in tiers:  # a tier cleared since: 0
                 self.kv_cached_blocks.labels(role, worker_id, tier).set(blocks.get(tier, 0))
 
-    def first_token_hops(self, hops: dict[str, float], ttft_s: float) -> None:
+    def first_token_hops(self, hops: dict[str, float], ttft_s: float, tenant: str = "default",
+                         priority: int = 0) -> None:
         """Observe each hop of a first token's path, and the rest of its `ttft_s` as "other"
-        ("reserve" runs beside the prefill: it is not part of the sum)."""
+        ("reserve" runs beside the prefill: it is not part of the sum); and its queue time, the
+        waiting hops, by `tenant` and `priority`'s class."""
         for hop, seconds in hops.items():
             self.hops.labels(hop).observe(seconds)
         self.hops.labels("other").observe(max(0.0, ttft_s - sum(s for h, s in hops.items() if h != "reserve")))
+        self.queue_time.labels(tenant, priority_class(priority)).observe(sum(hops.get(h, 0.0) for h in _QUEUE_HOPS))
 
     def planner_decision(self, decision: Decision, percentile: int) -> None:
         self.planner_decisions.labels(decision.outcome).inc()
@@ -212,3 +245,5 @@ class Metrics:
             self.kv_cached_blocks.remove(role, worker_id, tier)
         for k in self._spec_ks.pop(worker_id, ()):
             self.spec_steps.remove(worker_id, k)
+        for tenant, klass in self._preempted_keys.pop(worker_id, ()):
+            self.preempted.remove(role, worker_id, tenant, klass)

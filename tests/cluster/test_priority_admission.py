@@ -101,6 +101,12 @@ def test_a_higher_priority_arrival_takes_the_lowest_priority_queued_ones_place()
         assert front.metrics.requests.labels("RESOURCE_EXHAUSTED")._value.get() == 3
         assert front.metrics.displaced.labels("default", "low")._value.get() == 1
         assert front.metrics.admitted.labels("default", "low")._value.get() == 4  # 5, 7, 6, 1
+        # Refused at the frontend's capacity, by class: 6 (low) and 0 (default); 7 was displaced.
+        assert front.metrics.refused.labels("default", "low", "admission")._value.get() == 1
+        assert front.metrics.refused.labels("default", "default", "admission")._value.get() == 1
+        # A queue time observed per first token, by class: 1, 5 and 6 got theirs.
+        queued = front.metrics.queue_time.labels("default", "low")
+        assert sum(b.get() for b in queued._buckets) == 3
 
     asyncio.run(scenario())
 

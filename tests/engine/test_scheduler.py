@@ -130,6 +130,7 @@ def test_priority_policy_preempts_the_lowest_priority_when_blocks_run_out():
     batch = sched.schedule()  # fcfs would take high, the youngest; this policy takes low
     assert batch.preempted == [low] and batch.seqs == [high] and low.num_computed_tokens == 0
     assert sched.waiting[0] is low and len(high.block_ids) == 2
+    assert sched.preemptions_by == {("", 1): 1}  # the metrics' preempted sequences, by tenant and priority
 
 
 def test_a_victim_already_scheduled_this_step_is_unscheduled():

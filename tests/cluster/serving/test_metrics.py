@@ -95,3 +95,25 @@ def test_a_workers_tiers_are_on_metrics_and_leave_with_it():
     assert found[("pdserve_prompt_tokens_computed", worker)] == 77
     metrics.worker_left("prefill", "prefill-0")
     assert not of_worker(series(metrics), "prefill-0")
+
+
+def test_preemptions_and_queue_time_by_tenant_and_priority_class():
+    metrics = Metrics()
+    preempted = EngineLoad(num_running=2, num_waiting=1, num_receiving=0, num_held=0, queued_prefill_tokens=0,
+                           num_free_blocks=10, num_blocks=100, num_reservable_blocks=8, prefix_queried_tokens=0,
+                           prefix_hit_tokens=0, num_preemptions=4,
+                           preemptions_by=(("a", 1, 2), ("", 0, 1)))
+    metrics.worker_load("decode", "decode-0", preempted)
+    found = series(metrics)
+    key = "pdserve_preempted_sequences"
+    assert found[(key, (("priority_class", "low"), ("role", "decode"), ("tenant", "a"), ("worker", "decode-0")))] == 2
+    assert found[(key, (("priority_class", "default"), ("role", "decode"), ("tenant", "default"),
+                        ("worker", "decode-0")))] == 1
+    metrics.worker_lost("decode", "decode-0")
+    assert of_worker(series(metrics), "decode-0") == set()
+
+    # The queue: a decode seat and the prefill engine's queue, not the work after them.
+    metrics.first_token_hops({"seat": 0.5, "prefill_queue": 0.25, "prefill_compute": 4.0}, 5.0, "b", -1)
+    found = series(metrics)
+    assert found[("pdserve_queue_seconds_sum", (("priority_class", "high"), ("tenant", "b")))] == 0.75
+    assert found[("pdserve_queue_seconds_count", (("priority_class", "high"), ("tenant", "b")))] == 1
