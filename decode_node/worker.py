@@ -12,6 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+from collections.abc import Callable
+
+import torch
 
 from pdserve.decode_node.outbox import Outboxes
 from pdserve.engine.config import EngineConfig, WorkerConfig
@@ -26,14 +30,27 @@ from pdserve.kv_transport.shards import PoolShards
 logger = logging.getLogger(__name__)
 
 
+def cpu_threads(engine: Engine, wanted: int) -> Callable[[Engine], int] | None:
+    """The torch threads of each step (`WorkerConfig.decode_cpu_threads`): `wanted`, at most the
+    cores this process may run on, while no sequence receives its KV (no prefill worker computes
+    for it); the process's own while one does. None where they stay the process's own: `wanted`
+    0, a GPU, tensor parallelism."""
+    if not wanted or engine.device.type != "cpu" or engine.config.parallel.tensor_parallel_size > 1:
+        return None
+    own = torch.get_num_threads()  # Ray's: one per CPU the actor asked for
+    alone = max(own, min(wanted, len(os.sched_getaffinity(0))))
+    return lambda e: own if e.scheduler.receiving else alone
+
+
 class DecodeWorker(LoopWorker):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transport: TransportConfig | None,
                  worker_config: WorkerConfig | None = None, loop_config: LoopConfig | None = None, *,
                  slot: str | None = None) -> None:
         """`slot`: its place in the pool (`cluster.pools`), which names its KV disk tier; None: its id."""
         config = worker_config or WorkerConfig()
-        super().__init__(worker_id, Engine(engine_config.for_worker(slot or worker_id)), loop_config, slot=slot,
-                         frontend_lease_s=config.frontend_lease_s)
+        engine = Engine(engine_config.for_worker(slot or worker_id))
+        super().__init__(worker_id, engine, loop_config, slot=slot, frontend_lease_s=config.frontend_lease_s,
+                         threads=cpu_threads(engine, config.decode_cpu_threads))
         self._transport = transport
         self._config = config
         self._receiver = None

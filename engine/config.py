@@ -344,12 +344,18 @@ class WorkerConfig:
     max_queued: a colocated worker's bound on the requests it queues beyond its `max_num_seqs`
         running, whichever frontends sent them (beyond it `submit` refuses with NoCapacity);
         0: `admission.max_waiting_per_worker` (`pdserve serve` fills it in).
+    decode_cpu_threads: a decode worker's torch threads on the CPU (at most the cores it may
+        run on) while none of its sequences is receiving KV, i.e. while the prefill workers that
+        share its node's cores have nothing of its to compute (and always when colocated: it
+        prefills itself); while one is receiving, the one thread per CPU Ray gave it. 0: always
+        Ray's. Not under tensor parallelism (its ranks divide the cores themselves).
     """
 
     delta_wait_s: float = 0.5
     abort_landing_wait_s: float = 5.0
     frontend_lease_s: float = 10.0
     max_queued: int = 0
+    decode_cpu_threads: int = 2
 
     def __post_init__(self) -> None:
         for name in ("delta_wait_s", "abort_landing_wait_s", "frontend_lease_s"):
@@ -357,6 +363,8 @@ class WorkerConfig:
                 raise ValueError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_queued < 0:
             raise ValueError(f"WorkerConfig.max_queued must be >= 0, got {self.max_queued}")
+        if self.decode_cpu_threads < 0:
+            raise ValueError(f"WorkerConfig.decode_cpu_threads must be >= 0, got {self.decode_cpu_threads}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,9 +70,14 @@ class Heartbeat:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, config: LoopConfig | None = None) -> None:
+    def __init__(self, engine: Engine, config: LoopConfig | None = None,
+                 threads: Callable[[Engine], int] | None = None) -> None:
+        """`threads`: the torch intra-op threads each step runs on (asked before every step, set
+        on the loop's thread when it changes); None: the process's own."""
         self.engine = engine
         self.config = config or LoopConfig()
+        self._threads = threads
+        self.num_threads = 0  # what `threads` last set (0: never set)
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], object], Future]] = queue.SimpleQueue()
         self._deltas: list[TokenDelta] = []
         self._deltas_ready = threading.Condition()
@@ -135,6 +140,7 @@ class EngineLoop:
             if not self.engine.has_unfinished:
                 continue
             try:
+                self._set_threads()
                 deltas = self.engine.step()
             except Exception:
                 # A failed step must not kill the worker silently: abort what ran
@@ -148,6 +154,16 @@ class EngineLoop:
         while not self._commands.empty():
             _, future = self._commands.get_nowait()
             future.set_exception(RuntimeError("engine loop is stopped"))
+
+    def _set_threads(self) -> None:
+        if self._threads is None:
+            return
+        n = self._threads(self.engine)
+        if n != self.num_threads:  # torch's count is per thread (OpenMP's): set here, not by the caller
+            import torch  # here: the cluster's config reads LoopConfig without loading torch
+
+            torch.set_num_threads(n)
+            self.num_threads = n
 
     def _abort_all(self) -> list[TokenDelta]:
         ids = [s.request_id for s in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)]
@@ -174,11 +190,12 @@ class LoopWorker:
     methods they share); each role adds its own way in."""
 
     def __init__(self, worker_id: str, engine: Engine, loop_config: LoopConfig | None = None, *,
-                 slot: str | None = None, frontend_lease_s: float = 10.0) -> None:
+                 slot: str | None = None, frontend_lease_s: float = 10.0,
+                 threads: Callable[[Engine], int] | None = None) -> None:
         self.worker_id = worker_id
         self.slot = slot
         self.address: object | None = None  # where KV reaches it once started (a kv_transport PeerAddress)
-        self.loop = EngineLoop(engine, loop_config)
+        self.loop = EngineLoop(engine, loop_config, threads)
         # Every reader of the load (each frontend's KV index, the control plane's) sees every event.
         self.kv_readers = EventFanout(engine.config.cache.kv_events_max_pending, frontend_lease_s)
 
