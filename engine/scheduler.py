@@ -288,6 +288,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        if not self.waiting:  # most decode steps: no count of the running by tenant to make
+            return
         bm = self.block_manager
         running = tenant_share.load([*self.running, *self.receiving])
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
