@@ -47,6 +47,10 @@ def blocks_that_fit(config: EngineConfig, layout: KVLayout, device: torch.device
                     draft: DraftMemory = DraftMemory()) -> int:
     bytes_per_block = layout.bytes_per_block + draft.kv_bytes_per_block
     if device.type == "cuda":
+        # What the loader freed (a float weight quantized at load, a tensor stacked into a fused
+        # one) sits in torch's cache, which the device counts as used: hand it back first, so
+        # the pool is sized from what is really left.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         reserve = config.cache.activation_reserve_gib * 2**30  # activations and logits of the largest step
         budget = free - (1 - config.cache.gpu_memory_utilization) * total - reserve - draft.weight_bytes
