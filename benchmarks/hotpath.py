@@ -1,8 +1,8 @@
 """The engine's hot path on one GPU: this tree against a baseline tree, same run, same device.
 
-    python -m benchmarks.hotpath [--baseline PATH] [--model dummy:llama-3.1-8b] [--offline-requests 512]
+    python -m benchmarks.hotpath [--baseline PATH] [--model dummy:llama-3.1-8b] [--offline-requests 512 [3000]]
         [--kv-cache-dtypes auto fp8] [--quantizations none fp8] [--parts decode prefill step offline]
-        [--baseline-parts ...] [--num-blocks N] [--json PATH]
+        [--baseline-parts ...] [--num-blocks N] [--max-num-seqs 512] [--gpu-memory-utilization F] [--json PATH]
 
 Each tree is measured in a subprocess of its own, its packages importable as `pdserve.*`
 from the tree itself (a `pdserve` link to it on PYTHONPATH; a tree from before the
@@ -21,10 +21,13 @@ random token ids throughout:
 - mixed: the same 256 decodes plus a fresh 512-token prompt in one step, against the
   decode step plus that chunk alone.
 - offline: N requests of 1k random ids, 1k output tokens each (ignore_eos, temperature 1),
-  `Engine.generate`, at most 256 running (fewer where the pool holds fewer to the end):
-  output tokens/s.
+  `Engine.generate`, at most `--max-num-seqs` running (fewer where the pool holds fewer to
+  the end, so none is preempted): output tokens/s; each N of `--offline-requests` in turn,
+  in the same process (TensorRT-LLM's published figure runs 3,000).
 `--parts` picks which of those run (default all; "step" is the batch step and mixed),
-`--num-blocks` sizes the KV pool (default: the memory left).
+`--num-blocks` sizes the KV pool (default: the memory left at `--gpu-memory-utilization`,
+the engine's 0.9 unless given), `--max-num-seqs` is the scheduler's seats and the largest
+decode graph (default 512; before issue 53 offline ran at most 256 whatever the pool held).
 Limits printed beside them: the weight-read bound for decode (bytes / the device's measured
 copy bandwidth: 4.3 TB/s on an H200, 3.0 on an H100; a Mixture of
 Experts counts the experts a token uses, top-k of them), the compute bound for prefill (~700
@@ -63,9 +66,10 @@ def _sync() -> None:
 PARTS = ("decode", "prefill", "step", "offline")
 
 
-def measure(package: str, model: str, offline_requests: int, profile: bool = False,
+def measure(package: str, model: str, offline_requests: tuple[int, ...], profile: bool = False,
             kv_cache_dtype: str = "auto", quantization: str = "none", parts: tuple[str, ...] = PARTS,
-            num_blocks: int | None = None) -> dict[str, float]:
+            num_blocks: int | None = None, max_num_seqs: int = 512,
+            gpu_memory_utilization: float | None = None) -> dict[str, float]:
     """Every figure for the engine package `package` (runs in the worker process)."""
     import importlib
 
@@ -78,10 +82,11 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
     # A baseline from before kv_cache_dtype existed takes no such field.
     kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
     kv |= {} if num_blocks is None else {"num_blocks": num_blocks}
+    kv |= {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
     quant = {} if quantization == "none" else {"quantization": quantization}
     engine = Engine(EngineConfig(model=ModelConfig(source=model, device="cuda", **quant),
                                  cache=CacheConfig(enable_prefix_caching=False, **kv),
-                                 scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=512)))
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_num_seqs)))
     arch = engine.arch
     vocab = arch.vocab_size
     rng = random.Random(0)
@@ -168,20 +173,31 @@ def measure(package: str, model: str, offline_requests: int, profile: bool = Fal
         for rid in ids:
             engine.abort(rid)
 
-    if "offline" in parts:
-        running = offline_max_running(blocks, block_size)
+    counts = [n for n in offline_requests if n > 0]
+    if "offline" in parts and counts:
+        running = offline_max_running(blocks, block_size, max_num_seqs)
         out["offline_max_running"] = float(running)
         engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_num_seqs=running)
-        prompts = [_prompt(rng, vocab, 1024) for _ in range(offline_requests)]
-        _sync()
-        t = time.perf_counter()
-        outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=1024, ignore_eos=True))
-        _sync()
-        wall = time.perf_counter() - t
-        out["offline_tok_s"] = sum(len(o.token_ids) for o in outs) / wall
-        out["offline_s"] = wall
+        for n in counts:
+            params = SamplingParams(temperature=1.0, max_tokens=1024, ignore_eos=True)
+            out.update(_offline(engine, [_prompt(rng, vocab, 1024) for _ in range(n)], params))
+            print(f"hotpath: offline {n} requests: {out[f'offline_{n}_tok_s']:,.1f} output tok/s, "
+                  f"{out[f'offline_{n}_s']:.1f} s, at most {running} running", flush=True)
+        out["offline_tok_s"] = out[f"offline_{counts[0]}_tok_s"]  # the first count's, as before
+        out["offline_s"] = out[f"offline_{counts[0]}_s"]
         out["num_preemptions"] = float(engine.scheduler.num_preemptions)
     return out
+
+
+def _offline(engine, prompts: list[list[int]], params) -> dict[str, float]:
+    """Offline 1k/1k over `prompts`: output tokens/s and the wall time."""
+    _sync()
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    _sync()
+    wall = time.perf_counter() - t
+    n = len(prompts)
+    return {f"offline_{n}_tok_s": sum(len(o.token_ids) for o in outs) / wall, f"offline_{n}_s": wall}
 
 
 def step_refusal(num_blocks: int, block_size: int) -> str | None:
@@ -194,9 +210,10 @@ def step_refusal(num_blocks: int, block_size: int) -> str | None:
             f"batch-{STEP_SEQS} and mixed figures are refused")
 
 
-def offline_max_running(num_blocks: int, block_size: int) -> int:
-    """Offline 1k/1k at up to 256 running, as many as the pool holds to their end (no preemption)."""
-    return max(1, min(256, num_blocks // -(-2048 // block_size)))
+def offline_max_running(num_blocks: int, block_size: int, max_num_seqs: int) -> int:
+    """Offline 1k/1k at up to `max_num_seqs` running, as many as the pool holds to their end (no
+    preemption): with FP8 weights and an FP8 cache an 80 GB card holds ~480 sequences of 2k."""
+    return max(1, min(max_num_seqs, num_blocks // -(-2048 // block_size)))
 
 
 def graph_refusal(layout: tuple[int, int, int] | None | tuple[()], bucket: int) -> str | None:
@@ -260,9 +277,11 @@ def _run_tree(tree: Path, args: argparse.Namespace, kv_cache_dtype: str, quantiz
         (Path(links) / "pdserve").symlink_to(tree, target_is_directory=True)
         env = dict(os.environ, PYTHONPATH=links if moved else str(tree), PYTHONUNBUFFERED="1")
         argv = [__file__, "--worker", f.name, "--package", "pdserve.engine" if moved else "engine",
-                "--model", args.model, "--offline-requests", str(args.offline_requests),
-                "--kv-cache-dtypes", kv_cache_dtype, "--parts", *parts]
+                "--model", args.model, "--offline-requests", *map(str, args.offline_requests),
+                "--kv-cache-dtypes", kv_cache_dtype, "--parts", *parts, "--max-num-seqs", str(args.max_num_seqs)]
         argv += ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
+        argv += (["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+                 if args.gpu_memory_utilization is not None else [])
         argv += ["--quantizations", quantization] if quantization != "none" else []
         argv += ["--profile"] if args.profile else []
         # Run by path without its folder on sys.path (benchmarks/kernels.py would shadow `kernels`).
@@ -283,7 +302,6 @@ ROWS = [  # key, label, better
     ("step_256_call_ms", "decode step 256 x 1.5k: one step() from idle, ms", "lower"),
     ("mixed_256_512_ms", "256 decodes + 512-token chunk, one step, ms", "lower"),
     ("chunk_512_ms", "512-token chunk alone, first token, ms", "lower"),
-    ("offline_tok_s", "offline 1k/1k, output tok/s", "higher"),
 ]
 
 
@@ -300,7 +318,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", type=Path, help="another checkout to measure in the same run")
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
-    parser.add_argument("--offline-requests", type=int, default=512)
+    parser.add_argument("--offline-requests", type=int, nargs="+", default=[512],
+                        help="offline 1k/1k request counts, each run in turn (0: none)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", action="store_true", help="print the decode graphs' kernels (torch.profiler)")
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8"],
@@ -310,13 +329,18 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="figures to measure")
     parser.add_argument("--baseline-parts", nargs="+", choices=PARTS, help="the baseline's figures (default: --parts)")
     parser.add_argument("--num-blocks", type=int, help="KV blocks (default: the memory left)")
+    parser.add_argument("--max-num-seqs", type=int, default=512,
+                        help="the scheduler's seats and largest decode graph; offline runs at most this many")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="CacheConfig.gpu_memory_utilization, which sizes the pool (default: the engine's)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--package", default="pdserve.engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        Path(args.worker).write_text(json.dumps(measure(args.package, args.model, args.offline_requests, args.profile,
-                                                        args.kv_cache_dtypes[0], args.quantizations[0],
-                                                        tuple(args.parts), args.num_blocks)))
+        Path(args.worker).write_text(json.dumps(measure(args.package, args.model, tuple(args.offline_requests),
+                                                        args.profile, args.kv_cache_dtypes[0], args.quantizations[0],
+                                                        tuple(args.parts), args.num_blocks, args.max_num_seqs,
+                                                        args.gpu_memory_utilization)))
         return
     here = Path(__file__).resolve().parents[1]
     trees = [("baseline", args.baseline.resolve(), "auto", "none")] if args.baseline else []
@@ -335,7 +359,9 @@ def main() -> None:
           f"{results[names[-1]]['weight_bytes'] / 1e9:.1f} GB")
     print("| figure | " + " | ".join(names) + (" | change" if len(names) >= 2 else "") + " | limit |")
     print("|---|" + "---:|" * (len(names) + (1 if len(names) >= 2 else 0)) + "---:|")
-    for key, label, _ in ROWS:
+    rows = ROWS + [(f"offline_{n}_tok_s", f"offline 1k/1k, {n} requests, output tok/s", "higher")
+                   for n in args.offline_requests if n]
+    for key, label, _ in rows:
         vals = [results[n].get(key) for n in names]
         cells = [f"{v:,.1f}" if v is not None else "-" for v in vals]
         change = ""
@@ -347,7 +373,9 @@ def main() -> None:
             continue
         if "offline_s" not in results[n]:
             continue
-        print(f"{n}: offline {results[n]['offline_s']:.1f} s, {results[n]['num_preemptions']:.0f} preemptions, "
+        walls = ", ".join(f"{c} requests {results[n][f'offline_{c}_s']:.1f} s" for c in args.offline_requests
+                          if f"offline_{c}_s" in results[n])
+        print(f"{n}: offline {walls}, {results[n]['num_preemptions']:.0f} preemptions, "
               f"at most {results[n].get('offline_max_running', 256):.0f} running; "
               f"KV pool {results[n].get('kv_pool_blocks', 0):.0f} blocks")
 

@@ -243,7 +243,11 @@ def test_the_hotpath_benchmark_refuses_what_its_pool_or_the_last_step_cannot_giv
 
     assert step_refusal(7614, 16) == ("the KV pool holds 7614 blocks; 256 sequences at ~1.5k context need 26624: "
                                       "the batch-256 and mixed figures are refused")
-    assert step_refusal(26624, 16) is None and offline_max_running(7614, 16) == 59
+    assert step_refusal(26624, 16) is None and offline_max_running(7614, 16, 512) == 59
+    # Issue 53: offline runs as many as the pool holds to their end (128 blocks of 16 a 1k/1k
+    # sequence), up to the seats: no longer at most 256 where an FP8 pool holds ~480.
+    assert offline_max_running(61_500, 16, 512) == 480 and offline_max_running(70_000, 16, 512) == 512
+    assert offline_max_running(70_000, 16, 256) == 256 and offline_max_running(100, 16, 512) == 1
     rng = random.Random(7)
     bm = BlockManager(40, BS, enable_prefix_caching=False)
     builder = StepInputBuilder(BS, 8, 32, 8, torch.device("cpu"))
