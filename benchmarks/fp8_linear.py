@@ -7,6 +7,9 @@
 - scaled_mm, torch quant: cuBLASLt's row-wise scaled FP8 matmul with x quantized per token
   in torch ops (the dispatch's large-M path before `kernels.fp8_quant`);
 - scaled_mm, fused quant: the same with `kernels.fp8_quant.quantize_per_token`;
+- fast accum: the same with cuBLASLt's fast accumulation (`use_fast_accum`: the FP8 tensor
+  cores' own accumulator, not promoted to float32 along K; what vLLM's CUTLASS FP8 kernels on
+  Hopper use), to see what it is worth before the engine offers it;
 - fp8_gemm: the Triton W8A16 kernel (x unquantized).
 
     python -m benchmarks.fp8_linear [--rows 1 16 64 256 512 4096]
@@ -37,9 +40,11 @@ def _torch_quant_scaled_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor
     return torch._scaled_mm(x_fp8, w.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
 
 
-def _fused_quant_scaled_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _fused_quant_scaled_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                           fast_accum: bool = False) -> torch.Tensor:
     x_fp8, x_scale = quantize_per_token(x)
-    return torch._scaled_mm(x_fp8, w.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
+    return torch._scaled_mm(x_fp8, w.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype,
+                            use_fast_accum=fast_accum)
 
 
 def main() -> None:
@@ -64,6 +69,7 @@ def main() -> None:
         "fp8 dispatch": lambda x, w, q, s: fp8.linear(x, q, s, None, False),
         "scaled_mm, torch quant": lambda x, w, q, s: _torch_quant_scaled_mm(x, q, s),
         "scaled_mm, fused quant": lambda x, w, q, s: _fused_quant_scaled_mm(x, q, s),
+        "fast accum": lambda x, w, q, s: _fused_quant_scaled_mm(x, q, s, fast_accum=True),
         "fp8_gemm": lambda x, w, q, s: fp8_gemm(x, q, s, None),
     }
     print("| rows | " + " | ".join(variants) + " | limit bf16 | limit fp8 |")
