@@ -354,9 +354,12 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     names = list(results)
-    limits = _limits(results[names[-1]])
+    measured = [r for r in results.values() if r]
+    if not measured:
+        sys.exit("hotpath: every tree failed (above); no figures")
+    limits = _limits(measured[-1])
     print(f"\n{args.model}, one GPU; limits from the weights a token reads, "
-          f"{results[names[-1]]['weight_bytes'] / 1e9:.1f} GB")
+          f"{measured[-1]['weight_bytes'] / 1e9:.1f} GB")
     print("| figure | " + " | ".join(names) + (" | change" if len(names) >= 2 else "") + " | limit |")
     print("|---|" + "---:|" * (len(names) + (1 if len(names) >= 2 else 0)) + "---:|")
     rows = ROWS + [(f"offline_{n}_tok_s", f"offline 1k/1k, {n} requests, output tok/s", "higher")
