@@ -355,5 +355,6 @@ def test_on_cuda_mla_steps_replayed_from_graphs_give_the_eager_tokens(make_confi
     for method in ("none", "ngram"):
         (want, want_lp), (got, got_lp) = results[True, method], results[False, method]
         assert got == want, method
-        torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-4, rtol=1e-4, msg=method)
+        torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, method=method: f"{method}: {m}")
     assert results[False, "ngram"][0] == results[False, "none"][0]  # speculation keeps greedy output

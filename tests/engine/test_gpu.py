@@ -15,6 +15,7 @@ import torch
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling import SamplingParams
+from tests.engine.families import family_prompts
 from tests.engine.hf_reference import assert_matches_reference, hf_greedy
 
 pytestmark = pytest.mark.gpu
@@ -239,7 +240,7 @@ def test_the_new_families_on_cuda_match_hf_and_graphs_replay_the_eager_tokens(tm
     make_config = getattr(families, family)
     hf = families._saved(make_config, tmp_path).cuda()
     torch.backends.cuda.matmul.allow_tf32 = False
-    prompts = families._prompts() + [list(range(1, 200))]  # a prompt past 64 pairs: the grouped path
+    prompts = family_prompts() + [list(range(1, 200))]  # a prompt past 64 pairs: the grouped path
     params = SamplingParams(temperature=0.0, max_tokens=families.NEW_TOKENS, ignore_eos=True)
     engine = Engine(EngineConfig(model=ModelConfig(source=str(tmp_path), device="cuda", dtype="float32"),
                                  cache=CacheConfig(num_blocks=256)))
