@@ -494,6 +494,10 @@ def main() -> None:
         prefill_configs = [tuple(int(x) for x in c.split(",")) for c in args.prefill_configs.split(";")]
     else:
         prefill_configs = PREFILL_SWEEP if args.sweep else []
+    fp8_tilings = ([tuple(int(x) for x in c.split(",")) for c in args.fp8kv_tilings.split(";")]
+                   if args.fp8kv_tilings else None)
+    if fp8_tilings and any(len(t) != 4 for t in fp8_tilings):
+        parser.error(f"--fp8kv-tilings: 'splits,block_n,num_warps,num_stages' each, got {args.fp8kv_tilings!r}")
     rows = ceilings()
     copy_tbs = rows[0].rate
     header = f"{'kind':8} {'case':10} {'impl':34} {'ms':>9} {'rate':>8} {'% copy':>7} {'rel_err':>8}"
@@ -504,8 +508,6 @@ def main() -> None:
         cases += [lambda n=n: prefill(n, prefill_configs) for n in PREFILL_LENS]
         cases.append(lambda: prefill_chunked(*PREFILL_CHUNKED))
     if args.only == "fp8kv":
-        fp8_tilings = ([tuple(int(x) for x in c.split(",")) for c in args.fp8kv_tilings.split(";")]
-                       if args.fp8kv_tilings else None)
         cases += [lambda b=b, c=c: decode_fp8(b, c, args.sweep, fp8_tilings, tuple(args.fp8kv_modes))
                   for b, c in FP8_DECODE_CASES]
     elif args.only == "mla":
