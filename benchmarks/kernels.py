@@ -17,8 +17,9 @@ head dim 128, bf16, KV block 16), with baselines measured in the same run:
   paged entry point on the same cache;
 - decode over an FP8 (e4m3) cache, 64 x 4k and 256 x 1.5k (`--only fp8kv`): bandwidth of its
   bytes (half a bf16 cache's), error against SDPA on the cache dequantized, the default tiling
-  and (with --sweep) the others, each twice: tiles widened to bf16 ("fp8") and multiplied as
-  e4m3 with the query and P rounded to e4m3 ("fp8-dot", paged_decode's opt-in fp8_dot);
+  and (with --sweep) the others, or `--fp8kv-tilings`' (split counts too), each in the
+  `--fp8kv-modes` (default both): tiles widened to bf16 ("fp8") and multiplied as e4m3 with
+  the query and P rounded to e4m3 ("fp8-dot", paged_decode's opt-in fp8_dot);
 - MLA decode at DeepSeek-V3's widths (`--only mla`: latent 512 + 64, 128 heads (one GPU's) and
   16 (TP 8's)), 64 x 4k and 256 x 1.5k over a bf16 and an FP8 latent cache: the latent bytes
   mla_decode reads over its time, beside the copy, error against torch's absorbed attention
@@ -27,6 +28,7 @@ head dim 128, bf16, KV block 16), with baselines measured in the same run:
   (rows marked *); `--mla-heads` and `--mla-caches` pick the head counts and cache dtypes.
 
     python -m benchmarks.kernels [--sweep] [--json PATH] [--only prefill|decode|fp8kv|mla]
+                                 [--fp8kv-tilings "S,N,W,ST[,U];..."] [--fp8kv-modes fp8 fp8-dot]
                                  [--mla-heads 128 16] [--mla-caches bf16 fp8] [--mla-tilings "H,N,W,S;..."]
                                  [--mla-splits 4 8] [--mla-cases 1x1024 64x4096]
                                  [--prefill-configs "M,N,W,S,A;..."]
@@ -74,7 +76,11 @@ DECODE_SWEEP = [(32, 4, 3), (64, 4, 3), (128, 4, 2)]  # block_n, num_warps, num_
 DECODE_SWEEP_CASES = [(1, 4096), (1, 32768), (8, 4096), (8, 32768)]
 DECODE_ROTATE_BYTES = 1 << 30
 FP8_DECODE_CASES = [(64, 4096), (256, 1536)]  # issue 42's figures
-FP8_DECODE_SWEEP = [(64, 4, 3), (128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2)]
+# block_n, num_warps, num_stages, unmasked_body, each at the split counts around the default.
+# Four stages or fewer leave one K/V buffer (the block-table load takes a stage): five and
+# more, two or three (RESULTS.md, "FP8 KV decode: one tile in flight").
+FP8_DECODE_SWEEP = [(64, 4, 3, 0), (128, 4, 3, 0), (128, 4, 2, 0), (128, 8, 3, 0), (256, 8, 2, 0), (128, 4, 5, 0),
+                    (128, 4, 8, 0), (64, 4, 6, 0), (32, 4, 8, 0), (128, 4, 5, 1), (128, 4, 8, 1)]
 VERIFY_TOKENS = 5  # K = 4 drafted tokens + the last sampled one
 MLA_RANK, MLA_ROPE = 512, 64  # DeepSeek-V3's latent
 MLA_HEADS = [128, 16]  # V3's heads on one GPU (compute-bound at 242 FLOP a latent byte), and under TP 8 (30)
@@ -333,9 +339,12 @@ def decode(batch: int, context: int, sweep: bool) -> list[Row]:
     return rows
 
 
-def decode_fp8(batch: int, context: int, sweep: bool) -> list[Row]:
-    """paged_decode over an e4m3 cache, widening its tiles and (fp8_dot) not: the rate counts
-    the FP8 bytes it reads."""
+def decode_fp8(batch: int, context: int, sweep: bool, tilings: list[tuple[int, ...]] | None = None,
+               modes: tuple[str, ...] = ("fp8", "fp8-dot")) -> list[Row]:
+    """paged_decode over an e4m3 cache, widening its tiles ("fp8") and (fp8_dot) not: the rate
+    counts the FP8 bytes it reads. tilings: (splits, block_n, num_warps, num_stages[,
+    unmasked_body]), splits 0 the default count, timed after the default instead of the sweep's
+    (rows marked U: unmasked_body)."""
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM  # one byte an element
     num_sets = -(-DECODE_ROTATE_BYTES // kv_bytes)
     sets, refs = [], []
@@ -355,13 +364,17 @@ def decode_fp8(batch: int, context: int, sweep: bool) -> list[Row]:
     ref = F.scaled_dot_product_attention(q.view(batch, NUM_KV_HEADS, group, HEAD_DIM), k.transpose(1, 2),
                                          v.transpose(1, 2), scale=scale).reshape_as(out)
     default_splits = decode_num_splits(batch, NUM_KV_HEADS, HEAD_DIM, context, out.device)
-    configs = [(default_splits, None, None, None)]
-    if sweep:
+    configs = [(default_splits, None, None, None, 0)]
+    if tilings:
+        configs += [(n or default_splits, *c, 0)[:5] for n, *c in tilings]
+    elif sweep:
         configs += [(n, *c) for n in sorted({max(1, default_splits // 2), default_splits, default_splits * 2})
                     for c in FP8_DECODE_SWEEP]
     rows = []
-    for (splits, block_n, num_warps, num_stages), fp8_dot in itertools.product(configs, (False, True)):
-        tiling = {} if block_n is None else {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
+    for (splits, block_n, num_warps, num_stages, unmasked), mode in itertools.product(configs, modes):
+        fp8_dot = mode == "fp8-dot"
+        tiling = {} if block_n is None else {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
+                                             "unmasked_body": bool(unmasked)}
         ws = decode_workspace(batch, NUM_Q_HEADS, HEAD_DIM, splits, out.device)
         fns = [lambda s=s, dot=fp8_dot: paged_decode(s[0], s[1], s[2], s[3], seq_lens, scale, out=out, workspace=ws,
                                                      fp8_dot=dot, **tiling)
@@ -371,8 +384,8 @@ def decode_fp8(batch: int, context: int, sweep: bool) -> list[Row]:
             continue
         err = _rel_err(out, ref)
         ms = _bench_graph(fns)
-        mode = "fp8-dot" if fp8_dot else "fp8"
-        name = f"{mode} default" if block_n is None else f"{mode} (S{splits},{block_n},{num_warps},{num_stages})"
+        name = (f"{mode} default" if block_n is None
+                else f"{mode} (S{splits},{block_n},{num_warps},{num_stages}{',U' if unmasked else ''})")
         rows.append(Row("decode", f"{batch}x{context}", f"ours {name}", ms, nbytes / ms / 1e9, err))
     return rows
 
@@ -473,6 +486,11 @@ def main() -> None:
                         "'block_h,block_n,num_warps,num_stages;...' (implies --sweep)")
     parser.add_argument("--mla-cases", nargs="+", help="--only mla: 'BATCHxCONTEXT' cases (default 64x4096 256x1536)")
     parser.add_argument("--mla-splits", type=int, nargs="+", help="--only mla: split counts the tilings also run at")
+    parser.add_argument("--fp8kv-tilings", help="--only fp8kv: tilings instead of the sweep's: "
+                        "'splits,block_n,num_warps,num_stages[,unmasked_body];...' (splits 0: the default count, "
+                        "unmasked_body 1: paged_decode's unmasked_body)")
+    parser.add_argument("--fp8kv-modes", nargs="+", default=["fp8", "fp8-dot"], choices=["fp8", "fp8-dot"],
+                        help="--only fp8kv: widening the tiles (fp8), multiplying them as e4m3 (fp8-dot)")
     parser.add_argument("--prefill-configs", help="prefill sweep instead of the built-in one: "
                         "'block_m,block_n,num_warps,num_stages,maxnreg;...' (implies --sweep)")
     args = parser.parse_args()
@@ -480,6 +498,11 @@ def main() -> None:
         prefill_configs = [tuple(int(x) for x in c.split(",")) for c in args.prefill_configs.split(";")]
     else:
         prefill_configs = PREFILL_SWEEP if args.sweep else []
+    fp8_tilings = ([tuple(int(x) for x in c.split(",")) for c in args.fp8kv_tilings.split(";")]
+                   if args.fp8kv_tilings else None)
+    if fp8_tilings and any(len(t) not in (4, 5) for t in fp8_tilings):
+        parser.error(f"--fp8kv-tilings: 'splits,block_n,num_warps,num_stages[,unmasked_body]' each, "
+                     f"got {args.fp8kv_tilings!r}")
     rows = ceilings()
     copy_tbs = rows[0].rate
     header = f"{'kind':8} {'case':10} {'impl':34} {'ms':>9} {'rate':>8} {'% copy':>7} {'rel_err':>8}"
@@ -490,7 +513,8 @@ def main() -> None:
         cases += [lambda n=n: prefill(n, prefill_configs) for n in PREFILL_LENS]
         cases.append(lambda: prefill_chunked(*PREFILL_CHUNKED))
     if args.only == "fp8kv":
-        cases += [lambda b=b, c=c: decode_fp8(b, c, args.sweep) for b, c in FP8_DECODE_CASES]
+        cases += [lambda b=b, c=c: decode_fp8(b, c, args.sweep, fp8_tilings, tuple(args.fp8kv_modes))
+                  for b, c in FP8_DECODE_CASES]
     elif args.only == "mla":
         caches = [{"bf16": DTYPE, "fp8": fp8.KV_FP8}[c] for c in args.mla_caches]
         mla_cases = ([tuple(int(x) for x in c.split("x")) for c in args.mla_cases] if args.mla_cases

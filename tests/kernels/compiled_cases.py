@@ -138,6 +138,24 @@ def _paged() -> Iterator[Case]:
                 yield f"paged {dtype} cache {cache} d={head_dim} tiles ({block_n}, {stages})", launch, None
 
 
+def fp8_decode_pipelines() -> Iterator[Case]:
+    """paged_decode over an FP8 cache at Llama-3.1-8B's heads (32 query, 8 KV, head dim 128, a
+    bf16 query), one split, at main's default (128 keys, 3 stages) and the sweep's deeper
+    pipelines; estimate: one K/V tile's bytes (K and V, a byte an element) and the stages."""
+    from pdserve.kernels import paged_decode as pd
+
+    for block_n, num_warps, num_stages in ((128, 4, 3), (128, 4, 5), (64, 4, 3), (64, 4, 6), (32, 4, 8)):
+        def launch(block_n=block_n, num_warps=num_warps, num_stages=num_stages):
+            q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+            k_cache = torch.zeros(4, 16, 8, 128).to(F8)
+            tables, lens = torch.zeros(2, 2, dtype=torch.int32), torch.tensor([3, 20], dtype=torch.int32)
+            return pd.paged_decode(q, k_cache, k_cache, tables, lens, 0.1, num_splits=1, block_n=block_n,
+                                   num_warps=num_warps, num_stages=num_stages)
+
+        yield (f"fp8 decode ({block_n}, {num_warps}, {num_stages})", launch,
+               {"tile": 2 * block_n * 128, "stages": num_stages})
+
+
 def _mla() -> Iterator[Case]:
     from pdserve.kernels import mla_decode as md
     from pdserve.kernels import mla_prefill as mp

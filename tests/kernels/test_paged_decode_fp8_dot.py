@@ -28,6 +28,7 @@ import torch
 from pdserve.kernels.fp8 import KV_FP8
 from pdserve.kernels.paged_decode import paged_decode, paged_verify
 from tests.kernels.reference import make_paged_kv, ref_paged_attention, rel_error
+from tests.kernels.test_paged_decode import FP8_TILINGS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REL_BOUND = 0.07       # relative (Frobenius) error of fp8_dot's output; measured <= 0.040
@@ -84,6 +85,18 @@ def test_fp8_dot_decode_error(seq_lens, num_q_heads, num_kv_heads, head_dim, dty
     _check_decode(seq_lens, num_q_heads, num_kv_heads, head_dim, dtype, num_splits)
 
 
+def test_fp8_dot_decode_error_deep_pipeline():
+    """A tiling of the FP8 sweep's deeper pipelines (test_paged_decode.FP8_TILINGS): 64-key
+    tiles, six stages (the interpreter runs the tiles; the stages are the `gpu` test's)."""
+    _check_decode([200, 17, 64], 8, 2, 128, torch.float16, 2, block_n=64, num_warps=4, num_stages=6)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_dot_decode_error_unmasked_body(num_splits):
+    """unmasked_body (test_paged_decode.test_decode_unmasked_body) in the FP8-dot mode."""
+    _check_decode([1, 32, 33, 96, 130], 4, 2, 64, torch.float16, num_splits, block_n=32, unmasked_body=True)
+
+
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_fp8_dot_verify_error(num_splits):
     """Causal rows, and with 2 splits some rows that see no key of a split."""
@@ -120,6 +133,14 @@ def test_fp8_dot_decode_gpu(seq_lens, num_q_heads, num_kv_heads, dtype, block_n)
 @pytest.mark.parametrize("num_splits", [1, 7])
 def test_fp8_dot_decode_gpu_splits_default_tiling(num_splits):
     _check_decode([3000, 1, 17, 64], 32, 8, 128, torch.bfloat16, num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 7])
+@pytest.mark.parametrize("block_n,num_warps,num_stages,unmasked_body", FP8_TILINGS)
+def test_fp8_dot_decode_gpu_tilings(num_splits, block_n, num_warps, num_stages, unmasked_body):
+    _check_decode([4096, 3000, 1, 17, 64], 32, 8, 128, torch.bfloat16, num_splits, block_n=block_n,
+                  num_warps=num_warps, num_stages=num_stages, unmasked_body=unmasked_body)
 
 
 @pytest.mark.gpu

@@ -45,3 +45,17 @@ def test_attention_and_gemm_tiles_fit_hopper_at_every_dtype_and_head_dim(family,
     rows = shared_memory_of(family)
     assert kernels <= {r["kernel"] for r in rows}, {r["kernel"] for r in rows}
     assert not _over(rows), _over(rows)
+
+
+def test_fp8_decode_holds_one_kv_tile_below_five_stages_and_two_from_five():
+    """Why the FP8 decode kernel read at 83% of an H100's copy (benchmarks/RESULTS.md, "FP8 KV
+    decode: one tile in flight"): its K/V addresses come from a block-table load in the same
+    iteration, so Triton's pipeliner spends a stage on that load, and at three stages (main's
+    default) keeps a single K/V buffer: the next tile's copies start after this tile's dots
+    and are waited for at the top of the next iteration. From five stages it keeps two (three
+    at eight)."""
+    rows = shared_memory_of("fp8_decode_pipelines")
+    assert len(rows) == 5, rows
+    for r in rows:
+        tiles = r["shared"] // r["estimate"]["tile"]
+        assert (tiles >= 2) if r["estimate"]["stages"] >= 5 else (tiles == 1), r
