@@ -140,7 +140,7 @@ def _paged() -> Iterator[Case]:
 
 def fp8_decode_pipelines() -> Iterator[Case]:
     """paged_decode over an FP8 cache at Llama-3.1-8B's heads (32 query, 8 KV, head dim 128, a
-    bf16 query), one split, at main's default (128 keys, 3 stages) and the sweep's deeper
+    bf16 query), one split, at the default before 5 stages (128 keys, 3) and the sweep's deeper
     pipelines; estimate: one K/V tile's bytes (K and V, a byte an element) and the stages."""
     from pdserve.kernels import paged_decode as pd
 
