@@ -99,7 +99,8 @@ def model_digest(files: ModelFiles, seed: int) -> str:
 def load_model(files: ModelFiles, max_positions: int, device: torch.device, dtype: torch.dtype,
                seed: int, tp: TensorParallel | None = None) -> CausalLM:
     """Build the model (`tp`: this rank's shard of it) on the meta device (no init cost),
-    then fill it from `files`."""
+    then fill it from `files`. Its parameters take no gradient: an engine only infers, and
+    a product written into a preallocated output (`out=`) refuses tensors that record one."""
     scheme = files.fp8_scheme
     with torch.device("meta"), _default_dtype(dtype):
         model = model_class(files.arch)(files.arch, max_positions, device, tp)
@@ -109,7 +110,7 @@ def load_model(files: ModelFiles, max_positions: int, device: torch.device, dtyp
     model.tie_weights()
     weights = iter_weights(files, files.arch, seed, device, dtype)
     model.load_weights(fp8.quantized_online(normalize(weights)) if scheme is not None and scheme.online else weights)
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 @contextlib.contextmanager
