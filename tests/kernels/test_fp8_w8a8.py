@@ -9,11 +9,19 @@ import pytest
 import torch
 
 from pdserve.kernels.fp8_w8a8 import (
-    CANDIDATES, FP8, SCALE_BLOCK, TILES, Tile, fp8_w8a8, split_k, tile_for, w8a8_linear,
+    CANDIDATES,
+    FP8,
+    SCALE_BLOCK,
+    TILES,
+    Tile,
+    fp8_w8a8,
+    split_k,
+    tile_for,
+    w8a8_linear,
 )
 from tests.kernels.compiled import HOPPER_SHARED, shared_memory_of
 
-COVERS = ("fp8_w8a8",)
+COVERS = ("fp8_w8a8", "w8a8_linear", "tile_for", "split_k")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -34,18 +42,18 @@ def _dequantized(w: torch.Tensor, scale: torch.Tensor, blocked: bool) -> torch.T
 
 def _check(m: int, n: int, k: int, dtype: torch.dtype, blocked: bool, with_bias: bool, tile: Tile | None) -> None:
     gen = torch.Generator().manual_seed(m * 31 + n * 7919 + k)
-    x8, x_scale, w, scale = _operands(m, n, k, blocked, gen)
-    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    x8, x_scale, w, scale, bias = (t.to(DEVICE) if t is not None else None for t in (
+        *_operands(m, n, k, blocked, gen), torch.randn(n, generator=gen).to(dtype) if with_bias else None))
+    out = fp8_w8a8(x8, x_scale, w, scale, bias, out_dtype=dtype, blocked=blocked, tile=tile)
+    assert out.shape == (m, n) and out.dtype == dtype
+    # The float64 reference where the operands are (on the GPU at the 8B shapes: seconds, not minutes).
     xd, wd = x8.double() * x_scale.double(), _dequantized(w, scale, blocked)
     ref = xd @ wd.T + (bias.double() if bias is not None else 0)
-    dev = [t.to(DEVICE) if t is not None else None for t in (x8, x_scale, w, scale, bias)]
-    out = fp8_w8a8(*dev, out_dtype=dtype, blocked=blocked, tile=tile)
-    assert out.shape == (m, n) and out.dtype == dtype
     # Products of e4m3 numbers are exact in float32 (8 significant bits); a float32 sum over k
     # of them, a few float32 scalings, one rounding to the dtype.
     size = (xd.abs() @ wd.abs().T).max().item()
     atol = size * ((k + 4) * torch.finfo(torch.float32).eps + torch.finfo(dtype).eps)
-    torch.testing.assert_close(out.cpu().double(), ref, rtol=torch.finfo(dtype).eps, atol=atol)
+    torch.testing.assert_close(out.double(), ref, rtol=torch.finfo(dtype).eps, atol=atol)
 
 
 SMALL = [Tile(16, 64, 64, swap=True), Tile(32, 64, 32, swap=True, split_k=3),
@@ -125,3 +133,20 @@ def test_every_tile_compiles_for_hopper_to_e4m3_wgmma_within_shared_memory_and_r
     for r in gemms:
         assert len(r["mma"]) == 1 and r["mma"][0].startswith("wgmma.mma_async.sync.aligned.m64n"), r
         assert r["mma"][0].endswith("k32.f32.e4m3.e4m3"), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 300])
+def test_the_dispatch_option_takes_w8a8_and_agrees_with_the_scaled_matmul(m):
+    """`fp8.linear(..., w8a8=True)`, the benchmark's option: the same x quantization as the
+    scaled-matmul path, so the two differ by float32 summation order and one bf16 rounding."""
+    from pdserve.engine.models import fp8
+
+    gen = torch.Generator().manual_seed(m)
+    w8, scale = fp8.quantize_per_channel(torch.randn(6144, 4096, generator=gen) * 0.02)
+    x = torch.randn(m, 4096, generator=gen).to(DEVICE, torch.bfloat16)
+    w8, scale = w8.to(DEVICE), scale.float().to(DEVICE)
+    ours, theirs = fp8.linear(x, w8, scale, None, False, w8a8=True), fp8.linear(x, w8, scale, None, False)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (m, 6144)
+    atol = theirs.float().abs().max().item() * 2 ** -8
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=2 ** -7, atol=atol)
