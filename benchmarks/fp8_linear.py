@@ -15,14 +15,16 @@
   through the dispatch's opt-in (`fp8.linear(..., w8a8=True)`), up to 512 rows.
 
     python -m benchmarks.fp8_linear [--rows 1 16 64 256 512 4096]
-    python -m benchmarks.fp8_linear --sweep [--sweep-rows 2 8 16 32 64 128 256 512]
+    python -m benchmarks.fp8_linear --sweep [--sweep-rows 2 8 16 32 64 128 256 512] [--blocked]
 
 `--sweep` times each of fp8_w8a8's candidate tiles for the rows' bucket (`CANDIDATES`) against
 the scaled matmul (x quantized by `fp8_quant` in both), each a CUDA graph of the layer's four
 products replayed (do_bench_cudagraph: no launch gaps, as in the engine's decode graphs; the
 layer's 109 MB of FP8 weights exceed the 50 MB L2, so each product reads its weights from
 memory), with each candidate's largest difference from the scaled matmul's output (relative
-to its largest entry), then the best tile a bucket.
+to its largest entry), then the best tile a bucket. With `--blocked`: 128 x 128 block scales,
+the table's tile against `fp8_gemm` (W8A16, the dispatch's block-scaled path; x not quantized
+there, so the difference includes x's e4m3 rounding).
 
 ms per decoder layer (the four products, medians of triton.testing.do_bench, which clears L2
 before each run), with the weight-read limit at the device's copy bandwidth (measured here)
@@ -40,7 +42,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 from pdserve.engine.models import fp8
 from pdserve.kernels.fp8_gemm import fp8_gemm
 from pdserve.kernels.fp8_quant import quantize_per_token
-from pdserve.kernels.fp8_w8a8 import CANDIDATES, MAX_ROWS, Tile, w8a8_linear
+from pdserve.kernels.fp8_w8a8 import CANDIDATES, MAX_ROWS, Tile, tile_for, w8a8_linear
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K) of one 8B layer
 
@@ -63,6 +65,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256, 512, 2048, 4096])
     parser.add_argument("--sweep", action="store_true", help="time fp8_w8a8's candidate tiles instead")
     parser.add_argument("--sweep-rows", type=int, nargs="+", default=[2, 8, 16, 32, 64, 128, 256, 512])
+    parser.add_argument("--blocked", action="store_true",
+                        help="with --sweep: 128 x 128 block scales, the table's tile against fp8_gemm (W8A16)")
     args = parser.parse_args()
     if any(not 1 <= m <= MAX_ROWS for m in args.sweep_rows):
         parser.error(f"--sweep-rows must lie in 1-{MAX_ROWS}, got {args.sweep_rows}")
@@ -84,7 +88,7 @@ def main() -> None:
         return max(bf16_bytes / 2 / copy_bw, 2 * m * params / (2 * mm_rate)) * 1e3
 
     if args.sweep:
-        _sweep(args.sweep_rows, layers, limit_fp8)
+        _sweep(args.sweep_rows, layers, limit_fp8, args.blocked)
         return
     variants = {
         "bf16": lambda x, w, q, s: F.linear(x, w),
@@ -119,36 +123,52 @@ def _graph_ms(products: list) -> float:
     return do_bench_cudagraph(layer, return_mode="median")
 
 
-def _sweep(rows: list[int], layers: list, limit_fp8) -> None:
+def _block_scaled(layers: list) -> list:
+    """The layers with 128 x 128 block scales (each block's largest row scale) for the sweep's
+    --blocked timings: both kernels then multiply the same dequantized weights."""
+    return [(w, q, s.view(-1, 128).amax(1, keepdim=True).expand(-1, q.shape[1] // 128).contiguous())
+            for w, q, s in layers]
+
+
+def _sweep(rows: list[int], layers: list, limit_fp8, blocked: bool) -> None:
+    if blocked:  # against the dispatch's block-scaled path today, fp8_gemm (W8A16: x not quantized)
+        layers = _block_scaled(layers)
+        baseline, name, bound = (lambda x, q, s: fp8_gemm(x, q, s, None, blocked=True)), "fp8_gemm", 1e-1
+    else:
+        baseline, name, bound = _fused_quant_scaled_mm, "scaled_mm", 2e-2
     best = []
-    print("| rows | tile | ms per layer | scaled_mm ms | speedup | % of limit | max diff |")
+    print(f"| rows | tile | ms per layer | {name} ms | speedup | % of limit | max diff |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for m in rows:
         xs = [torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16) for w, _, _ in layers]
-        refs = [_fused_quant_scaled_mm(x, q, s) for x, (_, q, s) in zip(xs, layers)]
-        base = _graph_ms([lambda x=x, q=q, s=s: _fused_quant_scaled_mm(x, q, s) for x, (_, q, s) in zip(xs, layers)])
-        bucket = min(upper for upper in CANDIDATES if upper >= m)
+        refs = [baseline(x, q, s) for x, (_, q, s) in zip(xs, layers)]
+        base = _graph_ms([lambda x=x, q=q, s=s: baseline(x, q, s) for x, (_, q, s) in zip(xs, layers)])
+        tiles = (tile_for(m),) if blocked else CANDIDATES[min(upper for upper in CANDIDATES if upper >= m)]
         timed: list[tuple[float, Tile]] = []
-        for tile in CANDIDATES[bucket]:
+        for tile in tiles:
             try:
-                outs = [w8a8_linear(x, q, s, tile=tile) for x, (_, q, s) in zip(xs, layers)]
+                outs = [w8a8_linear(x, q, s, blocked=blocked, tile=tile) for x, (_, q, s) in zip(xs, layers)]
                 diff = max(((o.float() - r.float()).abs().max() / r.float().abs().max()).item()
                            for o, r in zip(outs, refs))
-                ms = _graph_ms([lambda x=x, q=q, s=s, t=tile: w8a8_linear(x, q, s, tile=t)
+                ms = _graph_ms([lambda x=x, q=q, s=s, t=tile: w8a8_linear(x, q, s, blocked=blocked, tile=t)
                                 for x, (_, q, s) in zip(xs, layers)])
             except Exception as exc:  # a tile the card refuses (resources): a row saying so
                 print(f"| {m} | {tile.describe()} | failed: {type(exc).__name__}: {str(exc)[:80]} | | | | |")
                 continue
-            if diff <= 2e-2:  # a wrong tile is shown, never chosen
+            if diff <= bound:  # a wrong tile is shown, never chosen
                 timed.append((ms, tile))
             print(f"| {m} | {tile.describe()} | {ms:.3f} | {base:.3f} | {base / ms:.2f}x | "
-                  f"{100 * limit_fp8(m) / ms:.0f}% | {diff:.1e}{' WRONG' if diff > 2e-2 else ''} |", flush=True)
+                  f"{100 * limit_fp8(m) / ms:.0f}% | {diff:.1e}{' WRONG' if diff > bound else ''} |", flush=True)
         if timed:
-            ms, tile = min(timed, key=lambda t: t[0])
-            best.append((m, base, ms, tile))
-    print("\nBest tile per row count (scaled_mm = cuBLASLt with fp8_quant's x; limit = the FP8 weight read "
-          "or the FP8 matmul at twice the bf16 rate, whichever is longer):")
-    print("| rows | scaled_mm ms | best tile | ms | speedup | limit ms | % of limit |")
+            best.append((m, base, *min(timed, key=lambda t: t[0])))
+    _print_best(best, name, blocked, limit_fp8)
+
+
+def _print_best(best: list, name: str, blocked: bool, limit_fp8) -> None:
+    scales = "128 x 128 block scales" if blocked else "per-channel scales"
+    print(f"\nBest tile per row count, {scales} ({name}: the dispatch's path today, x quantized by fp8_quant "
+          "for scaled_mm; limit = the FP8 weight read or the FP8 matmul at twice the bf16 rate, whichever is longer):")
+    print(f"| rows | {name} ms | best tile | ms | speedup | limit ms | % of limit |")
     print("|---:|---:|---|---:|---:|---:|---:|")
     for m, base, ms, tile in best:
         print(f"| {m} | {base:.3f} | {tile.describe()} | {ms:.3f} | {base / ms:.2f}x | {limit_fp8(m):.3f} | "
