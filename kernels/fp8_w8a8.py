@@ -76,20 +76,22 @@ class Tile:
 # - <= 16: swap, wgmma 64 x 16 x 32; 4 stages x (64 + 16) x 128 = 40 KB, up to 5 programs an SM;
 #   split-K brings 64 column tiles (N = 4096) to >= 132 programs.
 # - <= 32 / <= 64: the same with wgmma N = 32 / 64 (48 / 64 KB).
-# - <= 128: swap 64 x 128: the weight read once, 4 stages x 192 x 128 = 96 KB, 2 programs an SM.
-# - <= 256: not swapped, 128 rows x 128 columns, 8 warps (two warpgroups of m64n128): at 256
-#   rows compute (0.078 ms at 2x the measured bf16 rate) meets the read (0.073): the weight is
-#   read twice, the second time mostly from L2 (the two row tiles of a column run together).
-# - <= 512: the same tile, compute-bound (0.156 ms); 128 x 256 would halve x's re-reads but needs
-#   a second 128-register accumulator for the promotion and spills (ptxas: ~500 bytes), so it
-#   is a candidate only with fast accumulation (one accumulator).
-# From 129 rows no split-K: the row tiles already give >= 128 programs at N = 4096.
+# - <= 128: swap, wgmma m64n128: the weight read once, 4 stages x 192 x 128 = 96 KB, 2 programs an SM.
+# - <= 256: not swapped, 128 rows x 64 columns (one warpgroup, two m64n64 wgmmas a K step): at
+#   256 rows compute (0.078 ms at 2x the measured bf16 rate) meets the read (0.073), so every
+#   SM needs a program: 64 column tiles x 2 row tiles = 128 at N = 4096 (128 x 128 would give 64);
+#   the weight is read twice, the second time mostly from L2 (a column's row tiles run together).
+# - <= 512: 128 x 128, 8 warps (two warpgroups of m64n128), 128 programs at N = 4096, compute-
+#   bound (0.156 ms); 128 x 256 would halve x's re-reads but needs a second 128-register
+#   accumulator for the promotion and spills (ptxas: ~500 bytes), so it is a candidate only
+#   with fast accumulation (one accumulator).
+# From 129 rows no split-K: its float32 partials would cost more than the programs it adds.
 TILES: tuple[tuple[int, Tile], ...] = (
     (16, Tile(16, 64, 128, swap=True)),
     (32, Tile(32, 64, 128, swap=True)),
     (64, Tile(64, 64, 128, swap=True)),
     (128, Tile(128, 64, 128, swap=True)),
-    (256, Tile(128, 128, 128, swap=False, num_warps=8, split_k=1)),
+    (256, Tile(128, 64, 128, swap=False, split_k=1)),
     (512, Tile(128, 128, 128, swap=False, num_warps=8, split_k=1)),
 )
 # The sweep's candidates per bucket (benchmarks/fp8_linear.py --sweep), the table's first:
@@ -105,7 +107,7 @@ CANDIDATES: dict[int, tuple[Tile, ...]] = {
     128: (TILES[3][1], Tile(128, 64, 128, swap=False), Tile(128, 128, 128, swap=False, num_warps=8),
           Tile(128, 64, 128, swap=True, num_stages=3)),
     256: (TILES[4][1], Tile(256, 64, 128, swap=False, num_warps=8, split_k=1),
-          Tile(128, 64, 128, swap=False, split_k=1), Tile(128, 128, 128, swap=False, num_warps=8)),
+          Tile(128, 128, 128, swap=False, num_warps=8, split_k=1), Tile(128, 128, 128, swap=False, num_warps=8)),
     512: (TILES[5][1], Tile(128, 128, 128, swap=False, num_warps=8, num_stages=3, split_k=1),
           Tile(128, 128, 128, swap=False, num_warps=8, split_k=1, fast_acc=True),
           Tile(128, 256, 128, swap=False, num_warps=8, num_stages=3, split_k=1, fast_acc=True)),
