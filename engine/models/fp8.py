@@ -35,6 +35,8 @@ from torch import nn
 
 from pdserve.kernels.fp8_gemm import FP8, SCALE_BLOCK, fp8_gemm
 from pdserve.kernels.fp8_quant import quantize_per_token
+from pdserve.kernels.fp8_w8a8 import MAX_ROWS as W8A8_MAX_ROWS
+from pdserve.kernels.fp8_w8a8 import w8a8_linear
 from pdserve.kernels.gemv import gemv
 
 E4M3_MAX = 448.0
@@ -195,17 +197,21 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, blocked: bool) -> torc
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-           blocked: bool) -> torch.Tensor:
+           blocked: bool, w8a8: bool = False) -> torch.Tensor:
     """x [T, K] @ dequantize(weight, scale).T (+ bias) -> [T, N] in x's dtype.
 
     CPU: the weight dequantized to float32 for this call. CUDA: `kernels.gemv` for one row;
     beyond, per-channel weights go through cuBLASLt's scaled matmul with x quantized per token
-    (`_scaled_mm`), block scales (and shapes it does not take) through `kernels.fp8_gemm`."""
+    (`_scaled_mm`), block scales (and shapes it does not take) through `kernels.fp8_gemm`.
+    w8a8 (opt-in, not yet run on a GPU; benchmarks/fp8_linear.py --sweep): 2-512 rows of either
+    scale layout through `kernels.fp8_w8a8` (x quantized per token, e4m3 x e4m3 dots)."""
     if not x.is_cuda:
         return nn.functional.linear(x, dequantize(weight, scale, blocked).to(x.dtype), bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
     if x.shape[0] <= MAX_KERNEL_ROWS:  # a model's weights are final: read ahead
         return gemv(x, weight, bias, read_ahead=True, scale=scale, blocked=blocked)
+    if w8a8 and x.shape[0] <= W8A8_MAX_ROWS and _has_fp8_mma(x.device):
+        return w8a8_linear(x, weight, scale, bias, blocked=blocked)
     if blocked or not _scaled_mm_fits(x, weight):
         return fp8_gemm(x, weight, scale, bias, blocked=blocked)
     return _scaled_mm(x, weight, scale, bias)

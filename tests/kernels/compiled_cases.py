@@ -208,3 +208,23 @@ def gemm() -> Iterator[Case]:
                                    torch.empty(4096, 1, **meta))
 
             yield f"fp8_gemm M={m} {dtype}", fp8, None
+
+
+def fp8_w8a8() -> Iterator[Case]:
+    """fp8_w8a8's table and sweep candidates at the 8B layer's widest and longest shapes
+    (28672 x 4096, 4096 x 14336; the split-K partials' sum too), block-scaled for the table."""
+    from pdserve.kernels import fp8_w8a8 as w8
+
+    meta = {"device": "meta"}
+    for upper, tiles in w8.CANDIDATES.items():
+        for tile in tiles:
+            for n, k in ((28672, 4096), (4096, 14336)):
+                blocks = (False, True) if tile in dict(w8.TILES).values() and n == 4096 else (False,)
+                for blocked in blocks:
+                    scale = (torch.empty(n // 128, k // 128, **meta) if blocked else torch.empty(n, 1, **meta))
+
+                    def launch(tile=tile, n=n, k=k, blocked=blocked, scale=scale, m=upper):
+                        return w8.fp8_w8a8(torch.empty(m, k, dtype=F8, **meta), torch.empty(m, 1, **meta),
+                                           torch.empty(n, k, dtype=F8, **meta), scale, blocked=blocked, tile=tile)
+
+                    yield f"M={upper} {n}x{k}{' blocked' if blocked else ''} {tile.describe()}", launch, None
