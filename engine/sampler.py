@@ -79,19 +79,24 @@ class PendingSample:
 
 @dataclass(slots=True)
 class _PendingLogprobs:
+    """The log-probabilities of a step's rows on their way to the host, one copy: row j of
+    `values` is [logprob of the token, its rank, the top ids, the top logprobs] (ids and ranks
+    exact in float32 below 2**24). `resolve` waits for that copy (`HostCopy.get`): a pinned
+    host tensor read before its copy lands holds whatever the memory held before (issue 52:
+    verified tokens' log-probabilities were read that way, unsynchronized, and came out of
+    another step)."""
+
     rows: list[int]  # batch rows that asked for logprobs
     num_top: list[int]  # how many alternatives each of them wants
-    chosen: torch.Tensor  # [len(rows)] float32: logprob of the sampled token
-    ranks: torch.Tensor  # [len(rows)] int64: its rank
-    top_ids: torch.Tensor  # [len(rows), max num_top]
-    top_vals: torch.Tensor
+    values: HostCopy  # [len(rows), 2 + 2 * max num_top] float32
 
     def resolve(self, token_ids: list[int]) -> list[TokenLogprobs | None]:
         out: list[TokenLogprobs | None] = [None] * len(token_ids)
-        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
-        top_ids, top_vals = self.top_ids.tolist(), self.top_vals.tolist()
-        for j, (i, n) in enumerate(zip(self.rows, self.num_top)):
-            out[i] = TokenLogprobs(token_ids[i], chosen[j], tuple(top_ids[j][:n]), tuple(top_vals[j][:n]), ranks[j])
+        values = self.values.get().tolist()
+        for i, n, v in zip(self.rows, self.num_top, values):
+            k = (len(v) - 2) // 2
+            out[i] = TokenLogprobs(token_ids[i], v[0], tuple(int(t) for t in v[2:2 + n]),
+                                   tuple(v[2 + k:2 + k + n]), int(v[1]))
         return out
 
 
@@ -269,17 +274,16 @@ def _logprobs_async(logits: torch.Tensor, token_ids: torch.Tensor, params: list[
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return None
-    on_gpu = logits.device.type == "cuda"
     index = on_device(rows, torch.int64, logits.device)
     logp = torch.log_softmax(logits.index_select(0, index), dim=-1)
     num_top = [params[i].logprobs or 0 for i in rows]
     k = max(num_top)
-    top_vals, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
     chosen = logp.gather(1, token_ids.index_select(0, index)[:, None])
-    ranks = (logp > chosen).sum(dim=-1) + 1
-
-    def to_host(t: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu)
-        return host.copy_(t, non_blocking=on_gpu)
-
-    return _PendingLogprobs(rows, num_top, to_host(chosen[:, 0]), to_host(ranks), to_host(top_ids), to_host(top_vals))
+    values = torch.empty((len(rows), 2 + 2 * k), dtype=torch.float32, device=logits.device)
+    values[:, :1] = chosen
+    values[:, 1] = (logp > chosen).sum(dim=-1) + 1
+    if k:
+        top_vals, top_ids = logp.topk(k, dim=-1)
+        values[:, 2:2 + k] = top_ids
+        values[:, 2 + k:] = top_vals
+    return _PendingLogprobs(rows, num_top, HostCopy.of(values))

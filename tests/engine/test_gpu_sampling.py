@@ -95,3 +95,35 @@ def test_prompt_logprobs_on_cuda_over_chunks_match_hf(models):
         reference = torch.log_softmax(hf(torch.tensor([prompt], device="cuda")).logits[0].float(), dim=-1).cpu()
     assert_matches_hf(outs[0].prompt_logprobs, prompt, reference, 5, tolerance=1e-3)  # fp32 kernels, other sum orders
     assert outs[1].prompt_logprobs == []
+
+
+
+def test_log_probabilities_are_read_once_the_gpu_has_computed_them(monkeypatch):
+    """Issue 52: the verified tokens' log-probabilities (`Sampler.logprobs`, what speculative
+    verification reports) were copied to pinned host memory without a wait and read at once:
+    behind a busy GPU (in the field, other processes on the card) they were whatever that
+    memory held before. Here the GPU is kept busy (~0.1 s) right before the log-softmax is
+    queued (after the token ids' upload, which waits for the stream); every read must wait
+    for its copy, the sampled rows' too."""
+    from pdserve.engine import sampler as sampler_module
+
+    upload = sampler_module.on_device
+
+    def on_busy_device(values, dtype, device):
+        out = upload(values, dtype, device)
+        torch.cuda._sleep(200_000_000)
+        return out
+
+    monkeypatch.setattr(sampler_module, "on_device", on_busy_device)
+    sampler = sampler_module.Sampler(seed=0, device=torch.device("cuda"))
+    for attempt in range(3):
+        logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(10 + attempt)) * 4
+        ref = torch.log_softmax(logits, dim=-1)
+        tokens = [int(t) for t in ref.argsort(dim=-1)[:, -1 - attempt]]  # each row's rank 1 + attempt
+        given = sampler.logprobs(logits.cuda(), tokens, SamplingParams(logprobs=2))
+        assert [g.logprob for g in given] == pytest.approx(ref[torch.arange(4), tokens].tolist(), abs=1e-5)
+        assert [g.rank for g in given] == [1 + attempt] * 4
+        assert [list(g.top_token_ids) for g in given] == ref.topk(2, dim=-1).indices.tolist()
+        out = sampler.sample(logits.cuda(), [SamplingParams(temperature=0.0, logprobs=1)] * 4, [0] * 4)
+        assert out.token_ids == ref.argmax(dim=-1).tolist()
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(ref.max(dim=-1).values.tolist(), abs=1e-5)

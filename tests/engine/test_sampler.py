@@ -98,3 +98,27 @@ def test_logprobs_are_the_model_distribution():
     assert lp.logprob == pytest.approx(ref[lp.token_id].item(), abs=1e-6)
     assert list(lp.top_token_ids) == ref.topk(3).indices.tolist()
     assert out.logprobs[1] is None
+
+
+def test_logprobs_of_mixed_rows_carry_ranks_and_alternatives():
+    """Rows asking for different numbers of alternatives (or none) in one batch: each gets its
+    token's log-probability, its rank (1 + the tokens likelier) and its own top entries;
+    `Sampler.logprobs` (the verified tokens' path) gives the same for given tokens."""
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=1.0, logprobs=2), SamplingParams(),
+              SamplingParams(temperature=1.0, logprobs=0)]
+    out = sampler.sample(logits, params, [0, 0, 0])
+    ref = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs[1] is None
+    for row, num_top in ((0, 2), (2, 0)):
+        lp, token = out.logprobs[row], out.token_ids[row]
+        assert lp.token_id == token and lp.logprob == pytest.approx(ref[row, token].item(), abs=1e-6)
+        assert lp.rank == int((ref[row] > ref[row, token]).sum()) + 1
+        assert list(lp.top_token_ids) == ref[row].topk(num_top).indices.tolist()
+        assert list(lp.top_logprobs) == pytest.approx(ref[row].topk(num_top).values.tolist(), abs=1e-6)
+    tokens = [int(ref[0].argsort()[-7]), int(ref[1].argmax())]  # ranks 7 and 1
+    given = sampler.logprobs(logits[:2], tokens, SamplingParams(logprobs=1))
+    assert [g.rank for g in given] == [7, 1]
+    assert [g.logprob for g in given] == pytest.approx([ref[0, tokens[0]].item(), ref[1, tokens[1]].item()], abs=1e-6)
+    assert [g.top_token_ids for g in given] == [(int(ref[0].argmax()),), (tokens[1],)]
