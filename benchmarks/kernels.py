@@ -28,7 +28,7 @@ head dim 128, bf16, KV block 16), with baselines measured in the same run:
   (rows marked *); `--mla-heads` and `--mla-caches` pick the head counts and cache dtypes.
 
     python -m benchmarks.kernels [--sweep] [--json PATH] [--only prefill|decode|fp8kv|mla]
-                                 [--fp8kv-tilings "S,N,W,ST[,U];..."] [--fp8kv-modes fp8 fp8-dot]
+                                 [--fp8kv-tilings "S,N,W,ST;..."] [--fp8kv-modes fp8 fp8-dot]
                                  [--mla-heads 128 16] [--mla-caches bf16 fp8] [--mla-tilings "H,N,W,S;..."]
                                  [--mla-splits 4 8] [--mla-cases 1x1024 64x4096]
                                  [--prefill-configs "M,N,W,S,A;..."]
@@ -76,11 +76,11 @@ DECODE_SWEEP = [(32, 4, 3), (64, 4, 3), (128, 4, 2)]  # block_n, num_warps, num_
 DECODE_SWEEP_CASES = [(1, 4096), (1, 32768), (8, 4096), (8, 32768)]
 DECODE_ROTATE_BYTES = 1 << 30
 FP8_DECODE_CASES = [(64, 4096), (256, 1536)]  # issue 42's figures
-# block_n, num_warps, num_stages, unmasked_body, each at the split counts around the default.
-# Four stages or fewer leave one K/V buffer (the block-table load takes a stage): five and
-# more, two or three (RESULTS.md, "FP8 KV decode: one tile in flight").
-FP8_DECODE_SWEEP = [(64, 4, 3, 0), (128, 4, 3, 0), (128, 4, 2, 0), (128, 8, 3, 0), (256, 8, 2, 0), (128, 4, 5, 0),
-                    (128, 4, 8, 0), (64, 4, 6, 0), (32, 4, 8, 0), (128, 4, 5, 1), (128, 4, 8, 1)]
+# block_n, num_warps, num_stages, each at the split counts around the default. Three stages or
+# fewer leave one K/V buffer (the block-table load takes a stage): five and more, two or three
+# (RESULTS.md, "FP8 KV decode: one tile in flight").
+FP8_DECODE_SWEEP = [(64, 4, 3), (128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2), (128, 4, 5), (128, 4, 8),
+                    (64, 4, 6), (32, 4, 8)]
 VERIFY_TOKENS = 5  # K = 4 drafted tokens + the last sampled one
 MLA_RANK, MLA_ROPE = 512, 64  # DeepSeek-V3's latent
 MLA_HEADS = [128, 16]  # V3's heads on one GPU (compute-bound at 242 FLOP a latent byte), and under TP 8 (30)
@@ -339,12 +339,11 @@ def decode(batch: int, context: int, sweep: bool) -> list[Row]:
     return rows
 
 
-def decode_fp8(batch: int, context: int, sweep: bool, tilings: list[tuple[int, ...]] | None = None,
+def decode_fp8(batch: int, context: int, sweep: bool, tilings: list[tuple[int, int, int, int]] | None = None,
                modes: tuple[str, ...] = ("fp8", "fp8-dot")) -> list[Row]:
     """paged_decode over an e4m3 cache, widening its tiles ("fp8") and (fp8_dot) not: the rate
-    counts the FP8 bytes it reads. tilings: (splits, block_n, num_warps, num_stages[,
-    unmasked_body]), splits 0 the default count, timed after the default instead of the sweep's
-    (rows marked U: unmasked_body)."""
+    counts the FP8 bytes it reads. tilings: (splits, block_n, num_warps, num_stages), splits 0
+    the default count, timed after the default instead of the sweep's."""
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM  # one byte an element
     num_sets = -(-DECODE_ROTATE_BYTES // kv_bytes)
     sets, refs = [], []
@@ -364,17 +363,16 @@ def decode_fp8(batch: int, context: int, sweep: bool, tilings: list[tuple[int, .
     ref = F.scaled_dot_product_attention(q.view(batch, NUM_KV_HEADS, group, HEAD_DIM), k.transpose(1, 2),
                                          v.transpose(1, 2), scale=scale).reshape_as(out)
     default_splits = decode_num_splits(batch, NUM_KV_HEADS, HEAD_DIM, context, out.device)
-    configs = [(default_splits, None, None, None, 0)]
+    configs = [(default_splits, None, None, None)]
     if tilings:
-        configs += [(n or default_splits, *c, 0)[:5] for n, *c in tilings]
+        configs += [(n or default_splits, *c) for n, *c in tilings]
     elif sweep:
         configs += [(n, *c) for n in sorted({max(1, default_splits // 2), default_splits, default_splits * 2})
                     for c in FP8_DECODE_SWEEP]
     rows = []
-    for (splits, block_n, num_warps, num_stages, unmasked), mode in itertools.product(configs, modes):
+    for (splits, block_n, num_warps, num_stages), mode in itertools.product(configs, modes):
         fp8_dot = mode == "fp8-dot"
-        tiling = {} if block_n is None else {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
-                                             "unmasked_body": bool(unmasked)}
+        tiling = {} if block_n is None else {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
         ws = decode_workspace(batch, NUM_Q_HEADS, HEAD_DIM, splits, out.device)
         fns = [lambda s=s, dot=fp8_dot: paged_decode(s[0], s[1], s[2], s[3], seq_lens, scale, out=out, workspace=ws,
                                                      fp8_dot=dot, **tiling)
@@ -384,8 +382,7 @@ def decode_fp8(batch: int, context: int, sweep: bool, tilings: list[tuple[int, .
             continue
         err = _rel_err(out, ref)
         ms = _bench_graph(fns)
-        name = (f"{mode} default" if block_n is None
-                else f"{mode} (S{splits},{block_n},{num_warps},{num_stages}{',U' if unmasked else ''})")
+        name = f"{mode} default" if block_n is None else f"{mode} (S{splits},{block_n},{num_warps},{num_stages})"
         rows.append(Row("decode", f"{batch}x{context}", f"ours {name}", ms, nbytes / ms / 1e9, err))
     return rows
 
@@ -487,8 +484,7 @@ def main() -> None:
     parser.add_argument("--mla-cases", nargs="+", help="--only mla: 'BATCHxCONTEXT' cases (default 64x4096 256x1536)")
     parser.add_argument("--mla-splits", type=int, nargs="+", help="--only mla: split counts the tilings also run at")
     parser.add_argument("--fp8kv-tilings", help="--only fp8kv: tilings instead of the sweep's: "
-                        "'splits,block_n,num_warps,num_stages[,unmasked_body];...' (splits 0: the default count, "
-                        "unmasked_body 1: paged_decode's unmasked_body)")
+                        "'splits,block_n,num_warps,num_stages;...' (splits 0: the default count)")
     parser.add_argument("--fp8kv-modes", nargs="+", default=["fp8", "fp8-dot"], choices=["fp8", "fp8-dot"],
                         help="--only fp8kv: widening the tiles (fp8), multiplying them as e4m3 (fp8-dot)")
     parser.add_argument("--prefill-configs", help="prefill sweep instead of the built-in one: "
@@ -500,9 +496,8 @@ def main() -> None:
         prefill_configs = PREFILL_SWEEP if args.sweep else []
     fp8_tilings = ([tuple(int(x) for x in c.split(",")) for c in args.fp8kv_tilings.split(";")]
                    if args.fp8kv_tilings else None)
-    if fp8_tilings and any(len(t) not in (4, 5) for t in fp8_tilings):
-        parser.error(f"--fp8kv-tilings: 'splits,block_n,num_warps,num_stages[,unmasked_body]' each, "
-                     f"got {args.fp8kv_tilings!r}")
+    if fp8_tilings and any(len(t) != 4 for t in fp8_tilings):
+        parser.error(f"--fp8kv-tilings: 'splits,block_n,num_warps,num_stages' each, got {args.fp8kv_tilings!r}")
     rows = ceilings()
     copy_tbs = rows[0].rate
     header = f"{'kind':8} {'case':10} {'impl':34} {'ms':>9} {'rate':>8} {'% copy':>7} {'rel_err':>8}"

@@ -47,17 +47,13 @@ def _split_range(seq_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
 
 @triton.jit
 def _tile_offsets(bt_row, kv_head, n0, end, row_stride,
-                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr = True):
+                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys n0 .. n0 + BLOCK_N - 1 of one sequence: their positions, which are < end, and
-    their rows' offsets [BLOCK_N, D] in the paged cache (one KV head). Not MASKED: every
-    key is < end, the block table is read unmasked."""
+    their rows' offsets [BLOCK_N, D] in the paged cache (one KV head)."""
     offs_d = tl.arange(0, HEAD_DIM)
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < end
-    if MASKED:
-        block_ids = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-    else:
-        block_ids = tl.load(bt_row + pos // PAGE_SIZE).to(tl.int64)
+    block_ids = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
     rows = (block_ids * PAGE_SIZE + pos % PAGE_SIZE) * row_stride + kv_head * HEAD_DIM
     return pos, valid, rows[:, None] + offs_d[None, :]
 
@@ -94,22 +90,20 @@ def _query_operand(q, k0, FP8_DOT: tl.constexpr):
 
 @triton.jit
 def _update(q, q_scale, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc,
-            DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, FP8_DOT: tl.constexpr, MASKED: tl.constexpr = True):
+            DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, FP8_DOT: tl.constexpr):
     """One K/V tile [BLOCK_N, D] into the online softmax of q's rows [R, D] (running max in
     base 2, sum, unnormalised output). FP8_DOT: q holds e4m3 rows scaled by q_scale [R]
     (`_query_operand`), the e4m3 tile enters both dots as it is and P is rounded to e4m3
     (its sum l_i stays float32, as FlashAttention-3's); else an FP8 tile is widened to q's
-    dtype. Not MASKED: every key of the tile is valid (valid is not read)."""
+    dtype."""
     if FP8_DOT:
         s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
     else:
         k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if CAUSAL and MASKED:
+    if CAUSAL:
         s = tl.where(valid[None, :] & (pos[None, :] <= last_key[:, None]), s, float("-inf"))
-    elif CAUSAL:
-        s = tl.where(pos[None, :] <= last_key[:, None], s, float("-inf"))
-    elif MASKED:
+    else:
         s = tl.where(valid[None, :], s, float("-inf"))                     # [BLOCK_R, BLOCK_N]
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
     if CAUSAL:
@@ -131,15 +125,13 @@ def _update(q, q_scale, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc,
 @triton.jit
 def _attend(q, q_scale, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end, last_key,
             scale_log2, row_stride, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, FP8_DOT: tl.constexpr,
-            UNMASKED_BODY: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, FP8_DOT: tl.constexpr):
     """Online softmax of q's rows [R, D] (with q_scale: `_query_operand`) over keys
     start .. end - 1 of one sequence's paged K/V (one KV head, block table row bt_row), the
     first tile given (pos0, valid0, k0, v0: `_first_tile`).
     CAUSAL: row r sees keys <= last_key[r] only (else every key: one query token at the
-    sequence's end). UNMASKED_BODY: the whole tiles after the first are read and scored
-    without the key mask (none passes `end`), the last partial one with it. Returns the
-    running max (base 2), the sum and the unnormalised output [R, D]."""
+    sequence's end). Returns the running max (base 2), the sum and the unnormalised
+    output [R, D]."""
     BLOCK_R: tl.constexpr = q.shape[0]
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -147,36 +139,13 @@ def _attend(q, q_scale, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, 
     if start < end:  # an empty split (past the sequence's end) sees no key
         m_i, l_i, acc = _update(q, q_scale, k0, v0, pos0, valid0, last_key, scale_log2, m_i, l_i, acc,
                                 DOT_PRECISION, CAUSAL, FP8_DOT)
-    if UNMASKED_BODY:
-        body_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-        for n0 in range(start + BLOCK_N, body_end, BLOCK_N):
-            pos, valid, kv_offs = _tile_offsets(bt_row, kv_head, n0, end, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N,
-                                                False)
-            k = tl.load(k_cache_ptr + kv_offs)
-            v = tl.load(v_cache_ptr + kv_offs)
-            m_i, l_i, acc = _update(q, q_scale, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc,
-                                    DOT_PRECISION, CAUSAL, FP8_DOT, False)
-        if start < body_end and body_end < end:
-            m_i, l_i, acc = _masked_tile(q, q_scale, k_cache_ptr, v_cache_ptr, bt_row, kv_head, body_end, end,
-                                         last_key, scale_log2, row_stride, m_i, l_i, acc, HEAD_DIM, PAGE_SIZE,
-                                         BLOCK_N, DOT_PRECISION, CAUSAL, FP8_DOT)
-    else:
-        for n0 in range(start + BLOCK_N, end, BLOCK_N):
-            m_i, l_i, acc = _masked_tile(q, q_scale, k_cache_ptr, v_cache_ptr, bt_row, kv_head, n0, end,
-                                         last_key, scale_log2, row_stride, m_i, l_i, acc, HEAD_DIM, PAGE_SIZE,
-                                         BLOCK_N, DOT_PRECISION, CAUSAL, FP8_DOT)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+        pos, valid, kv_offs = _tile_offsets(bt_row, kv_head, n0, end, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N)
+        k = tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
+        m_i, l_i, acc = _update(q, q_scale, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc,
+                                DOT_PRECISION, CAUSAL, FP8_DOT)
     return m_i, l_i, acc
-
-
-@triton.jit
-def _masked_tile(q, q_scale, k_cache_ptr, v_cache_ptr, bt_row, kv_head, n0, end, last_key, scale_log2, row_stride,
-                 m_i, l_i, acc, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, FP8_DOT: tl.constexpr):
-    """Keys n0 .. n0 + BLOCK_N - 1, those < end, into the online softmax (`_update`)."""
-    pos, valid, kv_offs = _tile_offsets(bt_row, kv_head, n0, end, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N)
-    k = tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
-    return _update(q, q_scale, k, v, pos, valid, last_key, scale_log2, m_i, l_i, acc, DOT_PRECISION, CAUSAL, FP8_DOT)
 
 
 @triton.jit
@@ -211,7 +180,7 @@ def _decode_split_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, READ_AHEAD: tl.constexpr,
-    FP8_DOT: tl.constexpr, UNMASKED_BODY: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -232,8 +201,7 @@ def _decode_split_kernel(
                 mask=mask_g[:, None], other=0.0)                          # [BLOCK_G, D]
     q, q_scale = _query_operand(q, k0, FP8_DOT)
     m_i, l_i, acc = _attend(q, q_scale, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end,
-                            end, scale_log2, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False, FP8_DOT,
-                            UNMASKED_BODY)
+                            end, scale_log2, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, False, FP8_DOT)
     _write_rows(out_ptr + seq * stride_ob + heads * stride_oh,
                 ws_ptr + seq.to(tl.int64) * stride_wb + heads * stride_wh + split * stride_ws,
                 m_i, l_i, acc, mask_g, HEAD_DIM, NUM_SPLITS)
@@ -256,7 +224,7 @@ def _verify_split_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, READ_AHEAD: tl.constexpr,
-    FP8_DOT: tl.constexpr, UNMASKED_BODY: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
     """_decode_split_kernel with rows (new token t, query head g of the KV group): row r is
     token r // QUERIES_PER_KV, head r % QUERIES_PER_KV; token t sits at position
@@ -285,7 +253,7 @@ def _verify_split_kernel(
     q, q_scale = _query_operand(q, k0, FP8_DOT)
     m_i, l_i, acc = _attend(q, q_scale, pos0, valid0, k0, v0, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start, end,
                             seq_len - q_len + tok, scale_log2, row_stride, HEAD_DIM, PAGE_SIZE, BLOCK_N,
-                            DOT_PRECISION, True, FP8_DOT, UNMASKED_BODY)
+                            DOT_PRECISION, True, FP8_DOT)
     _write_rows(out_ptr + token_rows * stride_ot + heads * stride_oh,
                 ws_ptr + token_rows * stride_wt + heads * stride_wh + split * stride_ws,
                 m_i, l_i, acc, mask_r, HEAD_DIM, NUM_SPLITS)
@@ -398,8 +366,7 @@ def _workspace_args(workspace: torch.Tensor | None, out: torch.Tensor) -> tuple[
 
 def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None,
                   programs: int, num_splits: int, block_n: int | None, num_warps: int, num_stages: int | None,
-                  read_ahead: bool, fp8_dot: bool,
-                  unmasked_body: bool) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+                  read_ahead: bool, fp8_dot: bool) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
     """What both launchers hand their split kernel besides their own inputs: the workspace's
     pointer and strides, and the tiling (defaults: `_default_tiling`), constexprs and launch
     options they share."""
@@ -410,8 +377,8 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor, wor
     pdl = _pdl.pdl(q)
     launch = dict(QUERIES_PER_KV=q.shape[1] // k_cache.shape[2], HEAD_DIM=q.shape[2], PAGE_SIZE=k_cache.shape[1],
                   BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                  PDL=pdl, READ_AHEAD=read_ahead, FP8_DOT=fp8_dot, UNMASKED_BODY=unmasked_body, num_warps=num_warps,
-                  num_stages=num_stages, launch_pdl=pdl)
+                  PDL=pdl, READ_AHEAD=read_ahead, FP8_DOT=fp8_dot, num_warps=num_warps, num_stages=num_stages,
+                  launch_pdl=pdl)
     return ws, ws_strides, launch
 
 
@@ -441,7 +408,6 @@ def paged_decode(
     num_stages: int | None = None,
     read_ahead: bool = False,
     fp8_dot: bool = False,
-    unmasked_body: bool = False,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged K/V.
 
@@ -470,9 +436,6 @@ def paged_decode(
             (the module's docstring): opt-in, it changes outputs (tests/kernels/
             test_paged_decode_fp8_dot.py states the error); needs an FP8 cache, head_dim and
             block_n >= 32.
-        unmasked_body: the whole K/V tiles between a split's first and last read and scored
-            without the key mask (same outputs; fewer instructions a tile: benchmarks/
-            RESULTS.md, "FP8 KV decode: one tile in flight").
 
     Returns:
         out.
@@ -497,7 +460,7 @@ def paged_decode(
         return out
     queries_per_kv = num_q_heads // num_kv_heads
     ws, ws_strides, launch = _split_launch(q, k_cache, out, workspace, batch * num_kv_heads, num_splits, block_n,
-                                           num_warps, num_stages, read_ahead, fp8_dot, unmasked_body)
+                                           num_warps, num_stages, read_ahead, fp8_dot)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, ws, scale * LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), *ws_strides,
@@ -536,7 +499,6 @@ def paged_verify(
     num_stages: int | None = None,
     read_ahead: bool = False,
     fp8_dot: bool = False,
-    unmasked_body: bool = False,
 ) -> torch.Tensor:
     """Causal attention of a few new query tokens per sequence over its paged K/V: what a
     speculative verification step asks (K + 1 tokens after the context). kernels.flash_prefill's
@@ -559,7 +521,7 @@ def paged_verify(
         out: optional preallocated [num_tokens, num_q_heads, head_dim] in q's dtype.
         num_splits: default decode_num_splits over the context block_tables can hold.
         block_n, num_warps, num_stages: tuning, as paged_decode's.
-        read_ahead, fp8_dot, unmasked_body: as paged_decode's.
+        read_ahead, fp8_dot: as paged_decode's.
 
     Returns:
         out. Allocates its split-K workspace (not for CUDA graphs).
@@ -583,7 +545,7 @@ def paged_verify(
         num_splits = decode_num_splits(batch, num_kv_heads, head_dim, block_tables.shape[1] * page_size, q.device)
     workspace = decode_workspace(num_tokens, num_q_heads, head_dim, num_splits, q.device) if num_splits > 1 else None
     ws, ws_strides, launch = _split_launch(q, k_cache, out, workspace, batch * num_kv_heads, num_splits, block_n,
-                                           num_warps, num_stages, read_ahead, fp8_dot, unmasked_body)
+                                           num_warps, num_stages, read_ahead, fp8_dot)
     _verify_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, ws, scale * LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), *ws_strides,

@@ -91,12 +91,6 @@ def test_fp8_dot_decode_error_deep_pipeline():
     _check_decode([200, 17, 64], 8, 2, 128, torch.float16, 2, block_n=64, num_warps=4, num_stages=6)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_fp8_dot_decode_error_unmasked_body(num_splits):
-    """unmasked_body (test_paged_decode.test_decode_unmasked_body) in the FP8-dot mode."""
-    _check_decode([1, 32, 33, 96, 130], 4, 2, 64, torch.float16, num_splits, block_n=32, unmasked_body=True)
-
-
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_fp8_dot_verify_error(num_splits):
     """Causal rows, and with 2 splits some rows that see no key of a split."""
@@ -137,10 +131,10 @@ def test_fp8_dot_decode_gpu_splits_default_tiling(num_splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 7])
-@pytest.mark.parametrize("block_n,num_warps,num_stages,unmasked_body", FP8_TILINGS)
-def test_fp8_dot_decode_gpu_tilings(num_splits, block_n, num_warps, num_stages, unmasked_body):
+@pytest.mark.parametrize("block_n,num_warps,num_stages", FP8_TILINGS)
+def test_fp8_dot_decode_gpu_tilings(num_splits, block_n, num_warps, num_stages):
     _check_decode([4096, 3000, 1, 17, 64], 32, 8, 128, torch.bfloat16, num_splits, block_n=block_n,
-                  num_warps=num_warps, num_stages=num_stages, unmasked_body=unmasked_body)
+                  num_warps=num_warps, num_stages=num_stages)
 
 
 @pytest.mark.gpu

@@ -73,15 +73,6 @@ def test_verify_fp8_cache(num_splits):
                   num_splits=num_splits, block_n=16)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("cache_dtype", [None, KV_FP8])
-def test_verify_unmasked_body(num_splits, cache_dtype):
-    """unmasked_body keeps the causal mask on whole tiles: new tokens inside a whole tile, on
-    its edge and in the partial last one."""
-    _check_verify([(3, 13), (5, 27), (1, 40), (4, 60)], 4, 2, 64, 16, torch.float16, cache_dtype=cache_dtype,
-                  num_splits=num_splits, block_n=16, unmasked_body=True)
-
-
 def test_verify_fits_and_refuses_by_name():
     assert paged_verify_fits(16, 4) and paged_verify_fits(5, 4) and not paged_verify_fits(17, 4)
     assert not paged_verify_fits(0, 4)
