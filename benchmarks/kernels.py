@@ -59,7 +59,8 @@ from pdserve.kernels import fp8
 from pdserve.kernels.flash_prefill import flash_prefill
 from pdserve.kernels.flash_prefill_ws import flash_prefill_ws, flash_prefill_ws_paged, flash_prefill_ws_supported
 from pdserve.kernels.mla_decode import mla_decode, mla_decode_num_splits, mla_decode_tiling
-from pdserve.kernels.paged_decode import decode_num_splits, decode_workspace, paged_decode, paged_verify
+from pdserve.kernels.paged_decode import decode_num_splits, paged_decode, paged_verify
+from pdserve.kernels.split_merge import decode_workspace
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -22,7 +22,7 @@ loading the tile twice, as K and as V).
 
 A long context is cut into `num_splits` slices run by separate programs; each writes its
 unnormalised partial output, running max and sum into a float32 workspace that
-`paged_decode`'s merge kernel reduces (its layout: [rows, heads, splits, rank + 2]).
+`split_merge`'s merge kernel reduces (its layout: [rows, heads, splits, rank + 2]).
 
 An FP8 (e4m3) latent cache is widened as loaded (to float16 beside a bfloat16 query,
 `fp8.dot_dtype`), with no scale (`kernels.fp8`).
@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels import _pdl, fp8
-from pdserve.kernels.paged_decode import _merge, _num_sms, _workspace_args, decode_workspace
+from pdserve.kernels.split_merge import decode_workspace, merge_splits, workspace_args
+from pdserve.kernels.split_merge import num_sms as _num_sms  # patched here by tests planning another card
 
 LOG2E = 1.4426950408889634
 # The shortest split: one 32-token tile, and no fewer tokens than twice the heads, so that a
@@ -271,7 +272,7 @@ def mla_decode(
         max_seqlen_q: host int >= every q_len (1 without cu_seqlens_q); sizes the rows.
         out: optional preallocated [num_tokens, num_heads, kv_lora_rank] in q's dtype.
         workspace: optional float32 [>=num_tokens, num_heads, num_splits, kv_lora_rank + 2]
-            (`paged_decode.decode_workspace(num_tokens, num_heads, kv_lora_rank, splits)`);
+            (`split_merge.decode_workspace(num_tokens, num_heads, kv_lora_rank, splits)`);
             its shape[2] is the split count. Give it (or num_splits=1) to make the launch
             allocation-free and CUDA-graph-safe.
         num_splits: split count when no workspace is given; default `mla_decode_num_splits`
@@ -309,7 +310,7 @@ def mla_decode(
         workspace = decode_workspace(num_tokens, num_heads, kv_lora_rank, num_splits, q_nope.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    ws, ws_strides = _workspace_args(workspace, out)
+    ws, ws_strides = workspace_args(workspace, out)
     pdl = _pdl.pdl(q_nope)
     # tl.dot needs at least 16 rows: a small block of heads (or tokens) is padded.
     block_r = max(16, block_h * triton.next_power_of_2(max_seqlen_q))
@@ -323,5 +324,5 @@ def mla_decode(
         num_warps=config["num_warps"], num_stages=config["num_stages"], launch_pdl=pdl,
     )
     if num_splits > 1:
-        _merge(workspace, out, num_tokens, ws_strides)
+        merge_splits(workspace, out, num_tokens, ws_strides)
     return out

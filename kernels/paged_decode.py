@@ -17,7 +17,6 @@ accumulating in float32. K and V carry no scale (`kernels.fp8`), so none is appl
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -25,6 +24,8 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels import _pdl, fp8
+from pdserve.kernels.split_merge import decode_workspace, merge_splits, workspace_args
+from pdserve.kernels.split_merge import num_sms as _num_sms  # patched here by tests planning another card
 
 LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 128  # a shorter split costs more in launch and merge than it gains
@@ -259,36 +260,6 @@ def _verify_split_kernel(
                 m_i, l_i, acc, mask_r, HEAD_DIM, NUM_SPLITS)
 
 
-@triton.jit
-def _decode_merge_kernel(
-    ws_ptr,     # [>=batch, num_q_heads, num_splits, head_dim + 2] fp32: acc, max (base 2), sum
-    out_ptr,    # [batch, num_q_heads, head_dim]
-    stride_wb, stride_wh, stride_ws, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
-):
-    _pdl.wait(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_s = offs_s < NUM_SPLITS
-    ws = ws_ptr + seq.to(tl.int64) * stride_wb + head * stride_wh + offs_s * stride_ws
-    m = tl.load(ws + HEAD_DIM, mask=mask_s, other=float("-inf"))
-    l = tl.load(ws + HEAD_DIM + 1, mask=mask_s, other=0.0)
-    acc = tl.load(ws[:, None] + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    m_max = tl.max(m, 0)
-    # Empty splits carry m = -inf; guard -inf - -inf when the whole row is empty.
-    w = tl.where(m > float("-inf"), tl.math.exp2(m - tl.maximum(m_max, -1e30)), 0.0)
-    l_sum = tl.sum(w * l, 0)
-    o = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum > 0, l_sum, 1.0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def decode_num_splits(batch: int, num_kv_heads: int, head_dim: int, max_context_len: int,
                       device: torch.device) -> int:
     """Split count the launchers pick when given none (host arithmetic, no sync): one when the
@@ -303,17 +274,6 @@ def decode_num_splits(batch: int, num_kv_heads: int, head_dim: int, max_context_
     if max_context_len // want > _LONG_SPLIT_TOKENS:
         want = triton.cdiv(2 * num_sms, programs)
     return max(1, min(want, max_context_len // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS))
-
-
-def decode_workspace(batch: int, num_q_heads: int, head_dim: int, num_splits: int,
-                     device: torch.device | str) -> torch.Tensor:
-    """Preallocated split-K workspace for `paged_decode` (allocate once, outside CUDA graphs).
-
-    Returns float32 [batch, num_q_heads, num_splits, head_dim + 2]; its shape[2] sets the
-    split count of every launch that receives it. Size: 4 * batch * num_q_heads *
-    num_splits * (head_dim + 2) bytes.
-    """
-    return torch.empty(batch, num_q_heads, num_splits, head_dim + 2, dtype=torch.float32, device=device)
 
 
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, fp8_dot: bool) -> None:
@@ -357,13 +317,6 @@ def _default_tiling(q: torch.Tensor, k_cache: torch.Tensor, programs: int, num_s
     return (128, 3) if mid_batch else (64, 2)
 
 
-def _workspace_args(workspace: torch.Tensor | None, out: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """The split kernel's workspace argument and strides (out and zeros when unused: one split)."""
-    if workspace is None:
-        return out, (0, 0, 0)
-    return workspace, (workspace.stride(0), workspace.stride(1), workspace.stride(2))
-
-
 def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None,
                   programs: int, num_splits: int, block_n: int | None, num_warps: int, num_stages: int | None,
                   read_ahead: bool, fp8_dot: bool) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
@@ -373,24 +326,13 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor, wor
     default_block_n, default_stages = _default_tiling(q, k_cache, programs, num_splits, fp8_dot)
     block_n, num_stages = block_n or default_block_n, num_stages or default_stages
     assert not fp8_dot or block_n >= _FP8_DOT_MIN_K, f"fp8_dot needs block_n >= 32, got {block_n}"
-    ws, ws_strides = _workspace_args(workspace, out)
+    ws, ws_strides = workspace_args(workspace, out)
     pdl = _pdl.pdl(q)
     launch = dict(QUERIES_PER_KV=q.shape[1] // k_cache.shape[2], HEAD_DIM=q.shape[2], PAGE_SIZE=k_cache.shape[1],
                   BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   PDL=pdl, READ_AHEAD=read_ahead, FP8_DOT=fp8_dot, num_warps=num_warps, num_stages=num_stages,
                   launch_pdl=pdl)
     return ws, ws_strides, launch
-
-
-def _merge(workspace: torch.Tensor, out: torch.Tensor, rows: int, ws_strides: tuple[int, int, int]) -> None:
-    """The splits' partial results of out's first `rows` rows, merged into out."""
-    num_splits, head_dim = workspace.shape[2], out.shape[2]
-    pdl = _pdl.pdl(out)
-    _decode_merge_kernel[(rows, out.shape[1])](
-        workspace, out, *ws_strides, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), PDL=pdl, num_warps=4,
-        launch_pdl=pdl,
-    )
 
 
 def paged_decode(
@@ -469,7 +411,7 @@ def paged_decode(
         BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)), **launch,
     )
     if num_splits > 1:
-        _merge(workspace, out, batch, ws_strides)
+        merge_splits(workspace, out, batch, ws_strides)
     return out
 
 
@@ -552,5 +494,5 @@ def paged_verify(
         num_kv_heads * head_dim, BLOCK_R=max(16, triton.next_power_of_2(max_seqlen_q * queries_per_kv)), **launch,
     )
     if num_splits > 1:
-        _merge(workspace, out, num_tokens, ws_strides)
+        merge_splits(workspace, out, num_tokens, ws_strides)
     return out

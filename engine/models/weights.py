@@ -100,7 +100,8 @@ def load_model(files: ModelFiles, max_positions: int, device: torch.device, dtyp
                seed: int, tp: TensorParallel | None = None) -> CausalLM:
     """Build the model (`tp`: this rank's shard of it) on the meta device (no init cost),
     then fill it from `files`. Its parameters take no gradient: an engine only infers, and
-    a product written into a preallocated output (`out=`) refuses tensors that record one."""
+    work outside inference mode (the CUDA graphs' capture) then records no autograd graph
+    (nor may refuse an `out=` product, which takes no tensor that records one)."""
     scheme = files.fp8_scheme
     with torch.device("meta"), _default_dtype(dtype):
         model = model_class(files.arch)(files.arch, max_positions, device, tp)

@@ -15,7 +15,7 @@ import torch
 from pdserve.kernels import mla_decode as mla_decode_module
 from pdserve.kernels.fp8 import KV_FP8
 from pdserve.kernels.mla_decode import mla_decode, mla_decode_default_splits, mla_decode_num_splits, mla_decode_tiling
-from pdserve.kernels.paged_decode import decode_workspace
+from pdserve.kernels.split_merge import decode_workspace
 from tests.kernels.reference import make_paged_latent, ref_mla_decode, rel_error, tolerance
 
 COVERS = ("mla_decode", "mla_decode_default_splits", "mla_decode_num_splits", "mla_decode_tiling")

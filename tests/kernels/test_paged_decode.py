@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from pdserve.kernels.fp8 import KV_FP8
-from pdserve.kernels.paged_decode import decode_num_splits, decode_workspace, paged_decode
+from pdserve.kernels.paged_decode import decode_num_splits, paged_decode
+from pdserve.kernels.split_merge import decode_workspace
 from tests.kernels.reference import make_paged_kv, ref_paged_attention, rel_error, tolerance
 
-COVERS = ("paged_decode", "decode_workspace", "decode_num_splits")
+COVERS = ("paged_decode", "decode_num_splits",
+          "decode_workspace", "merge_splits", "workspace_args", "num_sms")  # split_merge: through the split cases
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
