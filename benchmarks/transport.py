@@ -24,9 +24,8 @@ blocks on both sides). Three data paths:
   exposed time. That moment is the GPU's own clock, stamped by a one-thread kernel behind
   the stand-in and put on the host clock by benchmarks.gpu_clock (within ~1 us; a host
   waiting on a CUDA event sees it tens of microseconds late).
-- "ucx fast": gather, one UCX message over a worker-address endpoint without UCX error
-  handling, scatter, acknowledgement.
-- "ucx checked": the same over the control endpoint, error handling on.
+- "ucx messages": gather, one UCX message over the link's endpoint (error handling on; UCX
+  picks cuda_ipc, RDMA or shared memory), scatter, acknowledgement.
 On GPU the receiver process sees only its own GPU (CUDA_VISIBLE_DEVICES), as under Ray.
 
 Baselines in the same run, same bytes: cuda, a torch peer copy cuda:0 -> cuda:1,
@@ -77,12 +76,11 @@ class Row:
     vs_packed: float  # share of the same copy with the gather/scatter around it
 
 
-PATHS = {  # name: (direct_writes, fast_data_path, prepare ahead, sent while the GPU computes)
-    "direct+overlap": (True, True, True, True),
-    "direct+prepare": (True, True, True, False),
-    "direct": (True, True, False, False),
-    "ucx fast": (False, True, False, False),
-    "ucx checked": (False, False, False, False),
+PATHS = {  # name: (direct_writes, prepare ahead, sent while the GPU computes)
+    "direct+overlap": (True, True, True),
+    "direct+prepare": (True, True, False),
+    "direct": (True, False, False),
+    "ucx messages": (False, False, False),
 }
 PREFILL_STANDIN_S = 0.005  # "prefill compute" between prepare() and send(): shorter than any real one
 STANDIN_GPU_CYCLES = 4_000_000  # direct+overlap: ~2 ms of GPU work still running when send() is called
@@ -161,8 +159,8 @@ class _Marks:
 
 
 def _config(path: str) -> TransportConfig:
-    direct, fast, *_ = PATHS[path]
-    return TransportConfig(secret=SECRET, direct_writes=direct, fast_data_path=fast, transfer_timeout_s=60.0,
+    direct, *_ = PATHS[path]
+    return TransportConfig(secret=SECRET, direct_writes=direct, transfer_timeout_s=60.0,
                            connect_timeout_s=30.0)
 
 
@@ -247,7 +245,7 @@ async def _bench_ucx(
         for tokens in tokens_list:
             n = tokens // LAYOUT.block_size
             times, started, transport = [], {}, "?"
-            if PATHS[path][3]:
+            if PATHS[path][2]:
                 clock = GpuClock.calibrate(device)
                 kv_done_ns = torch.zeros(iters + 1, dtype=torch.int64, device=device)
             for i in range(iters + 1):  # the first one connects and warms up
@@ -255,11 +253,11 @@ async def _bench_ucx(
                 recv_ids, send_ids = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
                 conn.send((request_id, recv_ids))
                 assert conn.recv() == "armed"
-                if PATHS[path][2]:  # as the prefill worker does: ask for the grant, then compute
+                if PATHS[path][1]:  # as the prefill worker does: ask for the grant, then compute
                     sender.prepare(request_id, peer)
                     await asyncio.sleep(PREFILL_STANDIN_S)
                 marks.current = request_id
-                if PATHS[path][3]:  # as the prefill worker does: send behind the forward's event
+                if PATHS[path][2]:  # as the prefill worker does: send behind the forward's event
                     kv_done = torch.cuda.Event(enable_timing=bool(BREAKDOWN))
                     torch.cuda._sleep(STANDIN_GPU_CYCLES)
                     stamp(kv_done_ns[i:i + 1])  # the GPU's clock as the KV is done (read after the loop)
@@ -277,7 +275,7 @@ async def _bench_ucx(
                 if i:
                     times.append(result.elapsed_s)
                 await asyncio.sleep(0.002)  # the receiver's side resolves before the next one
-            if PATHS[path][3]:  # landed is timed from when the KV was done, on the GPU's clock
+            if PATHS[path][2]:  # landed is timed from when the KV was done, on the GPU's clock
                 drift_us = abs(GpuClock.calibrate(device).offset_ns - clock.offset_ns) / 1e3
                 for i, ns in enumerate(kv_done_ns.tolist()):
                     started[f"{tokens}-{i}"] = clock.to_host_s(ns)
@@ -293,7 +291,7 @@ async def _bench_ucx(
                 raise RuntimeError(f"{path}, {tokens} tokens: the receiver's blocks differ from the sender's")
             if PATHS[path][0] and device.startswith("cuda") and sender.direct_peers() != [peer]:
                 raise RuntimeError("direct writes were not set up (see the log above for why)")
-            send_time = None if PATHS[path][3] else statistics.median(times)  # overlap: includes the stand-in
+            send_time = None if PATHS[path][2] else statistics.median(times)  # overlap: includes the stand-in
             out.append((tokens, statistics.median(recv_times), send_time, transport))
         if COPY_SWEEP and sender.direct_peers():
             _copy_sweep(pool.kv, sender._conns[peer].peer_kv, tokens_list, num_blocks)
@@ -472,7 +470,7 @@ def main() -> None:
     tokens = [int(t) for t in (args.tokens or default_tokens).split(",")]
     if any(t < LAYOUT.block_size or t % LAYOUT.block_size for t in tokens):
         parser.error(f"token counts must be multiples of the block size {LAYOUT.block_size}")
-    default = list(PATHS) if args.device == "cuda" else ["ucx fast", "ucx checked"]
+    default = list(PATHS) if args.device == "cuda" else ["ucx messages"]
     paths = args.paths.split(",") if args.paths else default
     if bad := [p for p in paths if p not in PATHS or (args.device == "cpu" and PATHS[p][0])]:
         parser.error(f"--paths: {bad} unknown, or direct (GPU only)")

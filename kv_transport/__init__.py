@@ -34,16 +34,17 @@ another secret refuses at once: HandshakeRefused); a sender makes an endpoint fr
 error handling on) and sends its hello on the well-known HELLO_TAG, naming its own worker
 address and a fresh connection id, with a proof over them; the receiver, waiting on that
 tag at worker level, drops a hello without a valid proof (UCX asserts on some malformed
-addresses), else makes its endpoints back from it. A control endpoint (error handling
-on) and a data endpoint without it (`fast_data_path`) on each side are the link between
-the two workers: always two, control then data, because UCX pairs the endpoints two
-workers make to each other by their order and refuses a pair whose error handling differs
-(ucx_link.Link). The hello names the sender's link, so the receiver tells a new link from
-another connection over the one it holds. Either side may close a link whenever a
-connection over it fails, and says so ("closed": an endpoint made from a worker address
-closes silently); the next connection opens another. A dead peer's endpoint errors, which
-fails every receive posted on it (control frames, data): each side notices a dead other
-at once, and the timeouts bound the rest.
+addresses), else makes its endpoint back from it. One endpoint on each side, UCX error
+handling on, is the link between the two workers; UCX pairs the endpoints two workers make
+to each other by their order (ucx_link.Link). UCX then picks cuda_ipc, RDMA or shared
+memory for the bulk data, and a peer that dies mid-transfer fails the transfer, never this
+process (shared memory's error handling is on: ensure_ucx). The hello names the sender's
+link, so the receiver tells a new link from another connection over the one it holds.
+Either side may close a link whenever a connection over it fails, and says so ("closed": an
+endpoint made from a worker address closes silently); the next connection opens another.
+A dead peer's endpoint errors (at once over TCP, within UCX's 1 s keepalive over shared
+memory), which fails every receive posted on it (control frames, data); the timeouts bound
+the rest.
 
 Wire protocol per connection: JSON control frames, one tagged message each, on tags
 derived from the connection id (one per direction), so that concurrent senders never

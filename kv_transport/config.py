@@ -36,10 +36,6 @@ class TransportSettings:
             "any" (whatever `allowed_transports` allows). A pair that reaches each other
             only over a slower one is refused when it connects, and its requests fail with
             FAILED_PRECONDITION naming the transport found, rather than being served slowly.
-        fast_data_path: send KV bytes over an endpoint made from the receiver's worker
-            address without UCX error handling. UCX then picks shm/cma on one host
-            (~5x faster than TCP here); peer loss is still caught by the control
-            endpoint, which keeps error handling, and by the timeouts.
         progress_mode: ucxx progress mode for the process, "thread" or "blocking". "thread"
             (a UCX progress thread that completes the event loop's futures) idles at ~5% of
             a core per worker; "blocking" awaits every pending operation by yielding to the
@@ -60,7 +56,6 @@ class TransportSettings:
     transfer_timeout_s: float = 30.0
     allowed_transports: frozenset[str] = frozenset(TRANSPORT_CLASSES)
     require: str = "any"
-    fast_data_path: bool = True
     progress_mode: str = "thread"
     progress_wake_ms: int = 100
     direct_writes: bool = True

@@ -27,7 +27,7 @@ class Connection:
     """An authenticated link to one receiver; fails all its transfers when it breaks."""
 
     def __init__(
-        self, peer: PeerAddress, ctl: Control, data_ep: Any, session: Session, transport: str,
+        self, peer: PeerAddress, ctl: Control, session: Session, transport: str,
         on_close: Callable[[Connection], None], kv: torch.Tensor | None, peer_kv: torch.Tensor | None = None,
     ) -> None:
         self.peer = peer
@@ -52,7 +52,6 @@ class Connection:
         self.transport = transport
         self.peer_num_blocks = session.peer_num_blocks
         self.control = ctl
-        self._data_ep = data_ep
         self._key = session.key
         self._acks: dict[str, asyncio.Future[TransferError | None]] = {}
         self._grants: dict[str, asyncio.Future[np.ndarray | TransferError]] = {}
@@ -208,7 +207,7 @@ class Connection:
     async def _send_data(self, request_id: str, payload: Any) -> None:
         """`payload`: the staging buffer's bytes (`as_bytes`), which it keeps alive until UCX is done."""
         try:
-            await ucx_io(self._data_ep.send(payload, tag=data_tag(self._key, request_id), force_tag=True))
+            await ucx_io(self.control.ep.send(payload, tag=data_tag(self._key, request_id), force_tag=True))
         except Exception as e:  # noqa: BLE001 - any UCX failure means the link is gone
             self.close(PeerLost(f"{self.peer}: data send failed: {e}"))
 

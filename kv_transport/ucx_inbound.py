@@ -188,7 +188,7 @@ class InboundConnection:
             # Posted on the link's endpoint so that closing it (or its error) cancels the receive.
             # Bounded from the header on: a sender that announces data and never sends it is
             # broken, and the receive it leaves posted (and its buffer) goes with the link.
-            receive = self.link.ctl_ep.recv(as_bytes(staging), tag=data_tag(self._key, request_id), force_tag=True)
+            receive = self.link.ep.recv(as_bytes(staging), tag=data_tag(self._key, request_id), force_tag=True)
             await asyncio.wait_for(ucx_io(receive), self._timeout_s)
         except Exception as e:  # noqa: BLE001
             why = f"not sent within {self._timeout_s:g}s of its header" if isinstance(e, TimeoutError) else \

@@ -66,8 +66,13 @@ def ensure_ucx(config: TransportConfig) -> None:
         if not _UCX.loop.is_closed():
             raise RuntimeError("ucxx is already bound to another running event loop of this process")
         ucxx.reset()
-    # UCX warns about ucxx's own UCX_MEMTYPE_CACHE setting on every start.
-    options = {"WARN_UNUSED_ENV_VARS": "n"}
+    # UCX warns about ucxx's own UCX_MEMTYPE_CACHE setting on every start. Shared memory
+    # (posix, sysv) offers error handling only when asked: without it an endpoint with error
+    # handling (Link) goes over TCP on one host, one without it takes the process down when
+    # its peer dies mid-transfer (a cma read from a dead process is fatal then). A dead peer
+    # over shared memory (or a silent host over TCP) is found by UCX's keepalive rounds, 20 s
+    # apart by default: KEEPALIVE_S.
+    options = {"WARN_UNUSED_ENV_VARS": "n", "MM_ERROR_HANDLING": "y", "KEEPALIVE_INTERVAL": f"{KEEPALIVE_S}s"}
     if config.is_loopback:
         options["NET_DEVICES"] = LOOPBACK_DEVICE
     ucxx.init(options=options, progress_mode=config.progress_mode,
@@ -105,6 +110,9 @@ _UCX = _UcxState()
 
 
 LOOPBACK_DEVICE = "lo"  # Linux's name for it
+# How often UCX checks that each peer lives (a process check on one host, a message over a
+# network): a dead peer's link errors within ~1 s, failing what is posted on it.
+KEEPALIVE_S = 1
 T = TypeVar("T")
 
 
@@ -201,27 +209,24 @@ class Control:
 
 
 class Link:
-    """The two endpoints this process made to one peer worker, made together: a control
-    endpoint (UCX error handling on, so that the peer's death fails the receives posted on
-    it) and a data endpoint without error handling (UCX then picks shm/cma on one host:
-    `fast_data_path`).
+    """The endpoint this process made to one peer worker, with UCX error handling on: the
+    peer's death fails the sends and receives posted on it, and the bulk transfers in flight
+    (a shared-memory read from a dead process is an error, not the end of this one). With
+    `ensure_ucx`'s options UCX picks shared memory (posix + cma) for it on one host, as it
+    picks cuda_ipc and RDMA.
 
     UCX numbers the endpoints each worker makes to a peer and pairs the n-th of one side
-    with the n-th of the other; it refuses a pair whose error handling differs
-    (UCXXUnsupportedError). So every link, on either side, is two endpoints, control then
-    data: the n-th endpoints of the two sides always agree in error handling, whichever
-    links they belong to, and either side may close a link while the other lives and open
-    another. (A link paired with the remains of an older one still carries its frames: UCX
-    matches tags at worker level.) `sn`, this process's count of endpoints to the peer
-    when the link was made, names the link and orders it after the ones before: a sender's
-    hello carries it, so that the receiver knows a new link from another connection over
-    the one it holds.
+    with the n-th of the other; every link, on either side, is one endpoint, so either side
+    may close a link while the other lives and open another, and the two stay in step. (A
+    link paired with the remains of an older one still carries its frames: UCX matches tags
+    at worker level.) `sn`, this process's count of endpoints to the peer when the link was
+    made, names the link and orders it after the ones before: a sender's hello carries it,
+    so that the receiver knows a new link from another connection over the one it holds.
     """
 
-    def __init__(self, sn: int, ctl_ep: Any, data_ep: Any, answers: int) -> None:
+    def __init__(self, sn: int, ep: Any, answers: int) -> None:
         self.sn = sn
-        self.ctl_ep = ctl_ep
-        self.data_ep = data_ep
+        self.ep = ep
         self.answers = answers  # a receiver's link: the `sn` of the sender's that it answers (else -1)
 
     @classmethod
@@ -229,18 +234,15 @@ class Link:
         """Raises UcxIOError (or ValueError-like errors of ucxx) for an address that does not unpack."""
         address = ucxx.get_ucx_address_from_buffer(worker_address)
         sn = _UCX.made.get(worker_address, 0)
-        ctl_ep = await _make_endpoint(worker_address, address, error_handling=True)
-        try:
-            data_ep = await _make_endpoint(worker_address, address, error_handling=False)
-            return cls(sn, ctl_ep, data_ep, answers)
-        except BaseException:
-            ctl_ep.abort(period=10**8)
-            raise
+        # Counted before the await: ucxx makes the endpoint in the coroutine's first step,
+        # before any other task runs, so the count and UCX's own stay equal.
+        _UCX.made[worker_address] = sn + 1
+        ep = await ucx_io(ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=True))
+        return cls(sn, ep, answers)
 
     def abort(self) -> None:
         # A short close period: a dead peer must not hold the event loop for UCX's 10 s default.
-        for ep in (self.ctl_ep, self.data_ep):
-            ep.abort(period=10**8)
+        self.ep.abort(period=10**8)
 
     async def retire(self, connections: Sequence[Control], bound_s: float) -> None:
         """Tell the peer over each of `connections` that it is closed, then abort. An endpoint
@@ -253,13 +255,6 @@ class Link:
             pass
         finally:
             self.abort()
-
-
-async def _make_endpoint(worker_address: bytes, address: Any, error_handling: bool) -> Any:
-    # Counted before the await: ucxx makes the endpoint in the coroutine's first step, before
-    # any other task runs, so the count and UCX's own stay equal.
-    _UCX.made[worker_address] = _UCX.made.get(worker_address, 0) + 1
-    return await ucx_io(ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=error_handling))
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +290,7 @@ class Hello:
             raise ValueError(f"malformed hello: {e!r}") from None
         if len(connection_id) != CONNECTION_ID_BYTES or not address:
             raise ValueError("malformed hello: connection id or worker address")
-        if type(sn) is not int or sn < 0 or sn % 2:
+        if type(sn) is not int or sn < 0:
             raise ValueError(f"malformed hello: link {sn!r}")
         if not hmac.compare_digest(prove_hello(secret, nonce, connection_id, sn, address, fp), proof):
             raise ValueError("hello without a proof of the cluster secret (different secrets?)")

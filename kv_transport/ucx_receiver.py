@@ -203,7 +203,7 @@ class UcxKVReceiver:
         if link is not None and link.answers > hello.sn:
             raise HandshakeRefused(f"a hello for an old link ({hello.sn}): its sender has moved on")
         self._close_link(hello.worker_address, tell=False)
-        # (ucxx makes both endpoints before its first await: no other hello gets in between.)
+        # (ucxx makes the endpoint before its first await: no other hello gets in between.)
         link = self._links[hello.worker_address] = await Link.open(hello.worker_address, answers=hello.sn)
         return link
 
@@ -234,9 +234,9 @@ class UcxKVReceiver:
 
     async def _accept(self, hello: Hello) -> tuple[Session, Control, Link]:
         link = await self._link_for(hello)
-        ctl = Control(link.ctl_ep, hello.connection_id, initiator=False)
+        ctl = Control(link.ep, hello.connection_id, initiator=False)
         session = await server_handshake(ctl, hello, self._fields, self._config, self._kv.num_blocks,
                                          self._offer_pool, self._incarnation)
         probe = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=self._kv.device)
-        await ucx_io(link.ctl_ep.recv(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True))
+        await ucx_io(link.ep.recv(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True))
         return session, ctl, link

@@ -246,19 +246,13 @@ class UcxKVSender:
 
     async def _connect(self, peer: PeerAddress) -> Connection:
         link = await self._link(peer)
-        ctl = Control(link.ctl_ep, new_connection_id(), initiator=True)
-        data_ep = link.ctl_ep
+        ctl = Control(link.ep, new_connection_id(), initiator=True)
         try:
             session = await client_handshake(ctl, link.sn, self._fields, self._config, str(peer), peer.incarnation)
             peer_kv = self._open_peer_pool(session, peer)
-            if peer_kv is not None:
-                # KV goes straight into the mapped pool; the probe only completes the handshake.
-                transport = "cuda_ipc"
-                await self._probe(link.ctl_ep, session)
-            else:
-                if self._config.fast_data_path:
-                    data_ep = link.data_ep
-                transport = await self._probe(data_ep, session)
+            probed = await self._probe(link.ep, session)
+            # Direct writes: KV goes straight into the mapped pool; the probe only completes the handshake.
+            transport = "cuda_ipc" if peer_kv is not None else probed
             if not self._config.allows(transport):
                 reason = f"transport to {peer} is {transport}, allowed: {sorted(self._config.transports)}"
                 await ctl.send({"t": "refuse", "reason": reason})
@@ -272,10 +266,9 @@ class UcxKVSender:
                 raise PeerLost(f"handshake with {peer} failed: {e}") from e
             raise
         log = logger.warning if transport == "unknown" else logger.info
-        path = "direct writes into the peer's pool" if peer_kv is not None else \
-            f"UCX messages, fast_data_path={self._config.fast_data_path}"
+        path = "direct writes into the peer's pool" if peer_kv is not None else "UCX messages"
         log("KV transport to %s: %s (%s)", peer, transport, path)
-        return Connection(peer, ctl, data_ep, session, transport, self._forget, self._pool.single, peer_kv)
+        return Connection(peer, ctl, session, transport, self._forget, self._pool.single, peer_kv)
 
     def _open_peer_pool(self, session: Session, peer: PeerAddress) -> torch.Tensor | None:
         """The receiver's pool mapped for direct writes, or None (not offered, or not mappable here)."""
@@ -310,9 +303,9 @@ class UcxKVSender:
             conn.close(PeerLost(f"{conn.peer}: link closed ({why})"))
         link.abort()
 
-    async def _probe(self, data_ep: Any, session: Session) -> str:
+    async def _probe(self, ep: Any, session: Session) -> str:
         """Send one bulk-sized message so UCX wires up the data path, then read which transport it chose."""
         probe = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=self._pool.device)
-        await ucx_io(data_ep.send(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True))
+        await ucx_io(ep.send(as_bytes(probe), tag=data_tag(session.key, PROBE_ID), force_tag=True))
         memory = "cuda" if self._pool.is_cuda else "host"
-        return transport_from_ep_info(ep_info(data_ep.ucp_endpoint), memory)
+        return transport_from_ep_info(ep_info(ep.ucp_endpoint), memory)

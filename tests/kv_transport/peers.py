@@ -24,6 +24,7 @@ from pdserve.engine.kv.pool import KVLayout, KVPool
 from pdserve.kv_transport import PeerAddress, TransferResult, TransportConfig, release_on_failure
 from pdserve.kv_transport.faults import TransferFault
 from pdserve.kv_transport.handshake import HELLO_TAG
+from pdserve.kv_transport.ucx_connection import Connection as UcxConnection
 from pdserve.kv_transport.ucx_link import MAX_FRAME_BYTES, stop_ucx
 from pdserve.kv_transport.ucx_receiver import UcxKVReceiver
 from pdserve.kv_transport.ucx_sender import UcxKVSender
@@ -141,6 +142,8 @@ class _Peer:
                     connection.close()
             if cmd["op"] == "stall":
                 self._stall_handshakes(cmd["where"], cmd["count"])
+            if cmd["op"] == "announce":  # the sender tells the test when it posts a request's data
+                self._announce_data()
             if cmd["op"] == "fault":  # the sender breaks its next transfers (kv_transport/faults.py)
                 self.peer.inject(TransferFault(**cmd["fault"]))
             if cmd["op"] == "malformed":
@@ -206,6 +209,17 @@ class _Peer:
             return link if link is not None else await link_for(hello)
 
         receiver._link_for = stalled
+
+    def _announce_data(self) -> None:
+        """From now on a "posting" message reaches the test as each request's KV, gathered,
+        is handed to UCX: the receiver reads it from this process's memory right after."""
+        send_data, conn = UcxConnection._send_data, self.conn
+
+        async def announced(connection: UcxConnection, request_id: str, payload: Any) -> None:
+            conn.send({"op": "posting", "id": request_id})
+            await send_data(connection, request_id, payload)
+
+        UcxConnection._send_data = announced  # type: ignore[method-assign]
 
     def _spawn(self, request_id: str, block_ids: list[int], transfer: Any) -> None:
         async def run() -> None:

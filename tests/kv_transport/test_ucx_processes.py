@@ -126,7 +126,7 @@ def direct_pair() -> Iterator[tuple[Peer, Peer]]:
 
 
 BOTH_PATHS = pytest.mark.parametrize("path", ["pair", "direct_pair"], ids=["messages", "direct-writes"])
-TRANSPORTS = {"pair": ("shm", "tcp"), "direct_pair": ("cuda_ipc",)}
+TRANSPORTS = {"pair": ("shm",), "direct_pair": ("cuda_ipc",)}
 
 
 @BOTH_PATHS
@@ -240,11 +240,10 @@ def test_mismatch_is_refused(pair: tuple[Peer, Peer], change: dict[str, Any], wo
     assert receiver.stats()["connections"] == connections
 
 
-@pytest.mark.parametrize("mode", ["fast", "checked", "direct"], ids=["fast-path", "checked-path", "direct-writes"])
-def test_receiver_killed_mid_transfer(mode: str) -> None:
+@pytest.mark.parametrize("direct", [False, True], ids=["messages", "direct-writes"])
+def test_receiver_killed_mid_transfer(direct: bool) -> None:
     # 256 KiB blocks, so that a 100 MiB request is still on the wire when the receiver dies.
-    spec = PeerSpec(num_blocks=512, head_dim=4096, timeout_s=TIMEOUT_S, extra={"fast_data_path": mode == "fast"},
-                    direct=mode == "direct")
+    spec = PeerSpec(num_blocks=512, head_dim=4096, timeout_s=TIMEOUT_S, direct=direct)
     with peers(("receiver", spec), ("sender", spec)) as (receiver, sender):
         receiver.command("expect", requests=[("warm", [1]), ("big", list(range(100, 500)))])
         sender.command("send", requests=[("warm", [2])], peer=receiver.address)
@@ -270,12 +269,24 @@ def test_receiver_killed_mid_transfer(mode: str) -> None:
 
 @pytest.mark.parametrize("direct", [False, True], ids=["messages", "direct-writes"])
 def test_sender_killed_mid_transfer(direct: bool) -> None:
-    spec = PeerSpec(num_blocks=64, timeout_s=TIMEOUT_S, direct=direct)
+    """A sender that dies while its KV crosses fails that transfer and no more: the receiver
+    lives and serves. By messages it dies just as UCX has the 100 MiB message, which the
+    receiver then reads out of the dead process's memory (shared memory's cma on one host:
+    once fatal to the reader, whose endpoint had no error handling)."""
+    # 256 KiB blocks: a 100 MiB request. UCX's progress threads wake every 1 ms, not 100: the
+    # message is on its way, and the reading begun, a few milliseconds after it is posted.
+    spec = PeerSpec(num_blocks=512, head_dim=4096, timeout_s=TIMEOUT_S, direct=direct,
+                    extra={"progress_wake_ms": 1})
     with peers(("receiver", spec), ("sender", spec)) as (receiver, sender):
-        receiver.command("expect", requests=[("warm", [1]), ("big", list(range(8, 40))), ("never", [50, 51])])
+        receiver.command("expect", requests=[("warm", [1]), ("big", list(range(100, 500))), ("never", [50, 51])])
         sender.command("send", requests=[("warm", [2])], peer=receiver.address)
         assert receiver.wait_results(["warm"], TIMEOUT_S + SLACK_S)["warm"]["ok"]
-        sender.command("send", requests=[("big", list(range(32)))], peer=receiver.address)
+        if not direct:
+            sender.command("announce")
+        sender.command("send", requests=[("big", list(range(400)))], peer=receiver.address)
+        if not direct:
+            sender._next("posting", TIMEOUT_S + SLACK_S)
+            time.sleep(0.005)
         sender.kill()
         results = receiver.wait_results(["big", "never"], TIMEOUT_S + SLACK_S)
         # "big" may have landed before the kill; "never" cannot have.
@@ -283,6 +294,13 @@ def test_sender_killed_mid_transfer(direct: bool) -> None:
         assert results["big"]["ok"] or results["big"]["error"] in ("PeerLost", "TransferTimeout"), results
         stats = receiver.stats()
         assert stats["held"] == 0 and stats["pending"] == 0 and stats["connections"] == 0
+        # ...and serves the next sender.
+        with peers(("sender", spec.with_(seed=5))) as (after,):
+            receiver.command("expect", requests=[("after", [7, 8])])
+            after.command("send", requests=[("after", [9, 10])], peer=receiver.address)
+            sent = after.wait_results(["after"], TIMEOUT_S + SLACK_S)["after"]
+            landed = receiver.wait_results(["after"], TIMEOUT_S + SLACK_S)["after"]
+            assert sent["ok"] and landed["ok"] and landed["digest"] == sent["digest"], (sent, landed)
 
 
 def test_malformed_traffic_leaves_the_receiver_serving(pair: tuple[Peer, Peer]) -> None:
@@ -359,17 +377,6 @@ def test_slow_path_is_refused_when_the_operator_asks(pair: tuple[Peer, Peer]) ->
         result = sender.wait_results(["strict"], TIMEOUT_S + SLACK_S)["strict"]
         assert result["error"] == "SlowPathRefused" and "shm" in result["message"], result
     assert receiver.stats()["connections"] == connections
-
-
-def test_error_handling_data_path_uses_tcp(pair: tuple[Peer, Peer]) -> None:
-    receiver, _ = pair
-    with peers(("sender", PeerSpec(num_blocks=256, timeout_s=TIMEOUT_S, extra={"fast_data_path": False}))) as (sender,):
-        receiver.command("expect", requests=[("tcp", [200, 100, 150])])
-        sender.command("send", requests=[("tcp", [9, 8, 7])], peer=receiver.address)
-        sent = sender.wait_results(["tcp"], TIMEOUT_S + SLACK_S)["tcp"]
-        landed = receiver.wait_results(["tcp"], TIMEOUT_S + SLACK_S)["tcp"]
-        assert sent["ok"] and sent["transport"] == "tcp" and landed["transport"] == "tcp"
-        assert landed["digest"] == sent["digest"]
 
 
 def test_direct_writes_prepared_ahead(direct_pair: tuple[Peer, Peer]) -> None:
