@@ -52,7 +52,7 @@ def _assert_same_routing(got: tuple[torch.Tensor, torch.Tensor], want: tuple[tor
     got_w, got_ids = _by_id(*got)
     want_w, want_ids = _by_id(*want)
     assert torch.equal(got_ids, want_ids), (got_ids != want_ids).any(dim=-1).nonzero().flatten().tolist()
-    torch.testing.assert_close(got_w, want_w, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-7)  # the GPU's exp is ex2.approx
 
 
 def _inputs(name: str, num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -177,7 +177,9 @@ def test_a_cuda_graph_replays_the_routing_of_new_logits(name):
 
 @pytest.mark.gpu
 def test_bf16_logits_are_widened_as_they_are_read():
+    """bf16 logits repeat (8 bits of mantissa): the lowest-id reference, not torch.topk's ties."""
     moe = _moe("v3")
-    logits, bias = _inputs("v3", 100, seed=5)
+    logits, _ = _inputs("v3", 100, seed=5)
     logits = logits.bfloat16()
-    _assert_same_routing(_fused(logits, moe, bias), grouped_route(logits.float(), moe, bias, fused=False))
+    bias = torch.full((moe.num_experts,), 0.125)
+    _assert_same_routing(_fused(logits, moe, bias), _lowest_id_reference(logits.float(), moe, bias))
