@@ -45,14 +45,15 @@ class DeepseekRouter(nn.Module):
         if moe.routing == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k]). One row on CUDA (a
-        batch-1 decode step): one `kernels.gemv` launch, x widened as it is read."""
+        batch-1 decode step): one `kernels.gemv` launch, x widened as it is read; the routing
+        one more (`moe.grouped_route`; `fused` as there: on CUDA by default)."""
         if x.is_cuda and x.shape[0] == 1:
             logits = gemv(x, self.weight, read_ahead=True, out_dtype=torch.float32)
         else:
             logits = nn.functional.linear(x.float(), self.weight)
-        return grouped_route(logits, self.moe, self.e_score_correction_bias)
+        return grouped_route(logits, self.moe, self.e_score_correction_bias, fused)
 
 
 class DeepseekMoE(nn.Module):

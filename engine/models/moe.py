@@ -27,7 +27,7 @@ from pdserve.engine.models.arch import ModelArch, MoEArch
 from pdserve.engine.models.layers import MLP, Linear
 from pdserve.engine.models.parallel import Collectives, TensorParallel
 from pdserve.kernels.fused_moe import fused_moe
-from pdserve.kernels.moe_routing import topk_route
+from pdserve.kernels.moe_routing import grouped_topk_route, topk_route
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,8 +43,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
-def grouped_route(router_logits: torch.Tensor, moe: MoEArch,
-                  correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_route(router_logits: torch.Tensor, moe: MoEArch, correction_bias: torch.Tensor | None = None,
+                  fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's routings (`MoEArch.routing`), transformers' arithmetic: [T, experts] float32
     logits -> (weights [T, k] float32, expert ids [T, k] int64), times routed_scaling_factor.
 
@@ -53,10 +53,17 @@ def grouped_route(router_logits: torch.Tensor, moe: MoEArch,
     scores highest are candidates. "noaux_tc" (V3): sigmoid scores; experts are chosen by
     score + `correction_bias` (its load balancing: the choice only, never the weights) within
     the topk_group groups whose two best biased scores sum highest; the weights are the chosen
-    experts' plain scores, renormalized when norm_topk_prob."""
+    experts' plain scores, renormalized when norm_topk_prob.
+
+    `fused` (default: on CUDA) runs the grouped routings as one Triton launch
+    (`grouped_topk_route`, the lowest id among equal scores); the torch ops below are the
+    CPU path and its reference."""
     if moe.routing == "softmax":
         weights, ids = route(router_logits, moe.top_k, moe.norm_topk_prob)
         return weights * moe.routed_scaling_factor, ids
+    if router_logits.is_cuda if fused is None else fused:
+        return grouped_topk_route(router_logits, moe.routing, moe.top_k, moe.num_groups, moe.topk_group,
+                                  moe.norm_topk_prob, moe.routed_scaling_factor, correction_bias)
     sigmoid = moe.routing == "noaux_tc"
     scores = router_logits.sigmoid() if sigmoid else router_logits.softmax(dim=-1, dtype=torch.float32)
     choice = scores + correction_bias if sigmoid and correction_bias is not None else scores

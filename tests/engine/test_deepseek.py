@@ -285,6 +285,31 @@ def test_the_cuda_backends_mla_step_matches_hf_through_the_triton_interpreter(tm
         assert_matches_reference(out.token_ids, want, logits, f"prompt of {len(prompt)}")
 
 
+@pytest.mark.parametrize("make_config", [v3, v2_grouped])
+def test_the_cuda_routing_kernel_routes_as_hfs_gate_through_the_triton_interpreter(make_config, tmp_path):
+    """The engine's loaded router (its float32 gate and V3's non-zero `e_score_correction_bias`)
+    with its routing fused as on CUDA (`kernels.moe_routing.grouped_topk_route`, run by
+    Triton's interpreter): HF's gate's experts and weights for 1 and 150 tokens."""
+    from pdserve.engine.models.deepseek import DeepseekMoE
+
+    hf = _hf_model(make_config(n_routed_experts=16, num_experts_per_tok=3))
+    hf.save_pretrained(str(tmp_path))
+    model = cpu_engine(tmp_path, cache=CacheConfig(num_blocks=16)).runner.model
+    layer = next(i for i, m in enumerate(model.layers) if isinstance(m.mlp, DeepseekMoE))
+    hf_gate, gate = hf.model.layers[layer].mlp.gate, model.layers[layer].mlp.gate
+    if make_config is v3:
+        assert gate.e_score_correction_bias.abs().min() > 0
+    for num_tokens in (1, 150):
+        x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens))
+        with torch.no_grad():
+            _, want_w, want_ids = hf_gate(x)
+            weights, ids = gate(x, fused=True)
+        want_ids, order = want_ids.sort(dim=-1)
+        ids, mine = ids.sort(dim=-1)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights.gather(1, mine), want_w.gather(1, order), rtol=2e-6, atol=1e-7)
+
+
 def test_dummy_shapes_count_their_parameters_and_keep_their_dense_layers():
     from pdserve.engine.models.registry import param_counts
     from pdserve.engine.models.weights import resolve_model
@@ -302,7 +327,7 @@ def test_dummy_shapes_count_their_parameters_and_keep_their_dense_layers():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("make_config", [v2_greedy, v3])
+@pytest.mark.parametrize("make_config", [v2_greedy, v2_grouped, v3])
 def test_on_cuda_the_mla_kernels_match_hf(make_config, tmp_path):
     """On the GPU (`kernels.mla_decode` for decodes, `kernels.mla_prefill` over the gathered
     latents for chunks after a cached prefix), float32, widths the kernels take (powers of
