@@ -228,3 +228,28 @@ def fp8_w8a8() -> Iterator[Case]:
                                            torch.empty(n, k, dtype=F8, **meta), scale, blocked=blocked, tile=tile)
 
                     yield f"M={upper} {n}x{k}{' blocked' if blocked else ''} {tile.describe()}", launch, None
+
+
+def routing() -> Iterator[Case]:
+    """The routers' kernels at the real models' expert counts, float32 and bf16 logits:
+    topk_route (Mixtral, Qwen2-MoE, Qwen3-30B-A3B) and grouped_topk_route (DeepSeek-V2's
+    group_limited_greedy, V3's noaux_tc with its correction bias)."""
+    from pdserve.kernels import moe_routing as mr
+
+    meta = {"device": "meta"}
+    for name, experts, top_k in (("mixtral", 8, 2), ("qwen2-moe", 60, 4), ("qwen3-30b-a3b", 128, 8)):
+        for dtype in (torch.float32, torch.bfloat16):
+            def flat(experts=experts, top_k=top_k, dtype=dtype):
+                return mr.topk_route(torch.empty(256, experts, dtype=dtype, **meta), top_k, True)
+
+            yield f"topk_route {name} {dtype}", flat, None
+    for name, routing, experts, groups, topk_group, top_k in (("deepseek-v2", "group_limited_greedy", 160, 8, 3, 6),
+                                                               ("deepseek-v3", "noaux_tc", 256, 8, 4, 8)):
+        for dtype in (torch.float32, torch.bfloat16):
+            def grouped(routing=routing, experts=experts, groups=groups, topk_group=topk_group, top_k=top_k,
+                        dtype=dtype):
+                bias = torch.empty(experts, **meta) if routing == "noaux_tc" else None
+                return mr.grouped_topk_route(torch.empty(256, experts, dtype=dtype, **meta), routing, top_k, groups,
+                                             topk_group, True, 2.5, bias)
+
+            yield f"grouped_topk_route {name} {dtype}", grouped, None

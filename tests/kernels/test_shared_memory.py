@@ -40,6 +40,7 @@ def test_fused_moe_plans_fit_hopper_as_the_compiler_counts_and_as_the_launcher_p
     ("attention", {"_prefill_kernel", "_decode_split_kernel", "_verify_split_kernel", "_mla_split_kernel",
                    "_mla_prefill_kernel"}),
     ("gemm", {"_gemv_kernel", "_fp8_gemm_kernel"}),
+    ("routing", {"_topk_route_kernel", "_grouped_route_kernel"}),
 ])
 def test_attention_and_gemm_tiles_fit_hopper_at_every_dtype_and_head_dim(family, kernels):
     rows = shared_memory_of(family)
