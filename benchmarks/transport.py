@@ -11,7 +11,7 @@ the time from `send()` starting until the receiver's `expect()` resolves ("lande
 is in the receiver's pool and the receiver knows it) is taken, with CLOCK_MONOTONIC on
 both sides; `send()`'s own time is shown beside it. Block ids are random
 on both sides; the last request of each size is checked byte for byte (sha256 of the
-blocks on both sides). Three data paths:
+blocks on both sides). The data paths:
 - "direct" (GPU only): the sender maps the receiver's pool (CUDA IPC handle from the
   handshake) and copies block to block into it: grant, one kernel, written.
 - "direct+prepare": the same with `prepare()` called 5 ms before `send()`, as the
