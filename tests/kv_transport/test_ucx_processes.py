@@ -207,6 +207,11 @@ def test_gpu_pools_land_byte_exact(direct_writes: bool) -> None:
 def test_no_leaks_after_100_transfers(request: pytest.FixtureRequest, path: str) -> None:
     receiver, sender = request.getfixturevalue(path)
     rng = random.Random(3)
+    # Connected first, whatever ran before on the module's pair: the one connection is kept.
+    receiver.command("expect", requests=[("leak-warm", [255])])
+    sender.command("send", requests=[("leak-warm", [0])], peer=receiver.address)
+    assert receiver.wait_results(["leak-warm"], TIMEOUT_S + SLACK_S)["leak-warm"]["ok"]
+    assert sender.wait_results(["leak-warm"], TIMEOUT_S + SLACK_S)["leak-warm"]["ok"]
     before = sender.stats(), receiver.stats()
     for batch in range(10):  # 10 batches of 10 requests in flight at once
         names = [f"leak-{batch}-{i}" for i in range(10)]
