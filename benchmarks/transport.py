@@ -25,7 +25,7 @@ blocks on both sides). The data paths:
   the stand-in and put on the host clock by benchmarks.gpu_clock (within ~1 us; a host
   waiting on a CUDA event sees it tens of microseconds late).
 - "ucx messages": gather, one UCX message over the link's endpoint (error handling on; UCX
-  picks cuda_ipc, RDMA or shared memory), scatter, acknowledgement.
+  picks cuda_ipc or RDMA where there are, else TCP), scatter, acknowledgement.
 On GPU the receiver process sees only its own GPU (CUDA_VISIBLE_DEVICES), as under Ray.
 
 Baselines in the same run, same bytes: cuda, a torch peer copy cuda:0 -> cuda:1,

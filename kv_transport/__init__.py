@@ -36,15 +36,15 @@ address and a fresh connection id, with a proof over them; the receiver, waiting
 tag at worker level, drops a hello without a valid proof (UCX asserts on some malformed
 addresses), else makes its endpoint back from it. One endpoint on each side, UCX error
 handling on, is the link between the two workers; UCX pairs the endpoints two workers make
-to each other by their order (ucx_link.Link). UCX then picks cuda_ipc, RDMA or shared
-memory for the bulk data, and a peer that dies mid-transfer fails the transfer, never this
-process (shared memory's error handling is on: ensure_ucx). The hello names the sender's
+to each other by their order (ucx_link.Link). UCX then picks cuda_ipc or RDMA for the bulk
+data where there are, else TCP (never host shared memory: see Link), and a peer that dies
+mid-transfer fails the transfer, never this process nor its later links. The hello names the sender's
 link, so the receiver tells a new link from another connection over the one it holds.
 Either side may close a link whenever a connection over it fails, and says so ("closed": an
 endpoint made from a worker address closes silently); the next connection opens another.
-A dead peer's endpoint errors (at once over TCP, within UCX's 1 s keepalive over shared
-memory), which fails every receive posted on it (control frames, data); the timeouts bound
-the rest.
+A dead peer's endpoint errors (at once when its sockets close, within UCX's 1 s keepalive
+when its host is gone), which fails every receive posted on it (control frames, data); the
+timeouts bound the rest.
 
 Wire protocol per connection: JSON control frames, one tagged message each, on tags
 derived from the connection id (one per direction), so that concurrent senders never

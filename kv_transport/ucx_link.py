@@ -66,13 +66,11 @@ def ensure_ucx(config: TransportConfig) -> None:
         if not _UCX.loop.is_closed():
             raise RuntimeError("ucxx is already bound to another running event loop of this process")
         ucxx.reset()
-    # UCX warns about ucxx's own UCX_MEMTYPE_CACHE setting on every start. Shared memory
-    # (posix, sysv) offers error handling only when asked: without it an endpoint with error
-    # handling (Link) goes over TCP on one host, one without it takes the process down when
-    # its peer dies mid-transfer (a cma read from a dead process is fatal then). A dead peer
-    # over shared memory (or a silent host over TCP) is found by UCX's keepalive rounds, 20 s
-    # apart by default: KEEPALIVE_S.
-    options = {"WARN_UNUSED_ENV_VARS": "n", "MM_ERROR_HANDLING": "y", "KEEPALIVE_INTERVAL": f"{KEEPALIVE_S}s"}
+    # UCX warns about ucxx's own UCX_MEMTYPE_CACHE setting on every start. A silent peer (a
+    # host gone without closing its sockets) is found by UCX's keepalive rounds, 20 s apart
+    # by default: KEEPALIVE_S. Shared memory's FIFOs (posix, sysv) are left without error
+    # handling (UCX's default), so a Link never uses them: see Link.
+    options = {"WARN_UNUSED_ENV_VARS": "n", "KEEPALIVE_INTERVAL": f"{KEEPALIVE_S}s"}
     if config.is_loopback:
         options["NET_DEVICES"] = LOOPBACK_DEVICE
     ucxx.init(options=options, progress_mode=config.progress_mode,
@@ -110,8 +108,9 @@ _UCX = _UcxState()
 
 
 LOOPBACK_DEVICE = "lo"  # Linux's name for it
-# How often UCX checks that each peer lives (a process check on one host, a message over a
-# network): a dead peer's link errors within ~1 s, failing what is posted on it.
+# How often UCX checks that each peer lives: a peer that is gone without a word (a host off
+# the network) fails its link within ~1 s, failing what is posted on it. (A dead process's
+# sockets close at once: its links fail then.)
 KEEPALIVE_S = 1
 T = TypeVar("T")
 
@@ -210,10 +209,14 @@ class Control:
 
 class Link:
     """The endpoint this process made to one peer worker, with UCX error handling on: the
-    peer's death fails the sends and receives posted on it, and the bulk transfers in flight
-    (a shared-memory read from a dead process is an error, not the end of this one). With
-    `ensure_ucx`'s options UCX picks shared memory (posix + cma) for it on one host, as it
-    picks cuda_ipc and RDMA.
+    peer's death fails the sends and receives posted on it and the transfers in flight. UCX
+    then picks cuda_ipc or RDMA for the bulk where there are, and TCP for the rest, never
+    host shared memory on one host: posix/sysv FIFOs offer no error handling unless asked
+    (`MM_ERROR_HANDLING`), and with it asked a sender killed mid-message left its receiver's
+    FIFO stalled (no further hello or KV from anyone, seen 1 run in 4-6 of
+    `test_sender_killed_mid_transfer` under load); without error handling, a cma read from a
+    sender that had died aborted the receiving process (stop 60's CI). TCP on one host costs
+    0-15% of a 4k-token transfer on the CPU machine (benchmarks/RESULTS.md).
 
     UCX numbers the endpoints each worker makes to a peer and pairs the n-th of one side
     with the n-th of the other; every link, on either side, is one endpoint, so either side
