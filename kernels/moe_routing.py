@@ -38,6 +38,34 @@ def _top_k(values, cols, TOP_K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.c
 
 
 @triton.jit
+def _row_logits(logits_ptr, token, stride_lt, num_experts, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    """Row `token` of the router's logits in float32, once the previous kernel's writes landed:
+    (logits [BLOCK_E], -inf past num_experts; their lanes; which lanes are experts)."""
+    cols = tl.arange(0, BLOCK_E)
+    ok = cols < num_experts
+    _pdl.wait(PDL)
+    logits = tl.load(logits_ptr + token * stride_lt + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    return logits, cols, ok
+
+
+@triton.jit
+def _store_route(chosen, chosen_ids, weights_ptr, ids_ptr, token, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row `token` of a routing's outputs [T, TOP_K]: the chosen experts' weights and ids."""
+    slots = tl.arange(0, BLOCK_K)
+    tl.store(weights_ptr + token * TOP_K + slots, chosen, mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
+
+
+def _route_outputs(caller: str, router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routing's (weights [T, k] float32, ids [T, k] int64), unfilled; the logits' rows checked."""
+    if router_logits.stride(-1) != 1:
+        raise ValueError(f"{caller}: the logits' last dim must be contiguous, got strides {router_logits.stride()}")
+    num_tokens = router_logits.shape[0]
+    return (torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device),
+            torch.empty((num_tokens, top_k), dtype=torch.int64, device=router_logits.device))
+
+
+@triton.jit
 def _topk_route_kernel(
     logits_ptr,       # [T, E]: the router's logits
     weights_ptr,      # [T, K] float32: the k largest softmax probabilities, renormalized if asked
@@ -47,16 +75,11 @@ def _topk_route_kernel(
     PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_E)
-    ok = cols < num_experts
-    _pdl.wait(PDL)
-    logits = tl.load(logits_ptr + token * stride_lt + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    logits, cols, ok = _row_logits(logits_ptr, token, stride_lt, num_experts, BLOCK_E, PDL)
     chosen, chosen_ids = _top_k(_softmax(logits, ok), cols, TOP_K, BLOCK_E, BLOCK_K)
-    slots = tl.arange(0, BLOCK_K)
     if RENORMALIZE:
-        chosen = chosen / tl.sum(tl.where(slots < TOP_K, chosen, 0.0), 0)
-    tl.store(weights_ptr + token * TOP_K + slots, chosen, mask=slots < TOP_K)
-    tl.store(ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
+        chosen = chosen / tl.sum(tl.where(tl.arange(0, BLOCK_K) < TOP_K, chosen, 0.0), 0)
+    _store_route(chosen, chosen_ids, weights_ptr, ids_ptr, token, TOP_K, BLOCK_K)
 
 
 def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,12 +88,9 @@ def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     sum to 1 when asked. One launch per step, no host sync (the router of a decode step is
     otherwise five small kernels)."""
     num_tokens, num_experts = router_logits.shape
-    if router_logits.stride(-1) != 1:
-        raise ValueError(f"topk_route: the logits' last dim must be contiguous, got strides {router_logits.stride()}")
+    weights, ids = _route_outputs("topk_route", router_logits, top_k)
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"topk_route: top_k must be in 1..{num_experts}, got {top_k}")
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=router_logits.device)
     if num_tokens:
         pdl = _pdl.pdl(router_logits)
         _topk_route_kernel[(num_tokens,)](
@@ -92,10 +112,7 @@ def _grouped_route_kernel(
     PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_E)
-    ok = cols < num_experts
-    _pdl.wait(PDL)
-    logits = tl.load(logits_ptr + token * stride_lt + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    logits, cols, ok = _row_logits(logits_ptr, token, stride_lt, num_experts, BLOCK_E, PDL)
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-logits))
         choice = scores
@@ -126,9 +143,7 @@ def _grouped_route_kernel(
     chosen = tl.where(slots < TOP_K, chosen, 0.0)
     if RENORMALIZE:
         chosen = chosen / (tl.sum(chosen, 0) + 1e-20)
-    chosen = chosen * scale
-    tl.store(weights_ptr + token * TOP_K + slots, chosen, mask=slots < TOP_K)
-    tl.store(ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
+    _store_route(chosen * scale, chosen_ids, weights_ptr, ids_ptr, token, TOP_K, BLOCK_K)
 
 
 GROUPED_ROUTINGS = ("group_limited_greedy", "noaux_tc")
@@ -150,9 +165,7 @@ def grouped_topk_route(router_logits: torch.Tensor, routing: str, top_k: int, nu
     if routing not in GROUPED_ROUTINGS:
         raise ValueError(f"grouped_topk_route: routing must be one of {GROUPED_ROUTINGS}, got {routing!r}")
     num_tokens, num_experts = router_logits.shape
-    if router_logits.stride(-1) != 1:
-        raise ValueError(f"grouped_topk_route: the logits' last dim must be contiguous, "
-                         f"got strides {router_logits.stride()}")
+    weights, ids = _route_outputs("grouped_topk_route", router_logits, top_k)
     if num_groups < 1 or num_experts % num_groups:
         raise ValueError(f"grouped_topk_route: num_groups {num_groups} must divide the {num_experts} experts")
     group_size = num_experts // num_groups
@@ -169,8 +182,6 @@ def grouped_topk_route(router_logits: torch.Tensor, routing: str, top_k: int, nu
                                         or correction_bias.stride(0) != 1):
         raise ValueError(f"grouped_topk_route: correction_bias must be a contiguous [{num_experts}] tensor "
                          f"and only with noaux_tc; got {tuple(correction_bias.shape)} for {routing}")
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=router_logits.device)
     if num_tokens:
         pdl = _pdl.pdl(router_logits)
         bias = correction_bias if correction_bias is not None else weights
