@@ -38,8 +38,8 @@ addresses), else makes its endpoint back from it. One endpoint on each side, UCX
 handling on, is the link between the two workers; UCX pairs the endpoints two workers make
 to each other by their order (ucx_link.Link). UCX then picks cuda_ipc or RDMA for the bulk
 data where there are, else TCP (never host shared memory: see Link), and a peer that dies
-mid-transfer fails the transfer, never this process nor its later links. The hello names the sender's
-link, so the receiver tells a new link from another connection over the one it holds.
+mid-transfer fails the transfer, never this process nor its later links. The hello names the
+sender's link, so the receiver tells a new link from another connection over the one it holds.
 Either side may close a link whenever a connection over it fails, and says so ("closed": an
 endpoint made from a worker address closes silently); the next connection opens another.
 A dead peer's endpoint errors (at once when its sockets close, within UCX's 1 s keepalive

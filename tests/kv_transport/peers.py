@@ -212,7 +212,7 @@ class _Peer:
 
     def _announce_data(self) -> None:
         """From now on a "posting" message reaches the test as each request's KV, gathered,
-        is handed to UCX: the receiver reads it from this process's memory right after."""
+        is handed to UCX: the message is on its way to the receiver right after."""
         send_data, conn = UcxConnection._send_data, self.conn
 
         async def announced(connection: UcxConnection, request_id: str, payload: Any) -> None:

@@ -280,7 +280,7 @@ def test_sender_killed_mid_transfer(direct: bool) -> None:
     dead process was fatal without error handling, and with error handling left its FIFO
     stalled)."""
     # 256 KiB blocks: a 100 MiB request. UCX's progress threads wake every 1 ms, not 100: the
-    # message is on its way, and the reading begun, a few milliseconds after it is posted.
+    # message is on its way a few milliseconds after it is posted.
     spec = PeerSpec(num_blocks=512, head_dim=4096, timeout_s=TIMEOUT_S, direct=direct,
                     extra={"progress_wake_ms": 1})
     with peers(("receiver", spec), ("sender", spec)) as (receiver, sender):
